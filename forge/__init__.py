@@ -1,0 +1,13 @@
+"""Forge: GPU batch functions scheduled, packed and accounted in tokens."""
+
+from forge.errors import ForgeError
+from forge.geometry import Batch, Device, Item, Limits
+
+__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "load_activations"]
+
+
+def load_activations(run_dir):
+    """ids, labels and {layer: tensor[N, hidden]} saved by a probe_gen run, aligned."""
+    from forge.activations import load_activations as _load
+
+    return _load(run_dir)

@@ -1,0 +1,160 @@
+"""Token geometry: the plain dataclasses that cross every seam in Forge.
+
+Producers describe work as `Item`s (how many tokens, which shared prefix), consumers
+declare `Limits` (four integers), and the packer turns items into `Batch`es. Nothing
+here knows about models or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from forge.errors import ForgeError
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one consumer (a device worker) can take in one step."""
+
+    max_batch_tokens: int  # padded token slots per step: rows x padded_len
+    max_rows: int  # sequences-or-packed-rows per step
+    max_seq_len: int  # longest sequence (prefix included) a row may hold
+    pad_multiple: int = 1  # padded_len is rounded up to a multiple of this
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ForgeError(f"limits.{name} must be a positive integer, got {value!r}")
+        if self.max_batch_tokens < self.pad(1):
+            raise ForgeError(
+                f"limits.max_batch_tokens={self.max_batch_tokens} cannot hold one padded token "
+                f"(pad_multiple={self.pad_multiple}); raise max_batch_tokens"
+            )
+
+    def pad(self, n: int) -> int:
+        """`n` rounded up to the pad multiple."""
+        m = self.pad_multiple
+        return -(-n // m) * m
+
+    def capped(self, tokens_per_step: int | None) -> "Limits":
+        """These limits with max_batch_tokens capped by a function's step budget."""
+        if tokens_per_step is None or tokens_per_step >= self.max_batch_tokens:
+            return self
+        return Limits(tokens_per_step, self.max_rows, self.max_seq_len, self.pad_multiple)
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_rows": self.max_rows,
+            "max_seq_len": self.max_seq_len,
+            "pad_multiple": self.pad_multiple,
+        }
+
+
+@dataclass(slots=True)
+class Item:
+    """One unit of work, described by its token geometry."""
+
+    id: str  # stable identity, reported on failure
+    num_tokens: int  # whole sequence, shared prefix included
+    prefix_key: str | None = None  # identity of the shared prefix; None when there is none
+    prefix_len: int = 0  # tokens of the sequence that belong to the shared prefix
+    tokens: Sequence[int] | None = None  # the token ids (prefix first); None for geometry-only work
+    meta: Any = None  # opaque to Forge: passed through to the function (label, row index, ...)
+
+    @property
+    def suffix_len(self) -> int:
+        return self.num_tokens - self.prefix_len
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A consumer of batches: a name, what backs it, and its limits."""
+
+    name: str  # unique, e.g. "cuda:0" or "cpu"
+    limits: Limits
+    torch_device: str = "cpu"  # where the worker puts its model ("cpu", "cuda:1", ...)
+    memory_bytes: int | None = None  # byte budget for batching=memory; None: unknown
+    batch_overhead_tokens: int | None = None  # per-step cost in token slots; None: the mode's default
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one device runs in one step.
+
+    Rows are lists of items. A row holds one item (row per sequence) or several items
+    end to end (packed rows). When `split_prefix` is true every item shares `prefix_key`,
+    rows hold only the items' suffixes, and the prefix runs once for the whole batch
+    (or comes from the device's prefix cache).
+    """
+
+    rows: list[list[Item]]
+    padded_len: int  # every row is padded to this many token slots
+    prefix_key: str | None = None  # shared by every item when set
+    prefix_len: int = 0  # length of that shared prefix
+    split_prefix: bool = False  # rows hold suffixes; the prefix runs once (or is cached)
+    packed: bool = False  # rows may hold several sequences end to end
+    seq: int = -1  # order in which the scheduler cut it
+    retry: bool = False  # re-run of items from a failed batch
+    cache_hit: bool | None = field(default=None, compare=False)  # scheduler's prediction
+
+    @property
+    def items(self) -> list[Item]:
+        return [item for row in self.rows for item in row]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def row_offset(self) -> int:
+        """Tokens of each item that sit outside the rows (the split prefix)."""
+        return self.prefix_len if self.split_prefix else 0
+
+    @property
+    def row_tokens(self) -> int:
+        """Useful tokens inside the rows."""
+        off = self.row_offset
+        return sum(it.num_tokens - off for row in self.rows for it in row)
+
+    @property
+    def num_tokens(self) -> int:
+        """Useful tokens of every item, prefix included."""
+        return sum(it.num_tokens for row in self.rows for it in row)
+
+    @property
+    def padded_slots(self) -> int:
+        return len(self.rows) * self.padded_len
+
+    @property
+    def padding(self) -> int:
+        return self.padded_slots - self.row_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Prefix tokens the items need (each item needs its whole prefix)."""
+        return sum(it.prefix_len for row in self.rows for it in row)
+
+
+def batch_fits(batch: Batch, limits: Limits) -> str | None:
+    """Which limit the batch breaks, or None. Used by tests and as a guard."""
+    if batch.num_rows > limits.max_rows:
+        return "max_rows"
+    if batch.padded_slots > limits.max_batch_tokens:
+        return "max_batch_tokens"
+    if batch.padded_len % limits.pad_multiple:
+        return "pad_multiple"
+    off = batch.row_offset
+    for row in batch.rows:
+        used = sum(it.num_tokens - off for it in row)
+        if used > batch.padded_len:
+            return "padded_len"
+        if off + used > limits.max_seq_len and not batch.packed:
+            return "max_seq_len"
+        if batch.packed and off + batch.padded_len > limits.max_seq_len:
+            return "max_seq_len"
+        if any(it.num_tokens > limits.max_seq_len for it in row):
+            return "max_seq_len"
+    return None
