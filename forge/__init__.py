@@ -2,8 +2,9 @@
 
 from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item, Limits
+from forge.hookspecs import hookimpl
 
-__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "load_activations"]
+__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "hookimpl", "load_activations"]
 
 
 def load_activations(run_dir):

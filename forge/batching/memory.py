@@ -1,0 +1,74 @@
+"""`memory` mode: token-mode grouping, with batch size bounded by a device's byte budget.
+
+Model: a step's memory is the resident weights plus, per row, what the forward pass
+holds for its padded tokens (hidden states kept for output, transient projections,
+the expanded prefix KV) and its attention scores (padded_len x (prefix + padded_len)).
+`CostModel` turns a model's shape into those coefficients; the packer then allows
+as many rows as `device.memory_bytes` holds, within the four limits. A 16 GB and a
+32 GB card draining one backlog each get the largest batches they can hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forge.batching.token import TokenPacker
+from forge.errors import ForgeError
+from forge.geometry import Device
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Bytes one forward step needs, from a model's shape. Plain numbers; no torch."""
+
+    weight_bytes: int  # resident parameters
+    bytes_per_token: int  # per padded row slot: kept hidden states + peak transient activations + KV
+    bytes_per_score: int  # per attention score (query x key pair), all heads
+    kv_bytes_per_token: int  # per prefix token expanded to one row
+
+    def step_bytes(self, rows: int, padded_len: int, prefix_len: int = 0) -> int:
+        per_row = (
+            padded_len * self.bytes_per_token
+            + padded_len * (prefix_len + padded_len) * self.bytes_per_score
+            + prefix_len * self.kv_bytes_per_token
+        )
+        return self.weight_bytes + rows * per_row
+
+    def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:
+        per_row = self.step_bytes(1, padded_len, prefix_len) - self.weight_bytes
+        return max(0, (budget_bytes - self.weight_bytes) // per_row)
+
+    @classmethod
+    def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                   intermediate: int, dtype_bytes: int) -> "CostModel":
+        head_dim = hidden // heads
+        kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+        return cls(
+            weight_bytes=num_params * dtype_bytes,
+            # hidden states of every layer (output_hidden_states) + peak MLP/attention transients + own KV
+            bytes_per_token=dtype_bytes * (hidden * (layers + 1) + 3 * intermediate + 4 * hidden) + kv_per_token,
+            bytes_per_score=2 * heads * dtype_bytes,  # scores and their softmax
+            kv_bytes_per_token=kv_per_token,
+        )
+
+
+class MemoryPacker(TokenPacker):
+    def __init__(self, cost_model: CostModel | None = None, default_memory_bytes: int | None = None, **token_options):
+        if cost_model is None:
+            raise ForgeError("batching=memory needs a cost model; the function did not provide one")
+        super().__init__(**token_options)
+        self.cost_model = cost_model
+        self.default_memory_bytes = default_memory_bytes
+
+    def budget(self, device: Device) -> int:
+        budget = device.memory_bytes or self.default_memory_bytes
+        if not budget:
+            raise ForgeError(
+                f"batching=memory: device {device.name} has no memory budget; set memory_gb on its "
+                "devices entry or batching.default_memory_gb"
+            )
+        return budget
+
+    def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
+        rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
+        return min(super().row_cap(padded_len, prefix_len, device), rows)

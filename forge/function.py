@@ -1,0 +1,64 @@
+"""The function seam: what a Forge function provides to the engine.
+
+A function turns its input into token-geometry items, opens one worker per device (the
+model lives there, loaded once), and opens one sink that writes results in the run
+directory. A worker is small on purpose (`run`, `close`) so a thread, a process or a
+Ray actor can host it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+from forge.batching.memory import CostModel
+from forge.geometry import Batch, Device, Item
+from forge.run import Rejected
+
+
+class BatchOutput(Protocol):
+    prefix_computed_tokens: int  # prefix tokens run this step (0 on a prefix-cache hit)
+    cache_hit: bool  # the prefix came from the device's cache
+
+
+class Worker(Protocol):
+    def run(self, batch: Batch) -> BatchOutput: ...
+
+    def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    def write(self, batch: Batch, output: BatchOutput) -> None: ...
+
+    def close(self) -> dict[str, Any]:
+        """Finish writing; return figures for the report."""
+
+
+class Function(ABC):
+    name: str = ""
+    #: causal decoders may reuse a prefix's KV; encoders must not
+    causal: bool = True
+
+    @abstractmethod
+    def records(self) -> Iterator[Item | Rejected]:
+        """Read and tokenize the input: one Item per good record, one Rejected per bad one."""
+
+    @abstractmethod
+    def open_worker(self, device: Device, cache_tokens: int) -> Worker:
+        """Load the model on `device` (once) and return a worker for its batches."""
+
+    @abstractmethod
+    def open_sink(self, run_dir: Path) -> Sink: ...
+
+    def cost_model(self) -> CostModel | None:
+        """Bytes per step from the model's shape (for batching=memory); no weights loaded."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Paths used, for the report: at least `model` and `input`."""
+        return {}
+
+    def warnings(self) -> list[str]:
+        """Warnings found while reading the input (each said once)."""
+        return []

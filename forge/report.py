@@ -1,0 +1,44 @@
+"""The run's report: what the engine measured plus what plugins (the ledger) add."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=None) -> dict[str, Any]:
+    described = spec.function.describe()
+    report: dict[str, Any] = {
+        "function": spec.function.name,
+        "batching": spec.mode,
+        "dry_run": run.dry_run,
+        "model": described.get("model"),
+        "input": described.get("input"),
+        "config": spec.config,
+        "devices": [
+            {
+                "name": d.name,
+                "limits": d.limits.as_dict(),
+                "batches": tallies[d.name].batches,
+                "tokens": tallies[d.name].tokens,
+                "padded_slots": tallies[d.name].padded_slots,
+                "busy_s": round(tallies[d.name].busy_s, 4),
+                "cache_misses": tallies[d.name].cache_misses,
+                "predicted_cache_misses": predicted_misses.get(d.name, 0),
+            }
+            for d in spec.devices
+        ],
+        "warnings": spec.function.warnings(),
+        "wall_s": round(wall_s, 4),
+    }
+    report.update(extra or {})
+    pm.hook.forge_run_end(run=run, report=report)
+    completed = report.get("tokens", {}).get("completed", 0)
+    report["batches"] = sum(t.batches for t in tallies.values())
+    report["useful_tokens_per_s"] = round(completed / wall_s, 1) if wall_s > 0 else None
+    if run.run_dir is not None:
+        path = run.run_dir / "report.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.replace(path)
+    return report

@@ -1,0 +1,1 @@
+"""Torch-side runtime: running Forge batches through models."""

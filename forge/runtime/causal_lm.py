@@ -1,0 +1,476 @@
+"""Run one `forge.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
+
+Three row layouts (see `Batch`):
+
+a. ``split_prefix=False, packed=False``: one item per row, whole sequence, right padded,
+   2D attention mask, positions 0..len-1.
+b. ``split_prefix=True, packed=False``: the shared prefix runs once (1 row) or comes from
+   the per-device `PrefixCache`; rows hold suffixes, on a fresh KV cache expanded to B rows;
+   2D mask over prefix + suffix, positions P..P+len-1.
+c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``): several
+   suffixes end to end in a row; 4D additive mask (each token sees the prefix and earlier
+   tokens of its own item; padding sees the prefix and earlier padding), positions restart
+   at P for each item.
+
+Only the base decoder runs (no LM head). Results equal a plain one-prompt-at-a-time
+forward pass (`reference_pooled`) up to float rounding.
+
+Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py):
+- the cache keyword is ``cache=`` (``past_key_values=`` on 4.x) and a stored KV must never be
+  reused in place: the forward pass grows the cache object it is given;
+- the 2D mask of a cached forward pass must cover prefix + suffix, (B, P+S);
+- a 4D mask is passed through unchanged by `create_causal_mask` and honoured by sdpa/eager;
+- ``output_hidden_states=[i, j]`` keeps only those indices (others are None).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from forge.geometry import Batch, Item
+from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
+
+_POOLINGS = ("last", "mean")
+_MASK_4D_IMPLS = ("sdpa", "eager")
+
+
+@dataclass
+class BatchOutput:
+    pooled: dict[int, torch.Tensor]  # layer -> float32 CPU [n_items, hidden], batch.items order
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
+    cache_hit: bool
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def _num_layers(config: Any) -> int:
+    cfg = _text_config(config)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
+
+
+def _check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    """Layer indices resolved into 0..num_layers (negative ones count from the end)."""
+    out = []
+    for layer in layers:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise ValueError(f"layers must be integers, got {layer!r}")
+        if not -(num_layers + 1) <= layer <= num_layers:
+            raise ValueError(
+                f"layer {layer} is out of range: the model has hidden states 0..{num_layers} "
+                f"(0 = embeddings, {num_layers} = final normed output)"
+            )
+        out.append(layer % (num_layers + 1))
+    if not out:
+        raise ValueError("layers must name at least one layer")
+    return out
+
+
+def _token_tensor(item: Item) -> torch.Tensor:
+    if item.tokens is None:
+        raise ValueError(f"item {item.id!r} has no tokens; the causal LM runner needs token ids")
+    t = torch.as_tensor(item.tokens, dtype=torch.long).reshape(-1).cpu()
+    if t.numel() != item.num_tokens:
+        raise ValueError(
+            f"item {item.id!r}: num_tokens={item.num_tokens} but it has {t.numel()} token ids"
+        )
+    if t.numel() == 0:
+        raise ValueError(f"item {item.id!r} has no tokens")
+    return t
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_dynamic_cache(config: Any, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    from transformers import DynamicCache
+
+    try:
+        if kv is None:
+            return DynamicCache(config=config)
+        return DynamicCache(ddp_cache_data=kv, config=config)
+    except TypeError:  # transformers 4.x
+        if kv is None:
+            return DynamicCache()
+        return DynamicCache.from_legacy_cache(tuple(kv))
+
+
+def _cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # transformers 5.x
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
+
+
+def _output_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def reference_pooled(
+    model: Any,
+    tokens: Sequence[int],
+    prefix_len: int,
+    layers: Sequence[int],
+    pooling: str,
+) -> dict[int, torch.Tensor]:
+    """Ground truth: one prompt, one row, no padding, no cache, the full model forward.
+
+    Returns {layer: float32 CPU tensor [hidden]}. Pooling `last` is the last token's hidden
+    state; `mean` the mean over tokens[prefix_len:] (all tokens when prefix_len == 0).
+    """
+    if pooling not in _POOLINGS:
+        raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+    n = ids.shape[1]
+    if pooling == "mean" and prefix_len >= n:
+        raise ValueError("mean pooling needs at least one token after the prefix")
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    result = {}
+    for layer in layers:
+        h = hs[layer][0]
+        v = h[-1] if pooling == "last" else h[prefix_len:].float().mean(dim=0)
+        result[layer] = v.float().cpu()
+    return result
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+class CausalLMRunner:
+    """Runs `Batch`es through a causal LM's base decoder and pools hidden states.
+
+    `model` is a loaded `AutoModelForCausalLM` in eval mode on its device. `layers` are
+    hidden-state indices (0 = embeddings, num_layers = final normed output). `cache_tokens`
+    sizes the per-device prefix KV cache (0 = off).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        layers: list[int],
+        pooling: str = "last",
+        cache_tokens: int = 0,
+        pad_token_id: int = 0,
+    ) -> None:
+        if pooling not in _POOLINGS:
+            raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+        self.model = model
+        self.config = model.config
+        self.pooling = pooling
+        self.pad_token_id = int(pad_token_id)
+        self.num_layers = _num_layers(self.config)
+        self.layers = list(layers)
+        self._layer_idx = _check_layers(self.layers, self.num_layers)
+        self._hs_select = sorted(set(self._layer_idx))
+        self.cache = PrefixCache(cache_tokens)
+        self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
+        self.base = self._base_decoder(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.hidden_size = int(getattr(_text_config(self.config), "hidden_size", 0)) or None
+        self.attn_implementation = getattr(self.config, "_attn_implementation", None)
+        self._cache_kw = _cache_kwarg(self.base)
+        self._sliding_window, self._kv_supported = self._kv_layout()
+        self.causal = self._is_causal()
+
+    # -- construction helpers
+
+    def _base_decoder(self, model: Any) -> torch.nn.Module:
+        if self.encoder_decoder:
+            return model  # unusable; run() refuses it with a clear message
+        get = getattr(model, "get_decoder", None)
+        if get is not None:
+            try:
+                base = get()
+            except Exception:  # exotic wrappers
+                base = None
+            if base is not None and base is not model:
+                return base
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, None) if prefix else None
+        return base if base is not None else model
+
+    def _kv_layout(self) -> tuple[int | None, bool]:
+        """(smallest sliding window or None, whether every layer keeps a plain KV cache)."""
+        if self.encoder_decoder:
+            return None, False
+        try:
+            from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        except ImportError:  # transformers 4.x: plain per-layer tensors
+            window = getattr(_text_config(self.config), "sliding_window", None)
+            return (window if isinstance(window, int) else None), True
+        cache = _new_dynamic_cache(self.config)
+        window = None
+        for layer in getattr(cache, "layers", []):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                w = int(layer.sliding_window)
+                window = w if window is None else min(window, w)
+            elif type(layer) is not DynamicLayer:
+                return window, False
+        return window, True
+
+    def _is_causal(self) -> bool:
+        """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""
+        if self.encoder_decoder or getattr(self.config, "is_causal", True) is False:
+            return False
+        vocab = int(getattr(_text_config(self.config), "vocab_size", 8) or 8)
+        a, b, c, d = (i % vocab for i in (1, 2, 3, 4))
+        ids = torch.tensor([[a, b, c], [a, b, d]], device=self.device)
+        try:
+            with torch.inference_mode():
+                out = self.base(input_ids=ids, use_cache=False)
+        except Exception:
+            return False
+        h = out.last_hidden_state[:, :2].float()
+        return bool(torch.allclose(h[0], h[1], rtol=1e-3, atol=1e-4))
+
+    # -- running
+
+    def run(self, batch: Batch) -> BatchOutput:
+        with torch.inference_mode():
+            return self._run(batch)
+
+    def _validate(self, batch: Batch, seqs: list[torch.Tensor], items: list[Item]) -> None:
+        if self.encoder_decoder:
+            raise ValueError(
+                f"{type(self.model).__name__} is an encoder-decoder model; the causal LM runner "
+                "needs a decoder-only model"
+            )
+        if (batch.split_prefix or batch.packed) and not self.causal:
+            what = "split_prefix" if batch.split_prefix else "packed rows"
+            raise ValueError(
+                f"{what} needs a causal decoder, but {type(self.model).__name__} is not one "
+                "(encoder-only, encoder-decoder or bidirectional); use split_prefix=False, packed=False"
+            )
+        if (batch.split_prefix or batch.packed) and not self._kv_supported:
+            raise ValueError(
+                f"{type(self.model).__name__} has layers without a plain key/value cache "
+                "(linear attention or similar); split_prefix and packed rows are not supported"
+            )
+        if batch.packed and self.attn_implementation not in _MASK_4D_IMPLS:
+            raise ValueError(
+                f"packed rows need a 4D attention mask, which attn_implementation="
+                f"{self.attn_implementation!r} does not take; load the model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
+        off = batch.prefix_len if batch.split_prefix else 0
+        if (batch.split_prefix or batch.packed) and self._sliding_window is not None:
+            if off + batch.padded_len > self._sliding_window:
+                raise ValueError(
+                    f"prefix_len + padded_len = {off + batch.padded_len} exceeds the model's sliding "
+                    f"window ({self._sliding_window}); split_prefix/packed rows are exact only within it"
+                )
+        if not batch.packed:
+            for r, row in enumerate(batch.rows):
+                if len(row) > 1:
+                    raise ValueError(f"row {r} holds {len(row)} items but batch.packed is False")
+        if batch.split_prefix:
+            P = batch.prefix_len
+            first = seqs[0][:P]
+            for item, seq in zip(items, seqs):
+                if item.prefix_len != P:
+                    raise ValueError(
+                        f"item {item.id!r} has prefix_len={item.prefix_len}, batch has {P}"
+                    )
+                if batch.prefix_key is not None and item.prefix_key != batch.prefix_key:
+                    raise ValueError(
+                        f"item {item.id!r} has prefix_key={item.prefix_key!r}, batch has {batch.prefix_key!r}"
+                    )
+                if not torch.equal(seq[:P], first):
+                    raise ValueError(
+                        f"item {item.id!r}: its first {P} tokens differ from the batch's shared prefix"
+                    )
+        for item, seq in zip(items, seqs):
+            if item.prefix_len < 0 or item.prefix_len > seq.numel():
+                raise ValueError(f"item {item.id!r}: prefix_len={item.prefix_len} is out of range")
+            if self.pooling == "mean" and item.prefix_len >= seq.numel():
+                raise ValueError(
+                    f"item {item.id!r} has no tokens after its prefix; mean pooling needs at least one"
+                )
+
+    def _prefix_entry(self, batch: Batch, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
+        """The prefix's KV (from the cache, or computed now) and whether it was a hit."""
+        key = batch.prefix_key
+        use_cache = self.cache.enabled and key is not None
+        if use_cache:
+            entry = self.cache.get(key)
+            if entry is not None:
+                if entry.length == prefix.numel() and torch.equal(entry.tokens, prefix):
+                    return entry, True
+                # Same key, other tokens: not a usable hit; recompute and replace.
+                self.cache.hits -= 1
+                self.cache.misses += 1
+        P = prefix.numel()
+        kv_cache = _new_dynamic_cache(self.config)
+        out = self.base(
+            input_ids=prefix.view(1, P).to(self.device),
+            position_ids=torch.arange(P, device=self.device).view(1, P),
+            use_cache=True,
+            output_hidden_states=self._hs_select,
+            **{self._cache_kw: kv_cache},
+        )
+        produced = _output_cache(out)
+        kv = _cache_key_values(produced if produced is not None else kv_cache)
+        last = {i: out.hidden_states[i][0, -1].float().cpu() for i in self._hs_select}
+        entry = PrefixEntry(key_values=kv, length=P, tokens=prefix.clone(), last_hidden=last)
+        if use_cache:
+            self.cache.put(key, entry)
+        return entry, False
+
+    def _run(self, batch: Batch) -> BatchOutput:
+        items = batch.items
+        n = len(items)
+        if n == 0:
+            h = self.hidden_size or 0
+            return BatchOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
+        seqs = [_token_tensor(it) for it in items]
+        self._validate(batch, seqs, items)
+
+        split = batch.split_prefix
+        packed = batch.packed
+        off = batch.prefix_len if split else 0
+
+        # Shared prefix: computed once (1 row) or taken from the cache.
+        entry, hit, prefix_computed = None, False, 0
+        if split and off > 0:
+            entry, hit = self._prefix_entry(batch, seqs[0][:off])
+            prefix_computed = 0 if hit else off
+
+        # Row geometry, per item: row, start slot in row, tokens in row, first pooled slot.
+        rows = [r for r, row in enumerate(batch.rows) for _ in row]
+        lens_list = [s.numel() - off for s in seqs]
+        starts_list = []
+        used = [0] * len(batch.rows)
+        for r, m in zip(rows, lens_list):
+            starts_list.append(used[r])
+            used[r] += m
+        S = int(batch.padded_len)
+        if max(used) > S:
+            r = max(range(len(used)), key=used.__getitem__)
+            raise ValueError(f"row {r} holds {used[r]} tokens but padded_len is {S}")
+        keep_rows = [r for r, u in enumerate(used) if u > 0]  # rows with no tokens do not run
+        row_map = {r: i for i, r in enumerate(keep_rows)}
+        B = len(keep_rows)
+
+        lens = torch.tensor(lens_list, dtype=torch.long)
+        starts = torch.tensor(starts_list, dtype=torch.long)
+        item_row = torch.tensor([row_map.get(r, -1) for r in rows], dtype=torch.long)
+        # First slot (within the item's span in the row) that mean pooling counts.
+        pool_from = torch.tensor([it.prefix_len - off for it in items], dtype=torch.long).clamp_(min=0)
+
+        hidden: dict[int, torch.Tensor] = {}
+        total = int(lens.sum())
+        if total > 0:
+            hidden, tok = self._forward_rows(
+                seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed
+            )
+        pooled = self._pool(hidden, tok if total > 0 else None, lens, starts, item_row, pool_from, entry, n)
+        return BatchOutput(pooled=pooled, prefix_computed_tokens=prefix_computed, cache_hit=hit)
+
+    def _forward_rows(self, seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed):
+        dev = self.device
+        n = lens.numel()
+        total = int(lens.sum())
+        flat = torch.cat([s[off:] for s in seqs])
+        tok_item = torch.repeat_interleave(torch.arange(n), lens)
+        item_first = torch.cumsum(lens, 0) - lens
+        tok_within = torch.arange(total) - item_first[tok_item]
+        tok_row = item_row[tok_item]
+        tok_col = starts[tok_item] + tok_within
+
+        input_ids = torch.full((B, S), self.pad_token_id, dtype=torch.long)
+        input_ids[tok_row, tok_col] = flat
+        position_ids = (off + torch.arange(S, dtype=torch.long)).repeat(B, 1)
+        if packed:
+            position_ids[tok_row, tok_col] = off + tok_within
+        P = entry.length if entry is not None else 0
+
+        if packed:
+            seg = torch.full((B, S), -1, dtype=torch.long)
+            seg[tok_row, tok_col] = tok_item
+            seg = seg.to(dev)
+            causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
+            allowed = (seg[:, :, None] == seg[:, None, :]) & causal  # (B, S, S); padding sees earlier padding
+            mask = torch.zeros(B, 1, S, P + S, dtype=self.dtype, device=dev)
+            mask[:, 0, :, P:].masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        else:
+            used_t = torch.tensor([used[r] for r in keep_rows], dtype=torch.long)
+            suffix = (torch.arange(S)[None, :] < used_t[:, None]).long()
+            mask = torch.cat([torch.ones(B, P, dtype=torch.long), suffix], dim=1).to(dev)
+
+        kwargs: dict[str, Any] = {}
+        if entry is not None:
+            # A NEW cache each call, built from the stored tensors: the forward pass grows the
+            # cache it is given, so the stored entry must never be handed over itself.
+            kv = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in entry.key_values]
+            kwargs[self._cache_kw] = _new_dynamic_cache(self.config, kv)
+            kwargs["use_cache"] = True
+        else:
+            kwargs["use_cache"] = False
+        out = self.base(
+            input_ids=input_ids.to(dev),
+            attention_mask=mask,
+            position_ids=position_ids.to(dev),
+            output_hidden_states=self._hs_select,
+            **kwargs,
+        )
+        hidden = {i: out.hidden_states[i] for i in self._hs_select}
+        return hidden, (tok_item, tok_within, tok_row, tok_col)
+
+    def _pool(self, hidden, tok, lens, starts, item_row, pool_from, entry, n) -> dict[int, torch.Tensor]:
+        dev = self.device
+        result: dict[int, torch.Tensor] = {}
+        if self.pooling == "last":
+            has = lens > 0
+            rows_d = item_row[has].to(dev)
+            cols_d = (starts + lens - 1)[has].to(dev)
+            for i in self._hs_select:
+                out = None
+                if hidden:
+                    vals = hidden[i][rows_d, cols_d].float().cpu()
+                    out = torch.empty(n, vals.shape[-1], dtype=torch.float32)
+                    out[has] = vals
+                if not bool(has.all()):  # items that are all prefix: the prefix's last state
+                    last = entry.last_hidden[i]
+                    if out is None:
+                        out = torch.empty(n, last.shape[-1], dtype=torch.float32)
+                    out[~has] = last
+                result[i] = out
+        else:
+            tok_item, tok_within, tok_row, tok_col = tok
+            sel = tok_within >= pool_from[tok_item]
+            sel_item = tok_item[sel].to(dev)
+            sel_row = tok_row[sel].to(dev)
+            sel_col = tok_col[sel].to(dev)
+            counts = (lens - pool_from).clamp_(min=1).to(dev, torch.float32)
+            for i in self._hs_select:
+                vals = hidden[i][sel_row, sel_col].float()
+                sums = torch.zeros(n, vals.shape[-1], dtype=torch.float32, device=dev)
+                sums.index_add_(0, sel_item, vals)
+                result[i] = (sums / counts[:, None]).cpu()
+        return {layer: result[i] for layer, i in zip(self.layers, self._layer_idx)}
