@@ -27,10 +27,12 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ForgeError(f"limits.{name} must be a positive integer, got {value!r}")
-        if self.max_batch_tokens < self.pad(1):
+
+        if self.max_batch_tokens < self.pad(self.max_seq_len):
             raise ForgeError(
-                f"limits.max_batch_tokens={self.max_batch_tokens} cannot hold one padded token "
-                f"(pad_multiple={self.pad_multiple}); raise max_batch_tokens"
+                f"limits.max_batch_tokens={self.max_batch_tokens} is below max_seq_len={self.max_seq_len} "
+                f"(padded to {self.pad(self.max_seq_len)}): a full-length row could never run; "
+                "raise max_batch_tokens or lower max_seq_len"
             )
 
     def pad(self, n: int) -> int:
@@ -151,9 +153,7 @@ def batch_fits(batch: Batch, limits: Limits) -> str | None:
         used = sum(it.num_tokens - off for it in row)
         if used > batch.padded_len:
             return "padded_len"
-        if off + used > limits.max_seq_len and not batch.packed:
-            return "max_seq_len"
-        if batch.packed and off + batch.padded_len > limits.max_seq_len:
+        if off + used > limits.max_seq_len:  # a row's tokens (and its prefix) fit one sequence
             return "max_seq_len"
         if any(it.num_tokens > limits.max_seq_len for it in row):
             return "max_seq_len"

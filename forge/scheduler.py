@@ -121,4 +121,4 @@ class Scheduler:
         batch.cache_hit = cache.get(batch.prefix_key) is not None
         if not batch.cache_hit:
             self.cache_misses[device.name] += 1
-            cache.put(batch.prefix_key, None, batch.prefix_len)
+            cache.put(batch.prefix_key, True, batch.prefix_len)

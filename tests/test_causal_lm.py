@@ -157,6 +157,19 @@ def test_split_prefix_layouts(model, refs, pooling, packed, cache_tokens):
         assert runner.cache.tokens == sum(PREFIX_LENS.values())
 
 
+def test_packed_rows_without_split_prefix(model, refs):
+    """Whole sequences (mixed prefixes) end to end in rows; mean skips each item's own prefix."""
+    items = [ITEMS[k][j] for j in range(3) for k in ITEMS]
+    rows = [items[i : i + 3] for i in range(0, len(items), 3)]
+    width = max(sum(it.num_tokens for it in row) for row in rows)
+    b = Batch(rows=rows, padded_len=width + 2, packed=True)
+    for pooling in ("last", "mean"):
+        runner = CausalLMRunner(model, layers=[0, 1, -1], pooling=pooling)
+        out = runner.run(b)
+        out.pooled[NUM_LAYERS] = out.pooled.pop(-1)
+        _check(out, b, refs, pooling)
+
+
 def test_packed_rows_really_hold_several_items():
     b = batch_c(ITEMS["p5"], "p5")
     assert any(len(row) > 1 for row in b.rows)

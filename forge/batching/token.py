@@ -20,6 +20,7 @@ when the input is exhausted or the window is full.
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,8 +169,11 @@ class TokenPacker(Packer):
             return None
         rows: list[list[Item]] = []
         used_max = 0
+        fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
+        if g.tokens <= n_rows * fill:
+            return self._last_packed(g, items[:fits], n_rows, fill, lim)
         while len(rows) < n_rows and items:
-            room, row = row_len, []
+            room, row = fill, []
             while items:
                 # largest waiting suffix that still fits the room left in this row
                 i = bisect.bisect_right(items, room + off, key=_num_tokens) - 1
@@ -181,10 +185,40 @@ class TokenPacker(Packer):
             if not row:
                 break
             rows.append(row)
-            used_max = max(used_max, row_len - room)
+            used_max = max(used_max, fill - room)
         if not rows:
             return None
         return self._batch(g, rows, lim.pad(used_max), off, packed=True)
+
+    def _last_packed(self, g: _Group, fitting: list[Item], n_rows: int, fill: int, lim) -> Batch | None:
+        """The group's last batch: spread what is left evenly over as few rows as hold it
+        (worst fit, longest first), so padding is the spread between rows, not an empty tail."""
+        off = self._offset(g)
+        total = sum(it.num_tokens - off for it in fitting)
+        n = min(n_rows, max(1, -(-total // fill)))
+        loads = [(0, r) for r in range(n)]  # (tokens, row) heap: least loaded first
+        rows: list[list[Item]] = [[] for _ in range(n)]
+        taken: set[int] = set()
+        for it in reversed(fitting):
+            size = it.num_tokens - off
+            load, r = loads[0]
+            if load + size <= fill:
+                heapq.heapreplace(loads, (load + size, r))
+            elif len(rows) < n_rows:
+                r = len(rows)
+                rows.append([])
+                heapq.heappush(loads, (size, r))
+            else:
+                continue  # stays for the next batch
+            rows[r].append(it)
+            taken.add(id(it))
+        if len(taken) == len(g.items):
+            g.items.clear()
+        else:
+            g.items[:] = [it for it in g.items if id(it) not in taken]
+        rows = [row for row in rows if row]
+        used = max(sum(it.num_tokens - off for it in row) for row in rows)
+        return self._batch(g, rows, lim.pad(used), off, packed=True)
 
     def _batch(self, g: _Group, rows: list[list[Item]], padded_len: int, off: int, packed: bool) -> Batch:
         return Batch(

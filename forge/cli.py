@@ -1,0 +1,205 @@
+"""`forge`: run, plan and list. Thin: config goes through Hydra, work through forge.engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from forge.errors import ForgeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Forge: GPU batch functions scheduled, packed and accounted in tokens.")
+console = Console()
+err = Console(stderr=True)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[bold red]error:[/] {exc}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command(context_settings=EXTRA)
+def run(ctx: typer.Context) -> None:
+    """Run a function. Takes Hydra overrides, e.g. `forge run function=probe_gen batching=token`.
+
+    Hydra's flags work too: `-m` / `--multirun` sweeps (`forge run -m batching=item,token,memory`),
+    `--config-dir DIR` (your own config groups, e.g. a devices inventory), `--cfg job` (print
+    the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/).
+    """
+    import hydra
+
+    from forge.config import conf_dir
+
+    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+    def task(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            report = _execute(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except ForgeError as exc:
+            _fail(exc)
+        print_summary(report)
+
+    saved = sys.argv
+    sys.argv = ["forge run", *ctx.args]
+    try:
+        task()
+    finally:
+        sys.argv = saved
+
+
+def _execute(cfg, run_dir: Path) -> dict[str, Any]:
+    from forge.config import build_spec
+    from forge.engine import execute
+    from forge.plugins import make_plugin_manager
+
+    spec = build_spec(cfg, run_dir)
+    return execute(spec, make_plugin_manager())
+
+
+@app.command(context_settings=EXTRA)
+def plan(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) to a PNG."),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+) -> None:
+    """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
+    from forge.config import build_spec
+    from forge.plan import plan as make_plan
+    from forge.plugins import make_plugin_manager
+
+    try:
+        cfg = compose(ctx.args, config_dir)
+        report = make_plan(build_spec(cfg, None), make_plugin_manager(), keep_batches=plot is not None)
+        if plot is not None:
+            from forge.plot import plot_plans
+
+            other = "token" if report["batching"] == "item" else "item"
+            base = make_plan(build_spec(compose([*ctx.args, f"batching={other}"], config_dir), None),
+                             make_plugin_manager(), keep_batches=True)
+            pair = (base, report) if other == "item" else (report, base)
+            plot_plans(pair, plot)
+    except ForgeError as exc:
+        _fail(exc)
+    batches = report.pop("_batches", None)
+    del batches
+    if as_json:
+        report.pop("config", None)
+        console.print_json(json.dumps(report, default=str))
+    else:
+        print_summary(report)
+        if plot is not None:
+            console.print(f"plot: {plot}")
+
+
+@app.command(name="ls", context_settings=EXTRA)
+def ls(
+    ctx: typer.Context,
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+) -> None:
+    """List functions, batching modes (with the plugin providing each) and devices found."""
+    from forge.config import conf_dir, to_plain
+    from forge.devices import resolve_devices
+    from forge.plugins import batching_modes, make_plugin_manager
+
+    try:
+        cfg = to_plain(compose(ctx.args, config_dir))
+        devices = resolve_devices(cfg.get("devices") or {})
+    except ForgeError as exc:
+        _fail(exc)
+    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
+    functions = sorted({p.stem for d in dirs for p in (Path(d) / "function").glob("*.yaml")})
+    table = Table(title="functions", show_header=False)
+    for name in functions:
+        table.add_row(name)
+    console.print(table)
+    table = Table(title="batching modes")
+    table.add_column("mode")
+    table.add_column("plugin")
+    for name, (factory, plugin) in sorted(batching_modes(make_plugin_manager()).items()):
+        table.add_row(name, f"{plugin} ({factory.__module__}.{factory.__qualname__})")
+    console.print(table)
+    table = Table(title="devices")
+    for col in ("name", "torch device", "max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple", "memory"):
+        table.add_column(col)
+    for d in devices:
+        lim = d.limits
+        mem = f"{d.memory_bytes / (1 << 30):.2f} GiB" if d.memory_bytes else "-"
+        table.add_row(d.name, d.torch_device, str(lim.max_batch_tokens), str(lim.max_rows),
+                      str(lim.max_seq_len), str(lim.pad_multiple), mem)
+    console.print(table)
+
+
+def compose(overrides: list[str], config_dir: Path | None = None):
+    """Compose the config as `forge run` would, with clear errors for bad choices."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from forge.config import conf_dir
+
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
+    if config_dir is not None:
+        if not Path(config_dir).is_dir():
+            raise ForgeError(f"--config-dir {config_dir}: no such directory")
+        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    except HydraException as exc:
+        raise ForgeError(" ".join(str(exc).split())) from None
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """One screen: what ran, the ledger, the geometry, per device."""
+    items, tokens = report.get("items", {}), report.get("tokens", {})
+    hit = report.get("cache_hit_rate")
+    title = f"{report['function']} · batching={report['batching']}" + (" · plan" if report.get("dry_run") else "")
+    table = Table(title=title, show_header=False)
+    table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
+    table.add_row("tokens", "  ".join(f"{k} {tokens.get(k, 0):,}" for k in
+                                      ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")))
+    table.add_row("batches", f"{report.get('batches', 0):,}")
+    table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
+    table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
+    table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
+    if not report.get("dry_run"):
+        table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
+        table.add_row("model", str(report.get("model")))
+        out = report.get("outputs") or {}
+        table.add_row("outputs", str(out.get("activations", "-")))
+    console.print(table)
+    dev = Table(title="devices")
+    for col in ("device", "batches", "tokens", "padded slots", "cache misses", "busy s"):
+        dev.add_column(col)
+    for d in report.get("devices", []):
+        dev.add_row(d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}",
+                    str(d.get("cache_misses", 0)), f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+    console.print(dev)
+    for reason, count in (report.get("skipped_reasons") or {}).items():
+        err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
+    failures = report.get("failures") or []
+    if failures:
+        err.print(f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}")
+    for warning in report.get("warnings") or []:
+        err.print(f"[yellow]warning:[/] {warning}")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

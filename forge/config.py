@@ -1,0 +1,92 @@
+"""The edge: the only place that reads Hydra config and instantiates from it.
+
+Everything past `build_spec` takes plain typed arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from forge.devices import resolve_devices
+from forge.engine import RunSpec
+from forge.errors import ForgeError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+ENGINE_BATCHING_KEYS = ("mode", "window", "cache_tokens")
+GB = 1 << 30
+
+
+def conf_dir() -> Path:
+    """The packaged conf/ directory (the repo's in an editable install)."""
+    import conf
+
+    return Path(conf.__file__).resolve().parent
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise ForgeError(f"config: {str(exc).splitlines()[0]}") from None
+
+
+def build_function(cfg: dict[str, Any]):
+    """Instantiate the function: its constructor's parameters come from same-named config keys."""
+    target = (cfg.get("function") or {}).get("_target_")
+    if not target:
+        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
+    cls = get_class(target)
+    params = inspect.signature(cls).parameters
+    kwargs = {name: cfg[name] for name in params if name in cfg}
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        raise ForgeError(f"function {cfg['function'].get('name')}: config lacks {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
+    """A RunSpec from a composed config. Core classes never see the DictConfig."""
+    plain = to_plain(cfg)
+    budget = plain.get("budget") or {}
+    tokens_per_step = budget.get("tokens_per_step")
+    devices = resolve_devices(plain.get("devices") or {})
+    capped = []
+    for d in devices:
+        try:
+            capped.append(_replace_limits(d, d.limits.capped(tokens_per_step)))
+        except ForgeError:
+            raise ForgeError(
+                f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
+                f"{d.limits.max_seq_len}: one full-length row would not fit; raise the budget or lower max_seq_len"
+            ) from None
+    batching = dict(plain["batching"])
+    mode = batching.get("mode")
+    options = {k: v for k, v in batching.items() if k not in ENGINE_BATCHING_KEYS}
+    if "default_memory_gb" in options:
+        gb = options.pop("default_memory_gb")
+        options["default_memory_bytes"] = int(gb * GB) if gb else None
+    cache_tokens = int(batching.get("cache_tokens") or 0) if batching.get("prefix_cache", False) else 0
+    return RunSpec(
+        function=build_function(plain),
+        mode=mode,
+        mode_options=options,
+        devices=capped,
+        window=int(batching.get("window") or 65536),
+        cache_tokens=cache_tokens,
+        too_long=plain.get("too_long", "skip"),
+        max_tokens=budget.get("max_tokens"),
+        run_dir=run_dir,
+        config=plain,
+    )
+
+
+def _replace_limits(device, limits):
+    from dataclasses import replace
+
+    return replace(device, limits=limits)

@@ -1,0 +1,102 @@
+"""Devices: every local CUDA device (or the CPU), or an inventory from config.
+
+An inventory entry (see README, "Devices"):
+
+    - name: cuda:0            # unique name used in reports
+      device: cuda:0          # torch device the worker uses (default: the name)
+      limits: {max_batch_tokens: 16384, max_rows: 256, max_seq_len: 4096, pad_multiple: 8}
+      memory_gb: 16           # optional: byte budget for batching=memory
+      batch_overhead_tokens: 256  # optional: per-step cost, calibrated per device
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from forge.errors import ForgeError
+from forge.geometry import Device, Limits
+
+GB = 1 << 30
+LIMIT_KEYS = ("max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple")
+
+
+def limits_from(spec: Mapping[str, Any], where: str) -> Limits:
+    unknown = set(spec) - set(LIMIT_KEYS)
+    if unknown:
+        raise ForgeError(f"{where}: unknown limit(s) {sorted(unknown)}; the limits are {', '.join(LIMIT_KEYS)}")
+    missing = [k for k in LIMIT_KEYS[:3] if spec.get(k) is None]
+    if missing:
+        raise ForgeError(f"{where}: missing {', '.join(missing)}")
+    try:
+        return Limits(**{k: spec[k] for k in LIMIT_KEYS if spec.get(k) is not None})
+    except ForgeError as exc:
+        raise ForgeError(f"{where}: {exc}") from None
+
+
+def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float | None = None) -> list[Device]:
+    """Every local CUDA device, each with `limits`; the CPU when there is none."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        torch, n = None, 0
+    if n:
+        return [
+            Device(
+                name=f"cuda:{i}",
+                limits=limits,
+                torch_device=f"cuda:{i}",
+                memory_bytes=int(torch.cuda.get_device_properties(i).total_memory * memory_fraction),
+            )
+            for i in range(n)
+        ]
+    if cpu_memory_gb is None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = int(total * memory_fraction)
+    else:
+        memory = int(cpu_memory_gb * GB)
+    return [Device(name="cpu", limits=limits, torch_device="cpu", memory_bytes=memory)]
+
+
+def from_inventory(entries: list[Mapping[str, Any]], default_limits: Mapping[str, Any] | None) -> list[Device]:
+    devices, names = [], set()
+    for i, entry in enumerate(entries):
+        where = f"devices.inventory[{i}]"
+        name = entry.get("name")
+        if not name:
+            raise ForgeError(f"{where}: every device needs a name")
+        if name in names:
+            raise ForgeError(f"{where}: device name {name!r} is used twice; names must be unique")
+        names.add(name)
+        unknown = set(entry) - {"name", "device", "limits", "memory_gb", "batch_overhead_tokens"}
+        if unknown:
+            raise ForgeError(f"{where} ({name}): unknown key(s) {sorted(unknown)}")
+        spec = dict(default_limits or {})
+        spec.update(entry.get("limits") or {})
+        memory_gb = entry.get("memory_gb")
+        devices.append(
+            Device(
+                name=name,
+                limits=limits_from(spec, f"{where} ({name}).limits"),
+                torch_device=entry.get("device") or name,
+                memory_bytes=int(memory_gb * GB) if memory_gb else None,
+                batch_overhead_tokens=entry.get("batch_overhead_tokens"),
+            )
+        )
+    return devices
+
+
+def resolve_devices(cfg: Mapping[str, Any]) -> list[Device]:
+    """Devices from a `devices` config: the inventory when it lists any, else discovery."""
+    inventory = cfg.get("inventory") or []
+    if inventory:
+        return from_inventory(inventory, cfg.get("limits"))
+    if not cfg.get("discover", True):
+        raise ForgeError("devices: discover is false and the inventory is empty; list at least one device")
+    return discover(
+        limits_from(cfg.get("limits") or {}, "devices.limits"),
+        memory_fraction=cfg.get("memory_fraction", 0.9),
+        cpu_memory_gb=cfg.get("cpu_memory_gb"),
+    )

@@ -1,0 +1,240 @@
+"""probe_gen: hidden-state activations of prompts (shared few-shot prefix + statement) at
+chosen layers of a Hugging Face causal LM, saved for linear probes.
+
+Token rule (every batching mode uses it, so a prefix is one fixed, cacheable block):
+an item's tokens are its prefix tokenized alone *with* the tokenizer's special tokens,
+followed by its text tokenized alone *without* them. A row without a prefix is its text
+tokenized with the special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from forge.activations import ShardWriter
+from forge.batching.memory import CostModel
+from forge.errors import ForgeError
+from forge.function import Function
+from forge.geometry import Batch, Device, Item
+from forge.inputs import check_input, read_rows
+from forge.run import Rejected
+
+EMBEDDED = "embedded:"
+POOLINGS = ("last", "mean")
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+TOKENIZE_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # hub id, local path, or "embedded:tiny-llama"
+    torch_dtype: str = "float32"
+    attn_implementation: str | None = "sdpa"
+
+
+def resolve_model_source(name: str) -> str:
+    """A local directory or hub id that `from_pretrained` understands (weights may be missing)."""
+    if name.startswith(EMBEDDED):
+        from functions.assets import ASSETS_DIR
+
+        path = ASSETS_DIR / name[len(EMBEDDED):]
+        if not path.is_dir():
+            raise ForgeError(f"model.name={name}: no embedded model of that name in {ASSETS_DIR}")
+        return str(path)
+    return name
+
+
+def resolve_input(path: str) -> Path:
+    if path.startswith(EMBEDDED):
+        from functions.assets import ASSETS_DIR
+
+        return ASSETS_DIR / f"{path[len(EMBEDDED):]}.jsonl"
+    return Path(path).expanduser()
+
+
+class ProbeGen(Function):
+    name = "probe_gen"
+    causal = True
+
+    def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096):
+        self.model = ModelSpec(**model)
+        if self.model.torch_dtype not in DTYPES:
+            raise ForgeError(f"model.torch_dtype={self.model.torch_dtype!r}; choose one of {', '.join(DTYPES)}")
+        if pooling not in POOLINGS:
+            raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")
+        self.pooling = pooling
+        self.layers = list(layers)
+        self.shard_size = int(shard_size)
+        self.input_path = check_input(resolve_input(str(input["path"])))
+        self.input_limit = input.get("limit")
+        self.source = resolve_model_source(self.model.name)
+        self._model_path: str | None = None
+        self._warnings: list[str] = []
+        self._config = None
+        self._tokenizer = None
+        self._check_layers()
+
+    # -- model description (no weights) -----------------------------------------
+    @property
+    def config(self):
+        if self._config is None:
+            from transformers import AutoConfig
+
+            try:
+                self._config = AutoConfig.from_pretrained(self.source)
+            except OSError as exc:
+                raise ForgeError(f"model.name={self.model.name}: cannot load its config ({exc})") from None
+        return self._config
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source)
+            except (OSError, ValueError) as exc:
+                raise ForgeError(f"model.name={self.model.name}: cannot load its tokenizer ({exc})") from None
+        return self._tokenizer
+
+    def _check_layers(self) -> None:
+        n = self.config.num_hidden_layers
+        bad = [layer for layer in self.layers if not isinstance(layer, int) or not 0 <= layer <= n]
+        if bad or not self.layers:
+            raise ForgeError(f"layers={self.layers}: the model has {n} layers; choose layers in 0..{n} (0 = embeddings)")
+
+    def cost_model(self) -> CostModel:
+        c = self.config
+        hidden, layers, inter = c.hidden_size, c.num_hidden_layers, c.intermediate_size
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        per_layer = hidden * head_dim * (heads * 2 + kv_heads * 2) + 3 * hidden * inter + 2 * hidden
+        embed = c.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+        return CostModel.from_shape(
+            num_params=embed + layers * per_layer + hidden,
+            hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+            intermediate=inter, dtype_bytes=DTYPES[self.model.torch_dtype],
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self._model_path or self.source, "input": str(self.input_path)}
+
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
+
+    # -- items --------------------------------------------------------------------
+    def records(self) -> Iterator[Item | Rejected]:
+        chunk: list[tuple[int, dict]] = []
+        for index, row in read_rows(self.input_path, self.input_limit):
+            if isinstance(row, str):
+                yield Rejected(record_id=row.split(":", 1)[0], reason=row)
+                continue
+            bad = self._check_row(index, row)
+            if bad is not None:
+                yield bad
+                continue
+            chunk.append((index, row))
+            if len(chunk) >= TOKENIZE_CHUNK:
+                yield from self._tokenize(chunk)
+                chunk = []
+        if chunk:
+            yield from self._tokenize(chunk)
+
+    @staticmethod
+    def _check_row(index: int, row: dict) -> Rejected | None:
+        rid = str(row["id"]) if row.get("id") is not None else str(index)
+        text, prefix = row.get("text"), row.get("prefix")
+        if not isinstance(text, str) or not text.strip():
+            what = "has no 'text' field" if text is None else "has an empty or non-string 'text'"
+            return Rejected(rid, f"row {index} (id {rid}) {what}; every row needs a non-empty string 'text'")
+        if prefix is not None and not isinstance(prefix, str):
+            return Rejected(rid, f"row {index} (id {rid}): 'prefix' must be a string, got {type(prefix).__name__}")
+        return None
+
+    def _tokenize(self, chunk: list[tuple[int, dict]]) -> Iterator[Item]:
+        tok = self.tokenizer
+        ids = tok([row["text"] for _, row in chunk], add_special_tokens=False)["input_ids"]
+        for (index, row), text_ids in zip(chunk, ids):
+            prefix = row.get("prefix") or None
+            rid = str(row["id"]) if row.get("id") is not None else str(index)
+            if prefix is None:
+                tokens = tok(row["text"], add_special_tokens=True)["input_ids"]
+                yield Item(rid, len(tokens), None, 0, tokens, (index, row.get("label")))
+                continue
+            key, prefix_ids = self._prefix(prefix)
+            yield Item(rid, len(prefix_ids) + len(text_ids), key, len(prefix_ids),
+                       prefix_ids + text_ids, (index, row.get("label")))
+
+    def _prefix(self, prefix: str, _seen: dict | None = None) -> tuple[str, list[int]]:
+        cache = self.__dict__.setdefault("_prefixes", {})
+        hit = cache.get(prefix)
+        if hit is None:
+            ids = self.tokenizer(prefix, add_special_tokens=True)["input_ids"]
+            key = hashlib.sha1(prefix.encode()).hexdigest()[:12]
+            hit = cache[prefix] = (key, ids)
+            if prefix != prefix.rstrip(" \t\r\f\v"):
+                self._warnings.append(
+                    f"prefix {key} ends in whitespace: tokenizing it apart from the text can differ from "
+                    "tokenizing the joined string (BPE merges across the boundary); end prefixes with a "
+                    "newline or start texts with the space"
+                )
+        return hit
+
+    # -- running ------------------------------------------------------------------
+    def open_worker(self, device: Device, cache_tokens: int) -> "ProbeWorker":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from forge.runtime.causal_lm import CausalLMRunner
+        from functions.assets import materialize_model
+
+        path = str(materialize_model(Path(self.source))) if Path(self.source).is_dir() else self.source
+        self._model_path = path
+        kwargs: dict[str, Any] = {"dtype": getattr(torch, self.model.torch_dtype)}
+        if self.model.attn_implementation:
+            kwargs["attn_implementation"] = self.model.attn_implementation
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except OSError as exc:
+            raise ForgeError(f"model.name={self.model.name}: cannot load weights from {path} ({exc})") from None
+        model.to(device.torch_device).eval()
+        pad = self.tokenizer.pad_token_id
+        runner = CausalLMRunner(model, layers=self.layers, pooling=self.pooling, cache_tokens=cache_tokens,
+                                pad_token_id=pad if pad is not None else 0)
+        return ProbeWorker(runner)
+
+    def open_sink(self, run_dir: Path) -> "ProbeSink":
+        meta = {"pooling": self.pooling, "model": self._model_path or self.source}
+        return ProbeSink(ShardWriter(run_dir, self.layers, meta, self.shard_size))
+
+
+class ProbeWorker:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, batch: Batch):
+        return self.runner.run(batch)
+
+    def close(self) -> None:
+        self.runner = None
+
+
+class ProbeSink:
+    def __init__(self, writer: ShardWriter):
+        self.writer = writer
+
+    def write(self, batch: Batch, output) -> None:
+        items = batch.items
+        self.writer.add(
+            ids=[it.id for it in items],
+            labels=[it.meta[1] for it in items],
+            index=[it.meta[0] for it in items],
+            pooled=output.pooled,
+        )
+
+    def close(self) -> dict[str, Any]:
+        return self.writer.close()

@@ -1,0 +1,51 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forge_cache(tmp_path_factory):
+    """Weights of the embedded model are made once per test session, in a temp cache."""
+    os.environ.setdefault("FORGE_CACHE", str(tmp_path_factory.mktemp("forge-cache")))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+
+
+@pytest.fixture
+def pm():
+    """A fresh plugin manager with the built-in plugins, as `forge` builds one."""
+    from forge.plugins import make_plugin_manager
+
+    return make_plugin_manager()
+
+
+# Small limits so that a few hundred embedded rows make many batches.
+SMALL = ["devices=auto", "devices.limits.max_batch_tokens=2048", "devices.limits.max_seq_len=1024",
+         "budget.tokens_per_step=2048"]
+
+
+def compose(*overrides):
+    from forge.cli import compose as _compose
+
+    return _compose(list(overrides))
+
+
+def spec_for(*overrides, run_dir: Path | None = None):
+    from forge.config import build_spec
+
+    return build_spec(compose(*overrides), run_dir)
+
+
+def run_forge(tmp_path: Path, *overrides, pm=None):
+    from forge.engine import execute
+    from forge.plugins import make_plugin_manager
+
+    return execute(spec_for(*overrides, run_dir=tmp_path), pm or make_plugin_manager())
+
+
+def plan_forge(*overrides, pm=None, keep_batches=False):
+    from forge.plan import plan
+    from forge.plugins import make_plugin_manager
+
+    return plan(spec_for(*overrides), pm or make_plugin_manager(), keep_batches=keep_batches)

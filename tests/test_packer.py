@@ -1,0 +1,166 @@
+"""Property tests of the packers: every item once, no limit broken, padding counted exactly."""
+
+from collections import Counter
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
+from forge.geometry import Batch, Device, Item, Limits, batch_fits
+from forge.scheduler import Scheduler
+
+
+@st.composite
+def workloads(draw):
+    pad = draw(st.sampled_from([1, 2, 8]))
+    max_seq_len = draw(st.integers(16, 200))
+    limits = Limits(
+        max_batch_tokens=draw(st.integers(-(-max_seq_len // pad) * pad, 1200)),
+        max_rows=draw(st.integers(1, 40)),
+        max_seq_len=max_seq_len,
+        pad_multiple=pad,
+    )
+    n_prefixes = draw(st.integers(0, 4))
+    prefix_lens = [draw(st.integers(1, max_seq_len - 1)) for _ in range(n_prefixes)]
+    items = []
+    for i in range(draw(st.integers(0, 150))):
+        p = draw(st.integers(-1, n_prefixes - 1)) if n_prefixes else -1
+        plen = prefix_lens[p] if p >= 0 else 0
+        n = draw(st.integers(plen + 1, max_seq_len))
+        items.append(Item(str(i), n, f"p{p}" if p >= 0 else None, plen))
+    window = draw(st.integers(1, 200))
+    return limits, items, window
+
+
+def packers():
+    cost = CostModel(weight_bytes=1000, bytes_per_token=10, bytes_per_score=1, kv_bytes_per_token=4)
+    return st.sampled_from([
+        lambda: ItemPacker(batch_size=7),
+        lambda: ItemPacker(batch_size=64, order="length"),
+        lambda: TokenPacker(),
+        lambda: TokenPacker(prefix_cache=False),
+        lambda: TokenPacker(packing="packed"),
+        lambda: TokenPacker(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0),
+        lambda: MemoryPacker(cost_model=cost, default_memory_bytes=200_000),
+    ])
+
+
+def drain(packer, items, limits, window, devices=1):
+    devs = [Device(f"d{i}", limits) for i in range(devices)]
+    sched = Scheduler(packer, items, devs, window=window, cache_tokens=500)
+    batches, turn = [], 0
+    while not sched.done:
+        batch = sched.schedule(devs[turn % devices])
+        turn += 1
+        assert batch is not None or not sched.waiting or devices > 1
+        if batch is not None:
+            batches.append(batch)
+    return batches, sched
+
+
+def independent_padding(batch: Batch) -> int:
+    off = batch.prefix_len if batch.split_prefix else 0
+    return sum(batch.padded_len - sum(it.num_tokens - off for it in row) for row in batch.rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads(), packers(), st.integers(1, 2))
+def test_every_item_once_within_limits(workload, make_packer, devices):
+    limits, items, window = workload
+    packer = make_packer()
+    if isinstance(packer, MemoryPacker) and packer.row_cap(limits.pad(limits.max_seq_len), limits.max_seq_len, Device("x", limits)) < 1:
+        packer.default_memory_bytes = 10**9
+    batches, sched = drain(packer, items, limits, window, devices)
+    seen = Counter(it.id for b in batches for it in b.items)
+    assert seen == Counter(it.id for it in items)  # every item exactly once
+    assert sched.max_window_seen <= window  # the window bound holds
+    for b in batches:
+        assert batch_fits(b, limits) is None, (batch_fits(b, limits), b)
+        assert b.padding == independent_padding(b) >= 0
+        assert b.padded_len % limits.pad_multiple == 0
+        if b.split_prefix:  # rows of a cached batch share one prefix
+            assert {it.prefix_key for it in b.items} == {b.prefix_key}
+            assert {it.prefix_len for it in b.items} == {b.prefix_len}
+        if not b.packed:
+            assert all(len(row) == 1 for row in b.rows)
+
+
+def test_item_mode_keeps_arrival_order_and_batch_size():
+    items = [Item(str(i), 10 + i % 5) for i in range(100)]
+    batches, _ = drain(ItemPacker(batch_size=32), items, Limits(8192, 256, 64), window=1000)
+    assert [len(b.rows) for b in batches] == [32, 32, 32, 4]
+    assert [it.id for b in batches for it in b.items] == [str(i) for i in range(100)]
+    assert batches[0].padded_len == 14
+
+
+def test_token_rows_group_by_prefix():
+    rng = np.random.default_rng(0)
+    items = [Item(str(i), 50 + int(n), f"p{i % 3}", 50) for i, n in enumerate(rng.integers(1, 60, 600))]
+    batches, _ = drain(TokenPacker(), items, Limits(4096, 256, 512), window=10_000)
+    for b in batches:
+        assert b.split_prefix and len({it.prefix_key for it in b.items}) == 1 and b.prefix_len == 50
+        assert b.row_tokens == sum(it.num_tokens - 50 for it in b.items)
+
+
+def exact_cost(lens, lim, overhead):
+    """Optimal padded slots + overhead per batch over contiguous cuts of the sorted lengths (DP)."""
+    lens = sorted(lens, reverse=True)
+    n = len(lens)
+    f = np.zeros(n + 1)
+    for i in range(n - 1, -1, -1):
+        x = lim.pad(lens[i])
+        cap = min(lim.max_rows, lim.max_batch_tokens // x, n - i)
+        f[i] = np.min(np.arange(1, cap + 1) * x + overhead + f[i + 1:i + cap + 1])
+    return f[0]
+
+
+def test_row_cuts_are_near_the_optimal_cost():
+    """The cut weighs padding against per-batch overhead: within 8% of the exact optimum."""
+    rng = np.random.default_rng(0)
+    lim = Limits(8192, 256, 512)
+    for lens in (rng.integers(1, 60, 200), np.clip(rng.lognormal(np.log(40), 0.8, 400), 4, 400).astype(int)):
+        for overhead in (0, 64, 256, 1024):
+            packer = TokenPacker(batch_overhead_tokens=overhead, prefix_cache=False)
+            for i, n in enumerate(lens):
+                packer.add(Item(str(i), int(n)))
+            cost = 0
+            while len(packer):
+                b = packer.cut(None, Device("d", lim), drain=True)
+                cost += b.padded_slots + overhead
+            best = exact_cost(lens, lim, overhead)
+            assert best <= cost <= 1.08 * best, (overhead, cost, best)
+            if overhead == 0:
+                assert cost == best  # zero overhead: zero padding
+
+
+def test_packed_rows_fill_batches():
+    rng = np.random.default_rng(1)
+    lens = np.clip(rng.lognormal(np.log(40), 0.6, 5000), 4, 400).astype(int)
+    items = [Item(str(i), 100 + int(n), f"p{i % 4}", 100) for i, n in enumerate(lens)]
+    lim = Limits(8192, 256, 2048)
+    batches, _ = drain(TokenPacker(packing="packed"), items, lim, window=65536)
+    waste = sum(b.padding for b in batches) / sum(b.padded_slots for b in batches)
+    group_tokens = Counter()
+    for it in items:
+        group_tokens[it.prefix_key] += it.suffix_len
+    minimum = sum(-(-t // lim.max_batch_tokens) for t in group_tokens.values())
+    assert waste <= 0.0025, waste
+    assert len(batches) <= 1.05 * minimum
+
+
+def test_memory_mode_gives_a_bigger_card_bigger_batches():
+    cost = CostModel(weight_bytes=10_000, bytes_per_token=100, bytes_per_score=4, kv_bytes_per_token=10)
+    items = [Item(str(i), 40, None, 0) for i in range(400)]
+    lim = Limits(65536, 1024, 64)
+    per_row = cost.step_bytes(1, 40) - cost.weight_bytes
+    small = Device("small", lim, memory_bytes=cost.weight_bytes + 50 * per_row)
+    big = Device("big", lim, memory_bytes=cost.weight_bytes + 100 * per_row + per_row // 2)
+    packer = MemoryPacker(cost_model=cost, batch_overhead_tokens=0)
+    for it in items:
+        packer.add(it)
+    b_small = packer.cut(None, small, drain=True)
+    b_big = packer.cut(None, big, drain=True)
+    assert b_small.num_rows == 50
+    assert b_big.num_rows == 100
+    assert cost.step_bytes(b_big.num_rows, b_big.padded_len) <= big.memory_bytes
