@@ -44,7 +44,8 @@ def run(ctx: typer.Context) -> None:
         try:
             report = _execute(cfg, Path(HydraConfig.get().runtime.output_dir))
         except ForgeError as exc:
-            _fail(exc)
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
 
     saved = sys.argv

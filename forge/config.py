@@ -11,7 +11,7 @@ from typing import Any
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from forge.devices import resolve_devices
 from forge.engine import RunSpec
@@ -32,8 +32,11 @@ def conf_dir() -> Path:
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
     except OmegaConfBaseException as exc:
-        raise ForgeError(f"config: {str(exc).splitlines()[0]}") from None
+        key = getattr(exc, "full_key", None)
+        raise ForgeError(f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}") from None
 
 
 def build_function(cfg: dict[str, Any]):

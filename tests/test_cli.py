@@ -1,0 +1,96 @@
+"""The CLI through typer's CliRunner: run, plan, ls, errors, sweeps, user config dirs."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from forge.cli import app
+
+SMALL = ["devices.limits.max_batch_tokens=2048", "devices.limits.max_seq_len=1024", "budget.tokens_per_step=2048"]
+
+
+@pytest.fixture
+def cli():
+    return CliRunner()
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["plan"], ["ls"]])
+def test_help(cli, command):
+    result = cli.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0
+    assert "Usage" in result.output
+
+
+def test_ls_lists_functions_modes_with_plugins_and_devices(cli):
+    result = cli.invoke(app, ["ls"])
+    assert result.exit_code == 0, result.output
+    for word in ("probe_gen", "item", "token", "memory", "batching (forge.batching", "cpu", "8192"):
+        assert word in result.output
+
+
+def test_plan_json(cli):
+    result = cli.invoke(app, ["plan", "--json", "input.limit=200", *SMALL])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    for key in ("padding_waste", "cache_hit_rate", "batches", "tokens", "devices", "balanced"):
+        assert key in plan
+    assert {"received", "routed", "padding", "prefix", "cache_hit"} <= set(plan["tokens"])
+    assert {"name", "batches", "tokens", "cache_misses"} <= set(plan["devices"][0])
+    assert plan["items"]["completed"] == 200 and plan["balanced"]
+
+
+def test_plan_human_summary_and_two_devices(cli):
+    result = cli.invoke(app, ["plan", "devices=sim2", "input.limit=300"])
+    assert result.exit_code == 0, result.output
+    assert "sim0" in result.output and "sim1" in result.output and "padding waste" in result.output
+
+
+def test_unknown_mode_is_one_clear_line(cli):
+    result = cli.invoke(app, ["plan", "batching=bogus"])
+    assert result.exit_code == 2
+    assert "error:" in result.output and "item" in result.output and "token" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_run_writes_report_and_activations(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli.invoke(app, ["run", f"output_dir={out}", "input.limit=30", *SMALL])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["balanced"] and report["items"]["completed"] == 30
+    assert (out / "activations" / "manifest.json").exists()
+    for key in ("function", "batching", "model", "input", "config", "padding_waste", "cache_hit_rate",
+                "devices", "wall_s", "useful_tokens_per_s"):
+        assert key in report
+    assert "balanced" in result.output
+
+
+def test_run_bad_input_is_one_clear_line(cli, tmp_path):
+    result = cli.invoke(app, ["run", f"output_dir={tmp_path}", f"input.path={tmp_path}/missing.jsonl"])
+    assert result.exit_code == 2
+    assert "no such file" in result.output and "Traceback" not in result.output
+
+
+def test_multirun_sweeps_modes(cli, tmp_path):
+    result = cli.invoke(app, ["run", "-m", "batching=item,token", f"output_dir={tmp_path}", "input.limit=20", *SMALL])
+    assert result.exit_code == 0, result.output
+    reports = sorted(tmp_path.glob("*/report.json"))
+    assert len(reports) == 2
+    assert sorted(json.loads(p.read_text())["batching"] for p in reports) == ["item", "token"]
+
+
+def test_run_with_user_config_dir(cli, tmp_path):
+    conf = tmp_path / "conf" / "devices"
+    conf.mkdir(parents=True)
+    (conf / "lab.yaml").write_text(
+        "discover: false\ninventory:\n"
+        "  - {name: lab0, device: cpu, limits: {max_batch_tokens: 2048, max_rows: 64, max_seq_len: 1024}}\n")
+    out = tmp_path / "run"
+    result = cli.invoke(app, ["run", "--config-dir", str(tmp_path / "conf"), "devices=lab",
+                              f"output_dir={out}", "input.limit=10"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert [d["name"] for d in report["devices"]] == ["lab0"]
+    result = cli.invoke(app, ["plan", "--config-dir", str(tmp_path / "conf"), "devices=lab", "input.limit=10"])
+    assert result.exit_code == 0 and "lab0" in result.output

@@ -1,0 +1,109 @@
+"""The ledger balances on clean runs, on bad input and when batches fail."""
+
+import json
+
+import pytest
+
+from conftest import SMALL, plan_forge, run_forge
+from forge.errors import ForgeError
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return path
+
+
+GOOD = [{"prefix": "Answer True or False.\n", "text": f"Statement number {i} is true.", "label": i % 2}
+        for i in range(30)]
+
+
+def test_clean_run_balances(tmp_path):
+    report = run_forge(tmp_path, *SMALL, "input.limit=60")
+    assert report["balanced"] and not report["imbalance"]
+    assert report["items"] == {"received": 60, "completed": 60, "failed": 0, "skipped": 0}
+    t = report["tokens"]
+    assert t["received"] == t["routed"] == t["completed"] > 0
+    assert t["padding"] == sum(0 for _ in ()) + t["padding"] >= 0
+    assert t["cache_hit"] <= t["prefix"]
+
+
+def test_bad_rows_are_recorded_and_the_run_goes_on(tmp_path):
+    rows = GOOD[:10] + ['{"text": "broken', {"label": 1}, {"text": "   "}, {"text": 5},
+                        {"text": "word " * 3000, "id": "huge"}] + GOOD[10:]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "run"
+    report = run_forge(out, *SMALL, f"input.path={data}")
+    assert report["balanced"], report["imbalance"]
+    assert report["items"] == {"received": 35, "completed": 30, "failed": 4, "skipped": 1}
+    reasons = [f["reason"] for f in report["failures"]]
+    assert any(r.startswith("line 11: invalid JSON") for r in reasons)
+    assert any("no 'text' field" in r for r in reasons)
+    assert any("empty or non-string 'text'" in r for r in reasons)
+    assert "line 11" in {f["id"] for f in report["failures"]}
+    assert len((out / "failures.jsonl").read_text().splitlines()) == 4
+    assert any("too_long" in reason for reason in report["skipped_reasons"])
+    assert report["tokens"]["skipped"] > 3000
+
+
+def test_truncate_and_error_policies(tmp_path):
+    data = write_rows(tmp_path / "in.jsonl", GOOD[:5] + [{"text": "word " * 3000, "id": "huge"}])
+    report = plan_forge(*SMALL, f"input.path={data}", "too_long=truncate")
+    assert report["balanced"] and report["items"]["completed"] == 6
+    assert report["tokens"]["truncated"] > 0
+    with pytest.raises(ForgeError, match="item 'huge' has .* over max_seq_len=1024; set too_long"):
+        plan_forge(*SMALL, f"input.path={data}", "too_long=error")
+
+
+def test_budget_max_tokens_skips_the_rest(tmp_path):
+    report = plan_forge(*SMALL, "input.limit=100", "budget.max_tokens=2000")
+    assert report["balanced"]
+    assert 0 < report["items"]["completed"] < 100
+    assert report["items"]["skipped"] == 100 - report["items"]["completed"]
+    assert report["tokens"]["completed"] >= 2000
+    assert any("budget.max_tokens" in r for r in report["skipped_reasons"])
+
+
+def test_failed_batch_is_retried_item_by_item(tmp_path, monkeypatch):
+    from forge.runtime.causal_lm import CausalLMRunner
+
+    real = CausalLMRunner.run
+
+    def flaky(self, batch):
+        if any(it.meta[0] == 7 for it in batch.items):  # the eighth row
+            raise RuntimeError("simulated device fault")
+        return real(self, batch)
+
+    monkeypatch.setattr(CausalLMRunner, "run", flaky)
+    report = run_forge(tmp_path, *SMALL, "input.limit=40")
+    assert report["balanced"], report["imbalance"]
+    assert report["items"]["failed"] == 1 and report["items"]["completed"] == 39
+    assert report["failures"][0]["id"] == json.loads(open(_dataset()).readlines()[7])["id"]
+    assert "simulated device fault" in report["failures"][0]["reason"]
+    assert report["tokens"]["retried"] > 0
+    assert report["tokens"]["routed"] == report["tokens"]["completed"] + report["tokens"]["failed"]
+
+
+def test_missing_and_empty_inputs_fail_clearly(tmp_path):
+    with pytest.raises(ForgeError, match="no such file"):
+        plan_forge(f"input.path={tmp_path / 'nope.jsonl'}")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ForgeError, match="is empty"):
+        plan_forge(f"input.path={tmp_path / 'empty.jsonl'}")
+
+
+def test_parquet_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(GOOD), tmp_path / "in.parquet")
+    report = plan_forge(f"input.path={tmp_path / 'in.parquet'}")
+    assert report["items"]["completed"] == 30 and report["balanced"]
+
+
+def _dataset():
+    from functions.assets import embedded_dataset_path
+
+    return embedded_dataset_path()
