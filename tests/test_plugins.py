@@ -1,0 +1,28 @@
+"""Plugins: built-ins come from entry points; a third-party mode plugs in the same way."""
+
+from conftest import spec_for
+from forge.plan import plan
+from forge.plugins import batching_modes, make_plugin_manager
+
+
+def test_builtins_register_through_entry_points(pm):
+    modes = batching_modes(pm)
+    assert {name: plugin for name, (_, plugin) in modes.items()} == {
+        "item": "batching", "token": "batching", "memory": "batching"}
+    assert {"ledger", "progress", "batching"} <= {pm.get_name(p) for p in pm.get_plugins()}
+
+
+def test_without_entry_points_there_are_no_modes():
+    assert batching_modes(make_plugin_manager(load_entry_points=False)) == {}
+
+
+def test_a_third_party_mode_plans(pm):
+    import examples.shortest_first_plugin as plugin
+
+    pm.register(plugin, name="shortest")
+    spec = spec_for("input.limit=100")
+    spec.mode, spec.mode_options = "shortest", {"batch_size": 8}
+    report = plan(spec, pm, keep_batches=True)
+    assert report["batching"] == "shortest" and report["balanced"]
+    lengths = [b.padded_len for _, b in report["_batches"]]
+    assert lengths == sorted(lengths)
