@@ -1,27 +1,28 @@
 """`token` mode: group by prefix, then cut batches whose padded slots carry useful tokens.
 
-Model: every item belongs to the group of its prefix key, kept sorted by length. A batch
-comes from one group, so its rows share one prefix, which runs once per batch and can be
-served from the device's prefix cache; rows then hold only the suffixes.
+Model: every item belongs to the group of its prefix key. A batch comes from one group, so
+its rows share one prefix, which runs once per batch and can be served from the device's
+prefix cache; rows then hold only the suffixes. Inside a group, items sit in buckets by
+row length, so a cut costs O(distinct lengths), not O(items).
 
-* Rows per sequence (`packing=rows`): a batch is the k longest waiting items of a group,
-  padded to the longest. The cost of a step is its padded slots plus a fixed overhead in
-  token-equivalents (`batch_overhead_tokens`), so k is chosen to maximise
-  useful tokens / (k * padded_len + overhead): short items are not padded up to a long
-  head, and near-zero padding is not bought with tiny batches.
-* Packed rows (`packing=packed`): each row holds several suffixes end to end (best fit,
-  longest first), so padding is only the unfilled tail of rows. Rows are sized so that
-  rows x row_len fills `max_batch_tokens`.
+* Rows per sequence (`packing=rows`): a batch is a run of consecutive lengths, padded to
+  the longest. A step costs its padded slots plus a fixed overhead in token-equivalents
+  (`batch_overhead_tokens`), so the packer takes the run (head length and row count) with
+  the most useful tokens per unit of cost: short items are not padded up to a long head,
+  near-zero padding is not bought with tiny batches, and sparse long tails wait for company
+  while the window has room.
+* Packed rows (`packing=packed`): each row holds several suffixes end to end (largest that
+  fits first), so padding is only the unfilled tail of rows. Rows are sized so that
+  rows x row_len fills `max_batch_tokens`; a group's last batch spreads what is left evenly.
 
-With `drain=False` a group is cut only when it can fill a batch; the scheduler drains
-when the input is exhausted or the window is full.
+With `drain=False` a group is cut only when it can fill a batch; the scheduler drains when
+the input is exhausted or the window is full.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,24 +31,44 @@ from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item
 
 
-@dataclass(slots=True)
 class _Group:
-    key: str | None
-    prefix_len: int
-    items: list[Item] = field(default_factory=list)  # sorted by num_tokens, ascending
-    pending: list[Item] = field(default_factory=list)  # admitted, not yet merged
-    tokens: int = 0  # row tokens of items + pending
+    """Waiting items of one prefix key, bucketed by row length."""
 
-    def sorted_items(self) -> list[Item]:
-        if self.pending:
-            self.items.extend(self.pending)
-            self.pending.clear()
-            self.items.sort(key=_num_tokens)  # timsort: sorted run + short tail
-        return self.items
+    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "count", "tokens")
 
+    def __init__(self, key: str | None, prefix_len: int, offset: int):
+        self.key = key
+        self.prefix_len = prefix_len
+        self.offset = offset  # tokens of each item outside its row (the split prefix)
+        self.buckets: dict[int, list[Item]] = {}  # row length -> items
+        self.lengths: list[int] = []  # row lengths that have items, ascending
+        self.count = 0  # items waiting
+        self.tokens = 0  # row tokens waiting
 
-def _num_tokens(item: Item) -> int:
-    return item.num_tokens
+    def add(self, item: Item) -> None:
+        n = item.num_tokens - self.offset
+        bucket = self.buckets.get(n)
+        if bucket is None:
+            self.buckets[n] = [item]
+            bisect.insort(self.lengths, n)
+        else:
+            bucket.append(item)
+        self.count += 1
+        self.tokens += n
+
+    def pop(self, n: int) -> Item:
+        bucket = self.buckets[n]
+        item = bucket.pop()
+        if not bucket:
+            del self.buckets[n]
+            del self.lengths[bisect.bisect_left(self.lengths, n)]
+        self.count -= 1
+        self.tokens -= n
+        return item
+
+    def largest_at_most(self, room: int) -> int | None:
+        i = bisect.bisect_right(self.lengths, room)
+        return self.lengths[i - 1] if i else None
 
 
 class TokenPacker(Packer):
@@ -77,14 +98,14 @@ class TokenPacker(Packer):
     def add(self, item: Item) -> None:
         g = self._groups.get(item.prefix_key)
         if g is None:
-            g = self._groups[item.prefix_key] = _Group(item.prefix_key, item.prefix_len)
+            offset = item.prefix_len if (self.split_prefix and item.prefix_key is not None) else 0
+            g = self._groups[item.prefix_key] = _Group(item.prefix_key, item.prefix_len, offset)
         elif item.prefix_len != g.prefix_len:
             raise ForgeError(
                 f"item {item.id!r}: prefix {item.prefix_key!r} has length {item.prefix_len}, "
                 f"but earlier items gave {g.prefix_len}; one prefix key must mean one token block"
             )
-        g.pending.append(item)
-        g.tokens += item.num_tokens - self._offset(g)
+        g.add(item)
         self._count += 1
 
     def __len__(self) -> int:
@@ -92,32 +113,20 @@ class TokenPacker(Packer):
 
     def groups(self) -> list[GroupInfo]:
         return [
-            GroupInfo(g.key, len(g.items) + len(g.pending), g.tokens, g.prefix_len,
-                      self.split_prefix and g.key is not None)
+            GroupInfo(g.key, g.count, g.tokens, g.prefix_len, self.split_prefix and g.key is not None)
             for g in self._groups.values()
-            if g.items or g.pending
         ]
-
-    def _offset(self, g: _Group) -> int:
-        return g.prefix_len if (self.split_prefix and g.key is not None) else 0
 
     # -- cutting ----------------------------------------------------------------
     def cut(self, key: str | None, device: Device, drain: bool) -> Batch | None:
         g = self._groups.get(key)
         if g is None:
             return None
-        items = g.sorted_items()
-        if not items:
-            return None
-        if self.packing == "packed":
-            batch = self._cut_packed(g, items, device, drain)
-        else:
-            batch = self._cut_rows(g, items, device, drain)
+        cut = self._cut_packed if self.packing == "packed" else self._cut_rows
+        batch = cut(g, device, drain)
         if batch is not None:
-            n = sum(len(r) for r in batch.rows)
-            self._count -= n
-            g.tokens -= batch.row_tokens
-            if not g.items and not g.pending:
+            self._count -= sum(len(row) for row in batch.rows)
+            if not g.count:
                 del self._groups[key]
         return batch
 
@@ -126,106 +135,114 @@ class TokenPacker(Packer):
         lim = device.limits
         return min(lim.max_rows, lim.max_batch_tokens // padded_len)
 
-    def _cut_rows(self, g: _Group, items: list[Item], device: Device, drain: bool) -> Batch | None:
+    def _cut_rows(self, g: _Group, device: Device, drain: bool) -> Batch | None:
         lim = device.limits
-        off = self._offset(g)
-        end = len(items)
-        while end and items[end - 1].num_tokens > lim.max_seq_len:
-            end -= 1  # too long for this device; another device may take it
-        if end == 0:
+        hi = bisect.bisect_right(g.lengths, lim.max_seq_len - g.offset)  # longer ones wait for a bigger device
+        if hi == 0:
             return None
         if not drain and g.tokens < self.ready_batches * lim.max_batch_tokens:
             return None
-        padded_len = lim.pad(items[end - 1].num_tokens - off)
-        cap = min(end, self.row_cap(padded_len, g.prefix_len if off else 0, device))
+        lengths = np.array(g.lengths[:hi][::-1], dtype=np.int64)  # distinct row lengths, descending
+        counts = np.array([len(g.buckets[n]) for n in lengths.tolist()], dtype=np.int64)
+        first = np.concatenate(([0], np.cumsum(counts)))  # index of each length's first item
+        before = np.concatenate(([0], np.cumsum(lengths * counts)))  # tokens of the items before it
+        total = int(first[-1])
+
+        def tokens_upto(m: np.ndarray) -> np.ndarray:
+            """Row tokens of the m longest items."""
+            i = np.minimum(np.searchsorted(first, m, side="right") - 1, len(lengths) - 1)
+            return before[i] + (m - first[i]) * lengths[i]
+
+        pad = np.vectorize(lim.pad, otypes=[np.int64])(lengths) if lim.pad_multiple > 1 else lengths
+        prefix = g.prefix_len if g.offset else 0
+        caps = np.array([self.row_cap(int(p), prefix, device) for p in pad.tolist()], dtype=np.int64)
+        caps = np.minimum(caps, total - first[:-1])
+        overhead = self.overhead_tokens(device)
+        # the best full batch headed by each length: useful tokens per unit of step cost
+        useful = tokens_upto(first[:-1] + caps) - before[:-1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(caps > 0, useful / (caps * pad + overhead), -1.0)
+        head = int(np.argmax(ratio))
+        cap = int(caps[head])
         if cap < 1:
             return None
-        lens = np.fromiter((items[end - 1 - i].num_tokens - off for i in range(cap)), np.int64, cap)
-        # useful tokens per unit of step cost, for k = 1..cap longest items
-        ratio = np.cumsum(lens) / (np.arange(1, cap + 1) * padded_len + self.overhead_tokens(device))
-        k = cap - int(np.argmax(ratio[::-1]))  # the largest k among the best
-        rows = [[it] for it in reversed(items[end - k:end])]
-        del items[end - k:end]
-        return self._batch(g, rows, padded_len, off, packed=False)
+        # then the best row count under that head
+        start = int(first[head])
+        ks = np.arange(1, cap + 1)
+        per_k = (tokens_upto(start + ks) - before[head]) / (ks * pad[head] + overhead)
+        k = cap - int(np.argmax(per_k[::-1]))  # the largest k among the best
+        rows, n = [], int(lengths[head])
+        for _ in range(k):
+            while n not in g.buckets:
+                n = g.largest_at_most(n)
+            rows.append([g.pop(n)])
+        return self._batch(g, rows, int(pad[head]), packed=False)
 
-    def _cut_packed(self, g: _Group, items: list[Item], device: Device, drain: bool) -> Batch | None:
+    def _cut_packed(self, g: _Group, device: Device, drain: bool) -> Batch | None:
         lim = device.limits
-        off = self._offset(g)
-        fits = bisect.bisect_right(items, lim.max_seq_len, key=_num_tokens)
-        if fits == 0:
+        off = g.offset
+        longest = g.largest_at_most(lim.max_seq_len - off)
+        if longest is None:
             return None  # everything waiting is too long for this device
-        longest = lim.pad(items[fits - 1].num_tokens - off)
         row_cap = lim.max_seq_len - off
         if self.packed_row_tokens:
             row_cap = min(row_cap, self.packed_row_tokens)
-        row_cap = max(longest, row_cap - row_cap % lim.pad_multiple, lim.pad_multiple)
+        row_cap = max(lim.pad(longest), row_cap - row_cap % lim.pad_multiple, lim.pad_multiple)
         n_rows = min(lim.max_rows, -(-lim.max_batch_tokens // row_cap))
         row_len = lim.max_batch_tokens // n_rows
-        row_len = max(longest, min(row_cap, row_len - row_len % lim.pad_multiple))
+        row_len = max(lim.pad(longest), min(row_cap, row_len - row_len % lim.pad_multiple))
         n_rows = min(n_rows, self.row_cap(row_len, off, device))
         if n_rows < 1:
             return None
-        if not drain and g.tokens < max(self.ready_batches, 1.0) * n_rows * row_len:
+        fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
+        if not drain and g.tokens < max(self.ready_batches, 1.0) * n_rows * fill:
             return None
+        if g.tokens <= n_rows * fill:
+            return self._last_packed(g, n_rows, fill, lim)
         rows: list[list[Item]] = []
         used_max = 0
-        fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
-        if g.tokens <= n_rows * fill:
-            return self._last_packed(g, items[:fits], n_rows, fill, lim)
-        while len(rows) < n_rows and items:
+        while len(rows) < n_rows and g.count:
             room, row = fill, []
-            while items:
-                # largest waiting suffix that still fits the room left in this row
-                i = bisect.bisect_right(items, room + off, key=_num_tokens) - 1
-                if i < 0:
-                    break
-                it = items.pop(i)
-                row.append(it)
-                room -= it.num_tokens - off
+            while (n := g.largest_at_most(room)) is not None:  # best fit: the largest that fits
+                row.append(g.pop(n))
+                room -= n
             if not row:
                 break
             rows.append(row)
             used_max = max(used_max, fill - room)
         if not rows:
             return None
-        return self._batch(g, rows, lim.pad(used_max), off, packed=True)
+        return self._batch(g, rows, lim.pad(used_max), packed=True)
 
-    def _last_packed(self, g: _Group, fitting: list[Item], n_rows: int, fill: int, lim) -> Batch | None:
+    def _last_packed(self, g: _Group, n_rows: int, fill: int, lim) -> Batch:
         """The group's last batch: spread what is left evenly over as few rows as hold it
         (worst fit, longest first), so padding is the spread between rows, not an empty tail."""
-        off = self._offset(g)
-        total = sum(it.num_tokens - off for it in fitting)
-        n = min(n_rows, max(1, -(-total // fill)))
-        loads = [(0, r) for r in range(n)]  # (tokens, row) heap: least loaded first
-        rows: list[list[Item]] = [[] for _ in range(n)]
-        taken: set[int] = set()
-        for it in reversed(fitting):
-            size = it.num_tokens - off
-            load, r = loads[0]
-            if load + size <= fill:
-                heapq.heapreplace(loads, (load + size, r))
-            elif len(rows) < n_rows:
-                r = len(rows)
-                rows.append([])
-                heapq.heappush(loads, (size, r))
-            else:
-                continue  # stays for the next batch
-            rows[r].append(it)
-            taken.add(id(it))
-        if len(taken) == len(g.items):
-            g.items.clear()
-        else:
-            g.items[:] = [it for it in g.items if id(it) not in taken]
+        fitting = [n for n in g.lengths if n <= fill]
+        total = sum(n * len(g.buckets[n]) for n in fitting)
+        loads = [(0, r) for r in range(min(n_rows, max(1, -(-total // fill))))]  # (tokens, row) heap
+        rows: list[list[Item]] = [[] for _ in loads]
+        for n in reversed(fitting):
+            for _ in range(len(g.buckets[n])):
+                load, r = loads[0]
+                if load + n <= fill:
+                    heapq.heapreplace(loads, (load + n, r))
+                elif len(rows) < n_rows:
+                    r = len(rows)
+                    rows.append([])
+                    heapq.heappush(loads, (n, r))
+                else:
+                    break  # the rest of this length waits for the next batch
+                rows[r].append(g.pop(n))
         rows = [row for row in rows if row]
-        used = max(sum(it.num_tokens - off for it in row) for row in rows)
-        return self._batch(g, rows, lim.pad(used), off, packed=True)
+        used = max(load for load, _ in loads)
+        return self._batch(g, rows, lim.pad(used), packed=True)
 
-    def _batch(self, g: _Group, rows: list[list[Item]], padded_len: int, off: int, packed: bool) -> Batch:
+    def _batch(self, g: _Group, rows: list[list[Item]], padded_len: int, packed: bool) -> Batch:
         return Batch(
             rows=rows,
             padded_len=padded_len,
             prefix_key=g.key,
             prefix_len=g.prefix_len,
-            split_prefix=bool(off) or (packed and self.split_prefix),
+            split_prefix=bool(g.offset) or (packed and self.split_prefix),
             packed=packed,
         )

@@ -1,0 +1,171 @@
+"""Batching strategies side by side on the reference workload, with the embedded model.
+
+    python -m benchmarks.bench_strategies [--rounds 3] [--n 3000]
+
+Every strategy runs through the real engine (scheduler, worker, hooks) on one CPU (or CUDA)
+device. Strategies are interleaved (A B C D E, A B C D E, ...) because this machine's speed
+drifts by up to 1.4x; the table reports medians and ratios to the first strategy.
+
+The oracle: zero-padding batches of one uniform length, measured per length; each item is
+costed at the rate of its own length. It is the lower bound for strategies that compute
+every token (a prefix cache can beat it by not computing prefix tokens at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.workloads import items as workload_items
+from forge.batching import ItemPacker, TokenPacker
+from forge.engine import RunSpec, execute
+from forge.function import Function
+from forge.geometry import Batch, Device, Item, Limits
+from forge.plugins import make_plugin_manager
+from forge.runtime.causal_lm import CausalLMRunner
+
+LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
+LAYERS = [1, 2, 4]
+
+
+@dataclass
+class Strategy:
+    name: str
+    mode: str
+    options: dict
+    cache_tokens: int = 0
+
+
+STRATEGIES = [
+    Strategy("item 32, arrival order", "item", {"batch_size": 32}),
+    Strategy("item 32, sorted by length", "item", {"batch_size": 32, "order": "length"}),
+    Strategy("token, no prefix cache", "token", {"prefix_cache": False}),
+    Strategy("token, prefix cache", "token", {}, cache_tokens=32768),
+    Strategy("token packed (rows<=256), cache", "token", {"packing": "packed", "packed_row_tokens": 256}, 32768),
+    Strategy("token packed (rows<=1024), cache", "token", {"packing": "packed", "packed_row_tokens": 1024}, 32768),
+]
+
+
+class NullSink:
+    def write(self, batch, output):
+        pass
+
+    def close(self):
+        return {}
+
+
+class BenchFunction(Function):
+    """The workload's items through the embedded model; activations are computed, not saved."""
+
+    name = "bench"
+
+    def __init__(self, model, items: list[Item]):
+        self.model = model
+        self.items = items
+
+    def records(self):
+        return iter(self.items)
+
+    def open_worker(self, device: Device, cache_tokens: int):
+        runner = CausalLMRunner(self.model, layers=LAYERS, pooling="last", cache_tokens=cache_tokens, pad_token_id=3)
+        runner.close = lambda: None
+        return runner
+
+    def open_sink(self, run_dir: Path):
+        return NullSink()
+
+
+def load_model(device: str):
+    from transformers import AutoModelForCausalLM
+
+    from functions.assets import embedded_model_source, materialize_model
+
+    path = materialize_model(embedded_model_source())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path) -> dict:
+    spec = RunSpec(function=fn, mode=s.mode, mode_options=dict(s.options), devices=[device],
+                   cache_tokens=s.cache_tokens, run_dir=tmp / s.name.replace(" ", "_").replace(",", ""))
+    report = execute(spec, make_plugin_manager())
+    assert report["balanced"], report["imbalance"]
+    return report
+
+
+def oracle_rates(model, device: str, lengths=(8, 16, 32, 64, 128, 256, 384, 512, 768)) -> dict[int, float]:
+    """Tokens/s of zero-padding batches of one uniform length (rows = 8192 // length)."""
+    runner = CausalLMRunner(model, layers=LAYERS, pooling="last", pad_token_id=3)
+    rng = np.random.default_rng(0)
+    rates = {}
+    for n in lengths:
+        rows = max(1, LIMITS.max_batch_tokens // n)
+        batch = Batch(rows=[[Item(str(i), n, tokens=rng.integers(4, 2048, n).tolist())] for i in range(rows)],
+                      padded_len=n)
+        runner.run(batch)  # warm
+        t0 = time.perf_counter()
+        reps = 2
+        for _ in range(reps):
+            runner.run(batch)
+        rates[n] = reps * rows * n / (time.perf_counter() - t0)
+    return rates
+
+
+def oracle_seconds(items: list[Item], rates: dict[int, float]) -> float:
+    xs = np.array(sorted(rates))
+    ys = np.array([rates[x] for x in xs])
+    lens = np.array([it.num_tokens for it in items], dtype=float)
+    return float(np.sum(lens / np.interp(lens, xs, ys)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--only", default="", help="comma-separated strategy indexes (0-based) to run")
+    ap.add_argument("--out", default="/tmp/forge-bench")
+    args = ap.parse_args()
+
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = Device(dev, LIMITS, torch_device=dev)
+    model = load_model(dev)
+    items = workload_items(args.n, 12, vocab=model.config.vocab_size)
+    fn = BenchFunction(model, items)
+    strategies = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
+    tmp = Path(args.out)
+    results: dict[str, list[dict]] = {s.name: [] for s in strategies}
+    oracle: list[float] = []
+    print(f"device {dev}, torch threads {torch.get_num_threads()}, {len(items):,} items, "
+          f"{sum(it.num_tokens for it in items):,} tokens, {args.rounds} rounds")
+    for r in range(args.rounds):
+        oracle.append(oracle_seconds(items, oracle_rates(model, dev)))
+        for s in strategies:
+            rep = run_strategy(s, fn, device, tmp)
+            results[s.name].append(rep)
+            print(f"  round {r + 1}: {s.name}: {rep['wall_s']:.2f} s", flush=True)
+
+    base = statistics.median(r["wall_s"] for r in results[strategies[0].name])
+    oracle_s = statistics.median(oracle)
+    print()
+    print("| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches | oracle / wall | host share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in strategies:
+        reps = results[s.name]
+        wall = statistics.median(r["wall_s"] for r in reps)
+        rate = statistics.median(r["useful_tokens_per_s"] for r in reps)
+        last = reps[-1]
+        busy = statistics.median(sum(d["busy_s"] for d in r["devices"]) for r in reps)
+        hit = last["cache_hit_rate"]
+        print(f"| {s.name} | {wall:.2f} | {rate:,.0f} | {base / wall:.2f} | {100 * last['padding_waste']:.2f}% | "
+              f"{'-' if not hit else f'{100 * hit:.2f}%'} | {last['batches']} | {oracle_s / wall:.2f} | "
+              f"{100 * max(0.0, wall - busy) / wall:.1f}% |")
+    print(f"\noracle (zero padding, every token computed): {oracle_s:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
