@@ -14,15 +14,8 @@ from forge.batching import ItemPacker
 
 
 class ShortestFirst(ItemPacker):
-    def add(self, item):
-        super().add(item)
-        self._sorted = False
-
-    def cut(self, key, device, drain):
-        if not self._sorted:
-            self._queue = type(self._queue)(sorted(self._queue, key=lambda it: it.num_tokens))
-            self._sorted = True
-        return super().cut(key, device, drain)
+    def priority(self, item):
+        return item.num_tokens  # lower runs first
 
 
 @hookimpl

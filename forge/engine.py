@@ -112,10 +112,14 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     in_flight = [0]
     errors: list[BaseException] = []
 
+    scheduler_s = [0.0]  # time spent deciding what runs (admission and tokenizing included)
+
     def next_batch(device: Device) -> Batch | None:
         with cond:
             while not errors:
+                t0 = time.perf_counter()
                 batch = scheduler.schedule(device)
+                scheduler_s[0] += time.perf_counter() - t0
                 if batch is not None:
                     in_flight[0] += 1
                     pm.hook.forge_batch_routed(run=run, batch=batch, device=device)
@@ -183,5 +187,6 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         tallies=tallies,
         predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
-        extra={"outputs": outputs, "max_window_items": scheduler.max_window_seen},
+        extra={"outputs": outputs, "max_window_items": scheduler.max_window_seen,
+               "scheduler_s": round(scheduler_s[0], 4)},
     )

@@ -94,3 +94,10 @@ def test_run_with_user_config_dir(cli, tmp_path):
     assert [d["name"] for d in report["devices"]] == ["lab0"]
     result = cli.invoke(app, ["plan", "--config-dir", str(tmp_path / "conf"), "devices=lab", "input.limit=10"])
     assert result.exit_code == 0 and "lab0" in result.output
+
+
+def test_plan_plot_draws_item_beside_token(cli, tmp_path):
+    png = tmp_path / "geometry.png"
+    result = cli.invoke(app, ["plan", "--plot", str(png), "input.limit=120", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

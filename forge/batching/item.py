@@ -8,6 +8,8 @@ Rows hold whole sequences: every row runs its own prefix.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 
 from forge.batching.base import GroupInfo, Packer
@@ -24,40 +26,51 @@ class ItemPacker(Packer):
         self.batch_size = batch_size
         self.order = order
         self.batch_overhead_tokens = batch_overhead_tokens
-        self._queue: deque[Item] = deque()
+        self._queue: deque[Item] = deque()  # arrival order
+        self._heap: list[tuple[int, int, Item]] = []  # longest first, ties in arrival order
+        self._seq = itertools.count()
         self._tokens = 0
-        self._sorted = True
+
+    def priority(self, item: Item) -> int | None:
+        """Lower runs first; None keeps arrival order. Subclasses may reorder here."""
+        return -item.num_tokens if self.order == "length" else None
 
     def add(self, item: Item) -> None:
-        self._queue.append(item)
+        p = self.priority(item)
+        if p is None:
+            self._queue.append(item)
+        else:
+            heapq.heappush(self._heap, (p, next(self._seq), item))
         self._tokens += item.num_tokens
-        self._sorted = False
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._heap)
 
     def groups(self) -> list[GroupInfo]:
-        return [GroupInfo(None, len(self._queue), self._tokens, 0, False)]
+        return [GroupInfo(None, len(self), self._tokens, 0, False)]
+
+    def _peek(self) -> Item | None:
+        if self._heap:
+            return self._heap[0][2]
+        return self._queue[0] if self._queue else None
+
+    def _pop(self) -> Item:
+        return heapq.heappop(self._heap)[2] if self._heap else self._queue.popleft()
 
     def cut(self, key: str | None, device: Device, drain: bool) -> Batch | None:
-        q = self._queue
-        if not q or (not drain and len(q) < self.batch_size):
+        if not len(self) or (not drain and len(self) < self.batch_size):
             return None
-        if self.order == "length" and not self._sorted:
-            self._queue = q = deque(sorted(q, key=lambda it: -it.num_tokens))
-            self._sorted = True
         lim = device.limits
         rows: list[list[Item]] = []
         longest = 0
-        while q and len(rows) < min(self.batch_size, lim.max_rows):
-            n = q[0].num_tokens
-            if n > lim.max_seq_len:
+        while (item := self._peek()) is not None and len(rows) < min(self.batch_size, lim.max_rows):
+            if item.num_tokens > lim.max_seq_len:
                 break
-            new_longest = max(longest, n)
+            new_longest = max(longest, item.num_tokens)
             if lim.pad(new_longest) * (len(rows) + 1) > lim.max_batch_tokens:
                 break
             longest = new_longest
-            rows.append([q.popleft()])
+            rows.append([self._pop()])
         if not rows:
             return None
         self._tokens -= sum(r[0].num_tokens for r in rows)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
 from forge.geometry import Device
@@ -34,9 +36,10 @@ class CostModel:
         )
         return self.weight_bytes + rows * per_row
 
-    def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:
+    def max_rows(self, budget_bytes: int, padded_len, prefix_len: int = 0):
+        """Rows of `padded_len` (an int or an array of them) that fit `budget_bytes`."""
         per_row = self.step_bytes(1, padded_len, prefix_len) - self.weight_bytes
-        return max(0, (budget_bytes - self.weight_bytes) // per_row)
+        return np.maximum(0, (budget_bytes - self.weight_bytes) // per_row)
 
     @classmethod
     def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
@@ -69,6 +72,6 @@ class MemoryPacker(TokenPacker):
             )
         return budget
 
-    def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
+    def row_cap(self, padded_len, prefix_len: int, device: Device):
         rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
-        return min(super().row_cap(padded_len, prefix_len, device), rows)
+        return np.minimum(super().row_cap(padded_len, prefix_len, device), rows)

@@ -34,7 +34,7 @@ from forge.geometry import Batch, Device, Item
 class _Group:
     """Waiting items of one prefix key, bucketed by row length."""
 
-    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "count", "tokens")
+    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "sizes", "count", "tokens")
 
     def __init__(self, key: str | None, prefix_len: int, offset: int):
         self.key = key
@@ -42,26 +42,32 @@ class _Group:
         self.offset = offset  # tokens of each item outside its row (the split prefix)
         self.buckets: dict[int, list[Item]] = {}  # row length -> items
         self.lengths: list[int] = []  # row lengths that have items, ascending
+        self.sizes: list[int] = []  # items per entry of `lengths`
         self.count = 0  # items waiting
         self.tokens = 0  # row tokens waiting
 
     def add(self, item: Item) -> None:
         n = item.num_tokens - self.offset
         bucket = self.buckets.get(n)
+        i = bisect.bisect_left(self.lengths, n)
         if bucket is None:
             self.buckets[n] = [item]
-            bisect.insort(self.lengths, n)
+            self.lengths.insert(i, n)
+            self.sizes.insert(i, 1)
         else:
             bucket.append(item)
+            self.sizes[i] += 1
         self.count += 1
         self.tokens += n
 
     def pop(self, n: int) -> Item:
         bucket = self.buckets[n]
         item = bucket.pop()
-        if not bucket:
-            del self.buckets[n]
-            del self.lengths[bisect.bisect_left(self.lengths, n)]
+        i = bisect.bisect_left(self.lengths, n)
+        if bucket:
+            self.sizes[i] -= 1
+        else:
+            del self.buckets[n], self.lengths[i], self.sizes[i]
         self.count -= 1
         self.tokens -= n
         return item
@@ -130,10 +136,11 @@ class TokenPacker(Packer):
                 del self._groups[key]
         return batch
 
-    def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
-        """Most rows of `padded_len` slots one step may hold. Memory mode narrows this."""
+    def row_cap(self, padded_len, prefix_len: int, device: Device):
+        """Most rows of `padded_len` slots (an int or an array of them) one step may hold.
+        Memory mode narrows this."""
         lim = device.limits
-        return min(lim.max_rows, lim.max_batch_tokens // padded_len)
+        return np.minimum(lim.max_rows, lim.max_batch_tokens // padded_len)
 
     def _cut_rows(self, g: _Group, device: Device, drain: bool) -> Batch | None:
         lim = device.limits
@@ -142,8 +149,8 @@ class TokenPacker(Packer):
             return None
         if not drain and g.tokens < self.ready_batches * lim.max_batch_tokens:
             return None
-        lengths = np.array(g.lengths[:hi][::-1], dtype=np.int64)  # distinct row lengths, descending
-        counts = np.array([len(g.buckets[n]) for n in lengths.tolist()], dtype=np.int64)
+        lengths = np.array(g.lengths[hi - 1::-1], dtype=np.int64)  # distinct row lengths, descending
+        counts = np.array(g.sizes[hi - 1::-1], dtype=np.int64)
         first = np.concatenate(([0], np.cumsum(counts)))  # index of each length's first item
         before = np.concatenate(([0], np.cumsum(lengths * counts)))  # tokens of the items before it
         total = int(first[-1])
@@ -153,10 +160,9 @@ class TokenPacker(Packer):
             i = np.minimum(np.searchsorted(first, m, side="right") - 1, len(lengths) - 1)
             return before[i] + (m - first[i]) * lengths[i]
 
-        pad = np.vectorize(lim.pad, otypes=[np.int64])(lengths) if lim.pad_multiple > 1 else lengths
-        prefix = g.prefix_len if g.offset else 0
-        caps = np.array([self.row_cap(int(p), prefix, device) for p in pad.tolist()], dtype=np.int64)
-        caps = np.minimum(caps, total - first[:-1])
+        m = lim.pad_multiple
+        pad = -(-lengths // m) * m
+        caps = np.minimum(self.row_cap(pad, g.prefix_len if g.offset else 0, device), total - first[:-1])
         overhead = self.overhead_tokens(device)
         # the best full batch headed by each length: useful tokens per unit of step cost
         useful = tokens_upto(first[:-1] + caps) - before[:-1]
@@ -191,7 +197,7 @@ class TokenPacker(Packer):
         n_rows = min(lim.max_rows, -(-lim.max_batch_tokens // row_cap))
         row_len = lim.max_batch_tokens // n_rows
         row_len = max(lim.pad(longest), min(row_cap, row_len - row_len % lim.pad_multiple))
-        n_rows = min(n_rows, self.row_cap(row_len, off, device))
+        n_rows = min(n_rows, int(self.row_cap(row_len, off, device)))
         if n_rows < 1:
             return None
         fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
@@ -222,7 +228,7 @@ class TokenPacker(Packer):
         loads = [(0, r) for r in range(min(n_rows, max(1, -(-total // fill))))]  # (tokens, row) heap
         rows: list[list[Item]] = [[] for _ in loads]
         for n in reversed(fitting):
-            for _ in range(len(g.buckets[n])):
+            for _ in range(len(g.buckets[n])):  # pops may empty the bucket: count first
                 load, r = loads[0]
                 if load + n <= fill:
                     heapq.heapreplace(loads, (load + n, r))
