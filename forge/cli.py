@@ -48,12 +48,35 @@ def run(ctx: typer.Context) -> None:
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
 
+    try:
+        _precheck(ctx.args)
+    except ForgeError as exc:
+        _fail(exc)
     saved = sys.argv
     sys.argv = ["forge run", *ctx.args]
     try:
         task()
     finally:
         sys.argv = saved
+
+
+def _precheck(args: list[str]) -> None:
+    """Compose once before Hydra runs, so a bad choice or key is one clear line.
+    Sweeps and Hydra's own flags (other than --config-dir) are left to Hydra."""
+    overrides, config_dir, i = [], None, 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--config-dir", "-cd") and i + 1 < len(args):
+            config_dir, i = Path(args[i + 1]), i + 2
+            continue
+        if a.startswith("--config-dir="):
+            config_dir = Path(a.split("=", 1)[1])
+        elif a.startswith("-"):
+            return
+        else:
+            overrides.append(a)
+        i += 1
+    compose(overrides, config_dir)
 
 
 def _execute(cfg, run_dir: Path) -> dict[str, Any]:
@@ -71,12 +94,15 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) to a PNG."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+    compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
     """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
     from forge.config import build_spec
     from forge.plan import plan as make_plan
     from forge.plugins import make_plugin_manager
 
+    if compare:
+        return _compare(ctx.args, config_dir, as_json)
     try:
         cfg = compose(ctx.args, config_dir)
         report = make_plan(build_spec(cfg, None), make_plugin_manager(), keep_batches=plot is not None)
@@ -99,6 +125,72 @@ def plan(
         print_summary(report)
         if plot is not None:
             console.print(f"plot: {plot}")
+
+
+def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
+    """One plan per batching mode with a config file, side by side."""
+    from forge.config import build_spec, conf_dir
+    from forge.plan import plan as make_plan
+    from forge.plugins import make_plugin_manager
+
+    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
+    modes = sorted({p.stem for d in dirs for p in (Path(d) / "batching").glob("*.yaml")})
+    plans = {}
+    try:
+        for mode in modes:
+            spec = build_spec(compose([*overrides, f"batching={mode}"], config_dir), None)
+            plans[mode] = make_plan(spec, make_plugin_manager())
+    except ForgeError as exc:
+        _fail(exc)
+    if as_json:
+        for p in plans.values():
+            p.pop("config", None)
+        console.print_json(json.dumps(plans, default=str))
+        return
+    table = Table(title="plans side by side")
+    for col in ("mode", "batches", "padded slots", "padding waste", "cache hit rate", "cache misses", "balanced"):
+        table.add_column(col)
+    for mode, p in plans.items():
+        hit = p["cache_hit_rate"]
+        table.add_row(mode, f"{p['batches']:,}", f"{p['tokens']['padded_slots']:,}", f"{100 * p['padding_waste']:.2f}%",
+                      "-" if hit is None else f"{100 * hit:.2f}%",
+                      ", ".join(f"{d['name']}: {d['cache_misses']}" for d in p["devices"]),
+                      "yes" if p["balanced"] else "NO")
+    console.print(table)
+
+
+@app.command(context_settings=EXTRA)
+def calibrate(
+    ctx: typer.Context,
+    items: int = typer.Option(256, "--items", help="How many input items to time batches of."),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+) -> None:
+    """Measure each device's per-step overhead in token-equivalents (for batch_overhead_tokens)."""
+    from itertools import islice
+
+    from forge.calibrate import calibrate as measure
+    from forge.config import build_spec
+    from forge.geometry import Item
+
+    try:
+        spec = build_spec(compose(ctx.args, config_dir), None)
+        sample = [r for r in islice(spec.function.records(), items) if isinstance(r, Item)]
+        table = Table(title="per-step overhead")
+        for col in ("device", "s per step", "us per slot", "batch_overhead_tokens"):
+            table.add_column(col)
+        for device in spec.devices:
+            worker = spec.function.open_worker(device, 0)
+            try:
+                c = measure(worker, device, sample)
+            finally:
+                worker.close()
+            table.add_row(device.name, f"{c.seconds_per_step:.4f}", f"{1e6 * c.seconds_per_slot:.2f}",
+                          str(c.overhead_tokens))
+    except ForgeError as exc:
+        _fail(exc)
+    console.print(table)
+    console.print("Put the number in the device's inventory entry (batch_overhead_tokens) "
+                  "or in batching.batch_overhead_tokens.")
 
 
 @app.command(name="ls", context_settings=EXTRA)

@@ -70,6 +70,7 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool) -> tuple[Run
         run_dir=spec.run_dir,
         config=spec.config,
         dry_run=dry_run,
+        expected_items=None if dry_run else spec.function.expected_items(),
     )
     pm.hook.forge_run_start(run=run)
     modes = {name: factory for name, (factory, _) in batching_modes(pm).items()}

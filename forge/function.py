@@ -59,6 +59,10 @@ class Function(ABC):
         """Paths used, for the report: at least `model` and `input`."""
         return {}
 
+    def expected_items(self) -> int | None:
+        """How many records the input holds, if cheap to know (for the progress bar)."""
+        return None
+
     def warnings(self) -> list[str]:
         """Warnings found while reading the input (each said once)."""
         return []

@@ -67,3 +67,13 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
         for row in batch.to_pylist():
             yield index, row
             index += 1
+
+
+def count_rows(path: Path) -> int:
+    """Rows in a JSONL (non-blank lines) or Parquet file (from its metadata)."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())

@@ -39,16 +39,23 @@ class TokenLRU:
     def can_store(self, tokens: int) -> bool:
         return 0 < tokens <= self.capacity_tokens
 
-    def put(self, key: Hashable, value: Any, tokens: int) -> None:
+    def put(self, key: Hashable, value: Any, tokens: int) -> bool:
         """Store `value` under `key`, evicting least recently used entries to make room.
-        A value larger than the whole capacity is not stored."""
+        A value larger than the whole capacity is not stored (and an older value under the
+        same key is dropped, so nothing stale remains). Returns whether it was stored."""
         if key in self._entries:
             self.tokens -= self._entries.pop(key)[1]
         if not self.can_store(tokens):
-            return
+            return False
         while self.tokens + tokens > self.capacity_tokens:
             _, (_, old) = self._entries.popitem(last=False)
             self.tokens -= old
             self.evictions += 1
         self._entries[key] = (value, tokens)
         self.tokens += tokens
+        return True
+
+    def clear(self) -> None:
+        """Drop every entry (counters are kept)."""
+        self._entries.clear()
+        self.tokens = 0

@@ -19,6 +19,7 @@ class RunContext:
     run_dir: Path | None  # where outputs go; None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config, plain containers
     dry_run: bool = False  # true for `forge plan`: nothing runs, timings are simulated
+    expected_items: int | None = None  # records in the input, when known (progress bar total)
     state: dict[str, Any] = field(default_factory=dict)  # per-plugin state, keyed by plugin name
 
 

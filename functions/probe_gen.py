@@ -19,7 +19,7 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import check_input, read_rows
+from forge.inputs import check_input, count_rows, read_rows
 from forge.run import Rejected
 
 EMBEDDED = "embedded:"
@@ -76,6 +76,10 @@ class ProbeGen(Function):
         self._config = None
         self._tokenizer = None
         self._check_layers()
+        c = self.config
+        # only a causal decoder may share a prefix's KV; encoders see the whole sequence
+        self.causal = not getattr(c, "is_encoder_decoder", False) and (
+            getattr(c, "is_decoder", False) or any(a.endswith("ForCausalLM") for a in c.architectures or []))
 
     # -- model description (no weights) -----------------------------------------
     @property
@@ -122,6 +126,10 @@ class ProbeGen(Function):
 
     def describe(self) -> dict[str, Any]:
         return {"model": self._model_path or self.source, "input": str(self.input_path)}
+
+    def expected_items(self) -> int | None:
+        rows = count_rows(self.input_path)
+        return rows if self.input_limit is None else min(rows, self.input_limit)
 
     def warnings(self) -> list[str]:
         return list(self._warnings)

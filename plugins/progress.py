@@ -46,7 +46,7 @@ class _Bar:
 def forge_run_start(run):
     if run.dry_run or not Console(stderr=True).is_terminal:
         return
-    run.state[NAME] = _Bar(run.config.get("_expected_items"))
+    run.state[NAME] = _Bar(run.expected_items)
 
 
 @hookimpl

@@ -101,3 +101,38 @@ def test_plan_plot_draws_item_beside_token(cli, tmp_path):
     result = cli.invoke(app, ["plan", "--plot", str(png), "input.limit=120", *SMALL])
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_calibration_batches_and_fit():
+    from forge.calibrate import calibration_batches, fit
+    from forge.geometry import Device, Item, Limits
+
+    items = [Item(str(i), 20 + i % 3) for i in range(200)]
+    batches = calibration_batches(items, Device("d", Limits(2048, 64, 64)))
+    assert [b.num_rows for b in batches] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(b.padded_slots <= 2048 and b.padding >= 0 for b in batches)
+    a, b = fit([(slots, 0.002 + 1e-6 * slots) for slots in (22, 88, 352, 1408)])
+    assert abs(a / b - 2000) < 1e-6 * 2000
+
+
+def test_calibrate_command_runs(cli):
+    result = cli.invoke(app, ["calibrate", "--items", "64", "input.limit=64", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "batch_overhead_tokens" in result.output and "cpu" in result.output
+
+
+def test_plan_compare_modes(cli):
+    result = cli.invoke(app, ["plan", "--compare", "--json", "input.limit=150", *SMALL])
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)
+    assert set(plans) == {"item", "token", "memory"}
+    assert all(p["balanced"] and p["items"]["completed"] == 150 for p in plans.values())
+    assert plans["token"]["tokens"]["padded_slots"] < plans["item"]["tokens"]["padded_slots"]
+    assert plans["item"]["cache_hit_rate"] == 0 and plans["token"]["cache_hit_rate"] > 0.9
+
+
+def test_run_unknown_mode_is_one_clear_line(cli, tmp_path):
+    result = cli.invoke(app, ["run", "batching=bogus", f"output_dir={tmp_path}"])
+    assert result.exit_code == 2
+    assert "error:" in result.output and "item" in result.output and "token" in result.output
+    assert not (tmp_path / "report.json").exists()

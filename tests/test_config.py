@@ -76,3 +76,16 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
     spec = build_spec(cli_compose(["devices=lab"], tmp_path), None)
     assert [(d.name, d.limits.max_batch_tokens, d.limits.pad_multiple) for d in spec.devices] == [
         ("big", 8192, 8), ("small", 2048, 1)]
+
+
+def test_a_non_causal_function_cannot_share_prefixes(pm):
+    from forge.engine import prepare
+
+    spec = spec_for("batching=token")
+    assert spec.function.causal  # the embedded Llama is a causal decoder
+    spec.function.causal = False
+    with pytest.raises(ForgeError, match="not causal; set batching.prefix_cache=false"):
+        prepare(spec, pm, dry_run=True)
+    spec = spec_for("batching=token", "batching.prefix_cache=false")
+    spec.function.causal = False
+    prepare(spec, pm, dry_run=True)  # whole rows are fine

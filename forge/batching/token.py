@@ -5,6 +5,8 @@ its rows share one prefix, which runs once per batch and can be served from the 
 prefix cache; rows then hold only the suffixes. Inside a group, items sit in buckets by
 row length, so a cut costs O(distinct lengths), not O(items).
 
+* Without the prefix cache (`prefix_cache=false`, rows only) rows hold whole sequences, so
+  all items form one group sorted by total length.
 * Rows per sequence (`packing=rows`): a batch is a run of consecutive lengths, padded to
   the longest. A step costs its padded slots plus a fixed overhead in token-equivalents
   (`batch_overhead_tokens`), so the packer takes the run (head length and row count) with
@@ -102,9 +104,18 @@ class TokenPacker(Packer):
 
     # -- window -----------------------------------------------------------------
     def add(self, item: Item) -> None:
+        if not self.split_prefix:
+            # Rows hold whole sequences and every row runs its own prefix: sharing one buys
+            # nothing, so one group sorted by total length packs tightest.
+            g = self._groups.get(None)
+            if g is None:
+                g = self._groups[None] = _Group(None, 0, 0)
+            g.add(item)
+            self._count += 1
+            return
         g = self._groups.get(item.prefix_key)
         if g is None:
-            offset = item.prefix_len if (self.split_prefix and item.prefix_key is not None) else 0
+            offset = item.prefix_len if item.prefix_key is not None else 0
             g = self._groups[item.prefix_key] = _Group(item.prefix_key, item.prefix_len, offset)
         elif item.prefix_len != g.prefix_len:
             raise ForgeError(
@@ -128,6 +139,8 @@ class TokenPacker(Packer):
         g = self._groups.get(key)
         if g is None:
             return None
+        if not drain and g.tokens < self.ready_batches * device.limits.max_batch_tokens:
+            return None  # not enough waiting to fill a batch well: wait for more, or a drain
         cut = self._cut_packed if self.packing == "packed" else self._cut_rows
         batch = cut(g, device, drain)
         if batch is not None:
@@ -146,8 +159,6 @@ class TokenPacker(Packer):
         lim = device.limits
         hi = bisect.bisect_right(g.lengths, lim.max_seq_len - g.offset)  # longer ones wait for a bigger device
         if hi == 0:
-            return None
-        if not drain and g.tokens < self.ready_batches * lim.max_batch_tokens:
             return None
         lengths = np.array(g.lengths[hi - 1::-1], dtype=np.int64)  # distinct row lengths, descending
         counts = np.array(g.sizes[hi - 1::-1], dtype=np.int64)
@@ -201,8 +212,6 @@ class TokenPacker(Packer):
         if n_rows < 1:
             return None
         fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
-        if not drain and g.tokens < max(self.ready_batches, 1.0) * n_rows * fill:
-            return None
         if g.tokens <= n_rows * fill:
             return self._last_packed(g, n_rows, fill, lim)
         rows: list[list[Item]] = []

@@ -6,9 +6,10 @@ Plain Python, one job (not thread-safe). Entries are opaque except for their `le
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from forge.lru import TokenLRU
 
 
 @dataclass(slots=True)
@@ -27,76 +28,26 @@ class PrefixEntry:
     last_hidden: dict[int, Any] = field(default_factory=dict)
 
 
-class PrefixCache:
-    """LRU over prefix_key -> entry, holding at most `capacity_tokens` prefix tokens.
+class PrefixCache(TokenLRU):
+    """LRU over prefix_key -> PrefixEntry, holding at most `capacity_tokens` prefix tokens.
 
     capacity_tokens <= 0 disables the cache: `put` never stores and `get` always misses.
+    The scheduler predicts hits with a `TokenLRU` of the same capacity and policy.
     """
-
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = int(capacity_tokens)
-        self._entries: OrderedDict[Any, Any] = OrderedDict()
-        self._tokens = 0
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
 
     @property
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    @property
-    def tokens(self) -> int:
-        """Prefix tokens currently held."""
-        return self._tokens
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: Any) -> Any | None:
-        """The entry for `key` (now the most recently used), or None. Counts a hit or a miss."""
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry
-
-    def put(self, key: Any, entry: Any) -> bool:
-        """Store `entry` as the most recently used; evict LRU entries until it fits.
-
-        Returns whether it was stored. An entry longer than the capacity is not stored
-        (and any older entry under the same key is dropped, so nothing stale remains).
-        """
-        size = int(entry.length)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._tokens -= int(old.length)
-        if not self.enabled or size > self.capacity_tokens:
-            return False
-        while self._entries and self._tokens + size > self.capacity_tokens:
-            _, evicted = self._entries.popitem(last=False)
-            self._tokens -= int(evicted.length)
-            self.evictions += 1
-        self._entries[key] = entry
-        self._tokens += size
-        return True
-
-    def clear(self) -> None:
-        """Drop every entry (counters are kept)."""
-        self._entries.clear()
-        self._tokens = 0
+    def put(self, key: Any, entry: PrefixEntry) -> bool:  # type: ignore[override]
+        return super().put(key, entry, int(entry.length))
 
     def stats(self) -> dict[str, int]:
         return {
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
-            "entries": len(self._entries),
-            "tokens": self._tokens,
+            "entries": len(self),
+            "tokens": self.tokens,
             "capacity_tokens": self.capacity_tokens,
         }
