@@ -7,16 +7,14 @@ and a device's four limits. The scheduler owns routing; the packer owns cutting.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item
 
 
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """What waits under one group key (a prefix key, or None)."""
+class GroupInfo(NamedTuple):
+    """What waits under one group key (a prefix key, or None). A tuple: built per request."""
 
     key: str | None  # prefix key shared by the group's items; None for mixed/no prefix
     items: int  # waiting items
