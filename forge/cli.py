@@ -116,8 +116,7 @@ def plan(
             plot_plans(pair, plot)
     except ForgeError as exc:
         _fail(exc)
-    batches = report.pop("_batches", None)
-    del batches
+    report.pop("_batches", None)
     if as_json:
         report.pop("config", None)
         console.print_json(json.dumps(report, default=str))

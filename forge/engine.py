@@ -189,5 +189,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
         extra={"outputs": outputs, "max_window_items": scheduler.max_window_seen,
-               "scheduler_s": round(scheduler_s[0], 4)},
+               "scheduler_s": round(scheduler_s[0], 4),
+               # devices that could not run (the others finished the work)
+               "device_errors": [f"{type(e).__name__}: {e}" for e in errors]},
     )
