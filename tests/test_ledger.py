@@ -26,7 +26,8 @@ def test_clean_run_balances(tmp_path):
     assert report["items"] == {"received": 60, "completed": 60, "failed": 0, "skipped": 0}
     t = report["tokens"]
     assert t["received"] == t["routed"] == t["completed"] > 0
-    assert t["padding"] == sum(0 for _ in ()) + t["padding"] >= 0
+    assert 0 <= t["padding"] < t["padded_slots"]
+    assert report["padding_waste"] == round(t["padding"] / t["padded_slots"], 6)
     assert t["cache_hit"] <= t["prefix"]
 
 

@@ -164,3 +164,13 @@ def test_memory_mode_gives_a_bigger_card_bigger_batches():
     assert b_small.num_rows == 50
     assert b_big.num_rows == 100
     assert cost.step_bytes(b_big.num_rows, b_big.padded_len) <= big.memory_bytes
+
+
+def test_the_packer_side_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, plugins.batching, "
+            "plugins.ledger; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
