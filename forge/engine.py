@@ -79,6 +79,8 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool) -> tuple[Run
     if factory is not None and "cost_model" in inspect.signature(factory).parameters:
         options["cost_model"] = spec.function.cost_model()
     packer = create_packer(modes, spec.mode, options)
+    for device in spec.devices:
+        packer.check_device(device)
     splits = getattr(packer, "split_prefix", False)
     if splits and not spec.function.causal:
         raise ForgeError(

@@ -73,6 +73,7 @@ class ProbeGen(Function):
         self.source = resolve_model_source(self.model.name)
         self._model_path: str | None = None
         self._warnings: list[str] = []
+        self._prefixes: dict[str, tuple[str, list[int]]] = {}  # prefix text -> (key, token ids)
         self._config = None
         self._tokenizer = None
         self._check_layers()
@@ -177,13 +178,13 @@ class ProbeGen(Function):
             yield Item(rid, len(prefix_ids) + len(text_ids), key, len(prefix_ids),
                        prefix_ids + text_ids, (index, row.get("label")))
 
-    def _prefix(self, prefix: str, _seen: dict | None = None) -> tuple[str, list[int]]:
-        cache = self.__dict__.setdefault("_prefixes", {})
-        hit = cache.get(prefix)
+    def _prefix(self, prefix: str) -> tuple[str, list[int]]:
+        """(prefix key, token ids) of a prefix, tokenized once."""
+        hit = self._prefixes.get(prefix)
         if hit is None:
             ids = self.tokenizer(prefix, add_special_tokens=True)["input_ids"]
             key = hashlib.sha1(prefix.encode()).hexdigest()[:12]
-            hit = cache[prefix] = (key, ids)
+            hit = self._prefixes[prefix] = (key, ids)
             if prefix != prefix.rstrip(" \t\r\f\v"):
                 self._warnings.append(
                     f"prefix {key} ends in whitespace: tokenizing it apart from the text can differ from "

@@ -89,3 +89,11 @@ def test_a_non_causal_function_cannot_share_prefixes(pm):
     spec = spec_for("batching=token", "batching.prefix_cache=false")
     spec.function.causal = False
     prepare(spec, pm, dry_run=True)  # whole rows are fine
+
+
+def test_memory_mode_checks_budgets_before_any_work(pm):
+    from forge.engine import prepare
+
+    spec = spec_for("batching=memory", "devices=cpu", "devices.inventory.0.memory_gb=0.001")
+    with pytest.raises(ForgeError, match="device cpu has 0.001 GB, not more than the model's"):
+        prepare(spec, pm, dry_run=True)

@@ -47,6 +47,9 @@ class Packer(ABC):
     def __len__(self) -> int:
         """Items waiting in the window."""
 
+    def check_device(self, device: Device) -> None:
+        """Raise ForgeError if this mode cannot serve `device` (checked before any work)."""
+
     def overhead_tokens(self, device: Device) -> int:
         """Per-step cost in token slots used when weighing batch size against padding."""
         if device.batch_overhead_tokens is not None:

@@ -18,6 +18,8 @@ from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
 from forge.geometry import Device
 
+GB = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
@@ -71,6 +73,14 @@ class MemoryPacker(TokenPacker):
                 "devices entry or batching.default_memory_gb"
             )
         return budget
+
+    def check_device(self, device: Device) -> None:
+        budget = self.budget(device)
+        if budget <= self.cost_model.weight_bytes:
+            raise ForgeError(
+                f"batching=memory: device {device.name} has {budget / GB:.3f} GB, not more than the "
+                f"model's {self.cost_model.weight_bytes / GB:.3f} GB of weights; raise its memory_gb"
+            )
 
     def row_cap(self, padded_len, prefix_len: int, device: Device):
         rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
