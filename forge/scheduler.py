@@ -8,11 +8,17 @@ first a full one, then, when none is ready, whatever fits. It tracks each device
 prefix cache with the same LRU policy and capacity the device uses, so predicted hits
 are the hits the device will see. Failed batches come back through `requeue` and run
 first, one item per batch.
+
+Per-batch cost is kept flat: the window refills in chunks (a sixteenth of it at a time,
+or all of it before anything is drained), and a device keeps cutting from the prefix
+group it ran last while that group is ready and cached there, which is where the full
+affinity order would send it anyway.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Iterable, Iterator
 
 from forge.batching.base import Packer
@@ -40,6 +46,8 @@ class Scheduler:
         self.cache_misses = {d.name: 0 for d in devices}
         self._retries: deque[Item] = deque()
         self._seq = 0
+        self._refill_chunk = max(1, self.window // 16)  # refill once this much room is free
+        self._last_key: dict[str, str | None] = {}  # device -> prefix group it cut last
 
     # -- state ------------------------------------------------------------------
     @property
@@ -69,23 +77,35 @@ class Scheduler:
         """Items of a failed batch: each runs again on its own, before new work."""
         self._retries.extend(items)
 
-    def _refill(self) -> None:
-        packer, it = self.packer, self._items
-        while not self.exhausted and len(packer) < self.window:
-            item = next(it, None)
-            if item is None:
-                self.exhausted = True
-            else:
-                packer.add(item)
-        self.max_window_seen = max(self.max_window_seen, len(packer))
+    def _refill(self, full: bool = False) -> bool:
+        """Top the window up (only once a chunk's worth is free, unless `full`). True if it grew."""
+        room = self.window - len(self.packer)
+        if self.exhausted or room <= 0 or (room < self._refill_chunk and not full):
+            return False
+        chunk = list(islice(self._items, room))
+        if len(chunk) < room:
+            self.exhausted = True
+        self.packer.add_many(chunk)
+        self.max_window_seen = max(self.max_window_seen, len(self.packer))
+        return bool(chunk)
 
     def _cut(self, device: Device) -> Batch | None:
-        order = self._affinity_order(device)
-        for drain in (False, True):
-            for key in order:
-                batch = self.packer.cut(key, device, drain)
-                if batch is not None:
-                    return batch
+        last = self._last_key.get(device.name, self)  # `self`: no group yet
+        if last is not self and last in self.caches[device.name]:
+            batch = self.packer.cut(last, device, False)  # same group, still ready: no reordering
+            if batch is not None:
+                return batch
+        batch = self._first_ready(device, drain=False)
+        if batch is None and self._refill(full=True):  # nothing ready: fill the window first
+            batch = self._first_ready(device, drain=False)
+        return batch or self._first_ready(device, drain=True)
+
+    def _first_ready(self, device: Device, drain: bool) -> Batch | None:
+        for key in self._affinity_order(device):
+            batch = self.packer.cut(key, device, drain)
+            if batch is not None:
+                self._last_key[device.name] = batch.prefix_key
+                return batch
         return None
 
     def _affinity_order(self, device: Device) -> list[str | None]:

@@ -7,7 +7,7 @@ and a device's four limits. The scheduler owns routing; the packer owns cutting.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item
@@ -26,7 +26,7 @@ class GroupInfo(NamedTuple):
 class Packer(ABC):
     """Holds admitted items and cuts batches for a device on request.
 
-    `add` admits one item; `groups` says what waits; `cut(key, device, drain)` removes and
+    `add`/`add_many` admit items; `groups` says what waits; `cut(key, device, drain)` removes and
     returns the next batch of group `key` for `device` (None when the group should wait for
     more items, which only happens when `drain` is false).
     """
@@ -36,6 +36,11 @@ class Packer(ABC):
 
     @abstractmethod
     def add(self, item: Item) -> None: ...
+
+    def add_many(self, items: Iterable[Item]) -> None:
+        """Admit items in order. Packers override this when one loop beats many calls."""
+        for item in items:
+            self.add(item)
 
     @abstractmethod
     def groups(self) -> list[GroupInfo]: ...

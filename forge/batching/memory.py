@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
 from forge.geometry import Device
@@ -38,10 +36,10 @@ class CostModel:
         )
         return self.weight_bytes + rows * per_row
 
-    def max_rows(self, budget_bytes: int, padded_len, prefix_len: int = 0):
-        """Rows of `padded_len` (an int or an array of them) that fit `budget_bytes`."""
+    def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:
+        """Rows of `padded_len` slots that fit `budget_bytes`."""
         per_row = self.step_bytes(1, padded_len, prefix_len) - self.weight_bytes
-        return np.maximum(0, (budget_bytes - self.weight_bytes) // per_row)
+        return max(0, (budget_bytes - self.weight_bytes) // per_row)
 
     @classmethod
     def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
@@ -82,6 +80,6 @@ class MemoryPacker(TokenPacker):
                 f"model's {self.cost_model.weight_bytes / GB:.3f} GB of weights; raise its memory_gb"
             )
 
-    def row_cap(self, padded_len, prefix_len: int, device: Device):
+    def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
         rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
-        return np.minimum(super().row_cap(padded_len, prefix_len, device), rows)
+        return min(super().row_cap(padded_len, prefix_len, device), rows)
