@@ -9,7 +9,7 @@ prefix cache with the same LRU policy and capacity the device uses, so predicted
 are the hits the device will see. Failed batches come back through `requeue` and run
 first, one item per batch.
 
-Per-batch cost is kept flat: the window refills in chunks (a sixteenth of it at a time,
+Per-batch cost is kept flat: the window refills in chunks (a quarter of it at a time,
 or all of it before anything is drained), and a device keeps cutting from the prefix
 group it ran last while that group is ready and cached there, which is where the full
 affinity order would send it anyway.
@@ -46,7 +46,7 @@ class Scheduler:
         self.cache_misses = {d.name: 0 for d in devices}
         self._retries: deque[Item] = deque()
         self._seq = 0
-        self._refill_chunk = max(1, self.window // 16)  # refill once this much room is free
+        self._refill_chunk = max(1, self.window // 4)  # refill once this much room is free
         self._last_key: dict[str, str | None] = {}  # device -> prefix group it cut last
 
     # -- state ------------------------------------------------------------------

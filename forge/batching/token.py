@@ -40,7 +40,7 @@ class _Group:
     batch spans, not with its items.
     """
 
-    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "count", "tokens", "wait_above", "wait_for")
+    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "count", "tokens", "wait_above", "wait_for", "stale_for")
 
     def __init__(self, key: str | None, prefix_len: int, offset: int):
         self.key = key
@@ -54,6 +54,7 @@ class _Group:
         # they wait for company, and a longer arrival clears the mark (rows mode, not draining)
         self.wait_above: int | None = None
         self.wait_for: Device | None = None
+        self.stale_for: Device | None = None  # device that found nothing ready here; an arrival clears it
 
     def take(self, n: int, q: int, out: list[Item]) -> None:
         """Move `q` items of row length `n` into `out`."""
@@ -102,35 +103,53 @@ class TokenPacker(Packer):
         self.add_many((item,))
 
     def add_many(self, items) -> None:
-        # One loop with everything local: this runs once per item of the whole input.
-        groups, split = self._groups, self.split_prefix
-        added = 0
-        for item in items:
-            # Without the cache, rows hold whole sequences and every row runs its own prefix:
-            # sharing one buys nothing, so one group sorted by total length packs tightest.
-            key = item.prefix_key if split else None
-            g = groups.get(key)
-            if g is None:
-                plen = item.prefix_len if key is not None else 0
-                g = groups[key] = _Group(key, plen, plen)
-            elif item.prefix_len != g.prefix_len and key is not None:
-                raise ForgeError(
-                    f"item {item.id!r}: prefix {key!r} has length {item.prefix_len}, "
-                    f"but earlier items gave {g.prefix_len}; one prefix key must mean one token block"
-                )
-            n = item.num_tokens - g.offset
-            if g.wait_above is not None and n > g.wait_above:
-                g.wait_above = None  # company for the waiting tail: look at it again
-            bucket = g.buckets.get(n)
+        # This runs once per item of the whole input, so the per-item work is a few C-level
+        # loops: split by prefix key, then per group read lengths in bulk and bucket them.
+        if self.split_prefix:
+            by_key: dict[str | None, list[Item]] = {}
+            for item in items:
+                lst = by_key.get(item.prefix_key)
+                if lst is None:
+                    by_key[item.prefix_key] = [item]
+                else:
+                    lst.append(item)
+        else:
+            # Rows hold whole sequences and every row runs its own prefix: sharing one buys
+            # nothing, so one group sorted by total length packs tightest.
+            by_key = {None: items if isinstance(items, list) else list(items)}
+        for key, group_items in by_key.items():
+            self._add_group(key, group_items)
+
+    def _add_group(self, key: str | None, items: list[Item]) -> None:
+        if not items:
+            return
+        g = self._groups.get(key)
+        if g is None:
+            plen = items[0].prefix_len if key is not None else 0
+            g = self._groups[key] = _Group(key, plen, plen)
+        if key is not None and {it.prefix_len for it in items} != {g.prefix_len}:
+            bad = next(it for it in items if it.prefix_len != g.prefix_len)
+            raise ForgeError(
+                f"item {bad.id!r}: prefix {key!r} has length {bad.prefix_len}, "
+                f"but earlier items gave {g.prefix_len}; one prefix key must mean one token block"
+            )
+        off = g.offset
+        rows = [it.num_tokens - off for it in items] if off else [it.num_tokens for it in items]
+        buckets, lengths = g.buckets, g.lengths
+        for n, item in zip(rows, items):
+            bucket = buckets.get(n)
             if bucket is None:
-                g.buckets[n] = [item]
-                bisect.insort(g.lengths, n)
+                buckets[n] = [item]
+                bisect.insort(lengths, n)
             else:
                 bucket.append(item)
-            g.count += 1
-            g.tokens += n
-            added += 1
-        self._count += added
+        longest = max(rows)
+        if g.wait_above is not None and longest > g.wait_above:
+            g.wait_above = None  # company for the waiting tail: look at it again
+        g.count += len(rows)
+        g.tokens += sum(rows)
+        g.stale_for = None
+        self._count += len(rows)
 
     def __len__(self) -> int:
         return self._count
@@ -146,11 +165,13 @@ class TokenPacker(Packer):
         g = self._groups.get(key)
         if g is None:
             return None
-        if not drain and g.tokens < self.ready_batches * device.limits.max_batch_tokens:
+        if not drain and (g.stale_for is device or g.tokens < self.ready_batches * device.limits.max_batch_tokens):
             return None  # not enough waiting to fill a batch well: wait for more, or a drain
         count = g.count
         batch = self._cut_packed(g, device) if self.packing == "packed" else self._cut_rows(g, device, drain)
-        if batch is not None:
+        if batch is None:
+            g.stale_for = None if drain else device
+        else:
             self._count -= count - g.count
             if not g.count:
                 del self._groups[key]
