@@ -90,8 +90,8 @@ class Scheduler:
         return bool(chunk)
 
     def _cut(self, device: Device) -> Batch | None:
-        last = self._last_key.get(device.name, self)  # `self`: no group yet
-        if last is not self and last in self.caches[device.name]:
+        last = self._last_key.get(device.name)  # None: no group yet, or one no cache holds
+        if last is not None and last in self.caches[device.name]:
             batch = self.packer.cut(last, device, False)  # same group, still ready: no reordering
             if batch is not None:
                 return batch
