@@ -28,9 +28,10 @@ def items(n: int = 3000, n_prefixes: int = 12, seed: int = 0, vocab: int | None 
     prefixes = None
     if vocab is not None:
         prefixes = [[bos] + rng.integers(4, vocab, int(p) - 1).tolist() for p in prefix_lens]
+    keys = [f"prefix{k}" for k in range(n_prefixes)]  # a producer names each prefix once
     out = []
     for i, (k, s) in enumerate(zip(which.tolist(), suffix.tolist())):
         p = int(prefix_lens[k])
         tokens = prefixes[k] + rng.integers(4, vocab, s).tolist() if prefixes is not None else None
-        out.append(Item(str(i), p + s, f"prefix{k}", p, tokens, (i, None)))
+        out.append(Item(str(i), p + s, keys[k], p, tokens, (i, None)))
     return out

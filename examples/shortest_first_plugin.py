@@ -14,8 +14,8 @@ from forge.batching import ItemPacker
 
 
 class ShortestFirst(ItemPacker):
-    def priority(self, item):
-        return item.num_tokens  # lower runs first
+    def sort_key(self, lengths):
+        return lengths  # lower runs first
 
 
 @hookimpl

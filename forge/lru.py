@@ -26,6 +26,10 @@ class TokenLRU:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self):
+        """The keys held, least recently used first (a live view)."""
+        return self._entries.keys()
+
     def get(self, key: Hashable) -> Any | None:
         """The value for `key` (marking it most recently used), or None; counts a hit or miss."""
         entry = self._entries.get(key)

@@ -1,10 +1,14 @@
 """The scheduler: one call, `schedule(device)`, returns the next batch for that device.
 
-Model: items stream from admission into the packer's bounded window. For a device the
-scheduler walks the waiting prefix groups in affinity order (groups whose prefix that
-device's cache holds, then groups no device holds, then groups another device holds:
-work stealing, so nobody idles while work waits) and asks the packer to cut a batch:
-first a full one, then, when none is ready, whatever fits. It tracks each device's
+Model: items stream from a feed into the packer's bounded window. The feed keeps the Items
+and hands the packer only their geometry as numpy columns (`forge.columns`); the packer
+cuts `Cut`s that name items by id, and the scheduler turns each back into a `Batch` of
+Items. `next_cut` is the same step without Items, for geometry-only feeds.
+
+For a device the scheduler walks the waiting prefix groups in affinity order (groups whose
+prefix that device's cache holds, then groups no device holds, then groups another device
+holds: work stealing, so nobody idles while work waits) and asks the packer to cut a
+batch: first a full one, then, when none is ready, whatever fits. It tracks each device's
 prefix cache with the same LRU policy and capacity the device uses, so predicted hits
 are the hits the device will see. Failed batches come back through `requeue` and run
 first, one item per batch.
@@ -18,27 +22,31 @@ affinity order would send it anyway.
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
-from typing import Iterable, Iterator
+from operator import attrgetter
+from typing import Iterable
 
-from forge.batching.base import Packer
+from forge.batching.base import NO_PREFIX, Cut, Packer
+from forge.columns import GeometryFeed, ItemFeed
 from forge.geometry import Batch, Device, Item
 from forge.lru import TokenLRU
+
+_waiting_tokens = attrgetter("tokens")
 
 
 class Scheduler:
     def __init__(
         self,
         packer: Packer,
-        items: Iterable[Item],
+        items: Iterable[Item] | GeometryFeed,
         devices: list[Device],
         *,
         window: int = 65536,
         cache_tokens: int = 0,
     ):
         self.packer = packer
-        self._items: Iterator[Item] = iter(items)
         self.window = max(1, int(window))
+        # where items come from: Items (a run), or bare geometry (plans and benchmarks at scale)
+        self.feed = items if isinstance(items, GeometryFeed) else ItemFeed(items, self.window)
         self.exhausted = False
         self.max_window_seen = 0  # most items ever held in the window
         self.cache_tokens = cache_tokens
@@ -47,7 +55,7 @@ class Scheduler:
         self._retries: deque[Item] = deque()
         self._seq = 0
         self._refill_chunk = max(1, self.window // 4)  # refill once this much room is free
-        self._last_key: dict[str, str | None] = {}  # device -> prefix group it cut last
+        self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
 
     # -- state ------------------------------------------------------------------
     @property
@@ -63,15 +71,23 @@ class Scheduler:
     def schedule(self, device: Device) -> Batch | None:
         """The next batch for `device`, or None when nothing waiting fits it now."""
         batch = self._next_retry(device)
-        if batch is None:
-            self._refill()
-            batch = self._cut(device)
-        if batch is None:
+        if batch is not None:
+            batch.seq = self._seq
+            self._seq += 1
+            return batch
+        cut = self.next_cut(device)
+        return None if cut is None else self._batch(cut)
+
+    def next_cut(self, device: Device) -> Cut | None:
+        """The next batch's geometry for `device` (retries aside), cache hit predicted."""
+        self._refill()
+        cut = self._cut(device)
+        if cut is None:
             return None
-        batch.seq = self._seq
+        cut.seq = self._seq
         self._seq += 1
-        self._track_cache(batch, device)
-        return batch
+        self._track_cache(cut, device)
+        return cut
 
     def requeue(self, items: list[Item]) -> None:
         """Items of a failed batch: each runs again on its own, before new work."""
@@ -82,47 +98,72 @@ class Scheduler:
         room = self.window - len(self.packer)
         if self.exhausted or room <= 0 or (room < self._refill_chunk and not full):
             return False
-        chunk = list(islice(self._items, room))
+        chunk = self.feed.admit(room)
         if len(chunk) < room:
             self.exhausted = True
-        self.packer.add_many(chunk)
+        if len(chunk):
+            self.packer.add(chunk)
         self.max_window_seen = max(self.max_window_seen, len(self.packer))
         return bool(chunk)
 
-    def _cut(self, device: Device) -> Batch | None:
-        last = self._last_key.get(device.name)  # None: no group yet, or one no cache holds
-        if last is not None and last in self.caches[device.name]:
-            batch = self.packer.cut(last, device, False)  # same group, still ready: no reordering
-            if batch is not None:
-                return batch
-        batch = self._first_ready(device, drain=False)
-        if batch is None and self._refill(full=True):  # nothing ready: fill the window first
-            batch = self._first_ready(device, drain=False)
-        return batch or self._first_ready(device, drain=True)
+    def _cut(self, device: Device) -> Cut | None:
+        last = self._last_key.get(device.name)  # None: no group yet
+        mine = self.caches[device.name].keys()
+        # The last group goes on while ready: the affinity order puts it first when this
+        # device caches its prefix, and no other group ranks above it when it has no prefix
+        # and this device caches none.
+        if last is not None and (last in mine or (last == NO_PREFIX and not mine)):
+            cut = self.packer.cut(last, device, False)  # same group, still ready: no reordering
+            if cut is not None:
+                return cut
+        if not self.exhausted:
+            cut = self._first_ready(device, drain=False)
+            if cut is not None:
+                return cut
+            self._refill(full=True)  # nothing ready: fill the window first
+            if not self.exhausted:
+                cut = self._first_ready(device, drain=False)
+                if cut is not None:
+                    return cut
+        # Nothing is full, or nothing more will arrive to fill it: cut what there is, in
+        # affinity order (a device drains its own prefixes before taking another's).
+        return self._first_ready(device, drain=True)
 
-    def _first_ready(self, device: Device, drain: bool) -> Batch | None:
+    def _first_ready(self, device: Device, drain: bool) -> Cut | None:
         for key in self._affinity_order(device):
-            batch = self.packer.cut(key, device, drain)
-            if batch is not None:
-                self._last_key[device.name] = batch.prefix_key
-                return batch
+            cut = self.packer.cut(key, device, drain)
+            if cut is not None:
+                self._last_key[device.name] = cut.prefix
+                return cut
         return None
 
-    def _affinity_order(self, device: Device) -> list[str | None]:
-        """Group keys, best first: held by this device, held by none, held by another."""
-        mine = self.caches[device.name]
-        others = [c for name, c in self.caches.items() if name != device.name]
+    def _batch(self, cut: Cut) -> Batch:
+        """The Items a cut names, in its rows."""
+        items = self.feed.take(cut.ids)
+        if cut.row_ends is None:
+            rows = [[it] for it in items]
+        else:
+            rows = [items[a:b] for a, b in zip([0, *cut.row_ends], cut.row_ends)]
+        return Batch(rows=rows, padded_len=cut.padded_len, prefix_key=self.feed.key(cut.prefix),
+                     prefix_len=self.feed.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
+                     packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
 
-        def rank(g) -> tuple[int, int]:
-            if g.cacheable and g.key in mine:
-                tier = 0
-            elif not g.cacheable or not any(g.key in c for c in others):
-                tier = 1
+    def _affinity_order(self, device: Device) -> list[int]:
+        """Group keys, best first: held by this device, held by none, held by another; the
+        most waiting tokens first within each."""
+        mine = self.caches[device.name].keys()
+        theirs = set().union(*(c.keys() for name, c in self.caches.items() if name != device.name))
+        held, free, stolen = [], [], []
+        for g in sorted(self.packer.groups(), key=_waiting_tokens, reverse=True):  # stable
+            if not g.cacheable:
+                free.append(g.key)
+            elif g.key in mine:
+                held.append(g.key)
+            elif g.key in theirs:
+                stolen.append(g.key)
             else:
-                tier = 2
-            return tier, -g.tokens
-
-        return [g.key for g in sorted(self.packer.groups(), key=rank)]
+                free.append(g.key)
+        return held + free + stolen
 
     def _next_retry(self, device: Device) -> Batch | None:
         lim = device.limits
@@ -134,11 +175,12 @@ class Scheduler:
             self._retries.append(item)  # too long here; another device takes it
         return None
 
-    def _track_cache(self, batch: Batch, device: Device) -> None:
-        if not (batch.split_prefix and batch.prefix_key is not None and batch.prefix_len):
+    def _track_cache(self, cut: Cut, device: Device) -> None:
+        prefix_len = self.feed.prefix_len(cut.prefix)
+        if not (cut.split_prefix and prefix_len):
             return
-        cache = self.caches[device.name]
-        batch.cache_hit = cache.get(batch.prefix_key) is not None
-        if not batch.cache_hit:
+        cache = self.caches[device.name]  # keyed by prefix code, as the packer's groups are
+        cut.cache_hit = cache.get(cut.prefix) is not None
+        if not cut.cache_hit:
             self.cache_misses[device.name] += 1
-            cache.put(batch.prefix_key, True, batch.prefix_len)
+            cache.put(cut.prefix, True, prefix_len)

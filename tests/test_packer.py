@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
+from forge.batching.base import NO_PREFIX
+from forge.columns import ItemFeed
 from forge.geometry import Batch, Device, Item, Limits, batch_fits
 from forge.scheduler import Scheduler
 
@@ -122,11 +124,10 @@ def test_row_cuts_are_near_the_optimal_cost():
     for lens in (rng.integers(1, 60, 200), np.clip(rng.lognormal(np.log(40), 0.8, 400), 4, 400).astype(int)):
         for overhead in (0, 64, 256, 1024):
             packer = TokenPacker(batch_overhead_tokens=overhead, prefix_cache=False)
-            for i, n in enumerate(lens):
-                packer.add(Item(str(i), int(n)))
+            packer.add(ItemFeed(Item(str(i), int(n)) for i, n in enumerate(lens)).admit(len(lens)))
             cost = 0
             while len(packer):
-                b = packer.cut(None, Device("d", lim), drain=True)
+                b = packer.cut(NO_PREFIX, Device("d", lim), drain=True)
                 cost += b.padded_slots + overhead
             best = exact_cost(lens, lim, overhead)
             assert best <= cost <= 1.08 * best, (overhead, cost, best)
@@ -157,10 +158,9 @@ def test_memory_mode_gives_a_bigger_card_bigger_batches():
     small = Device("small", lim, memory_bytes=cost.weight_bytes + 50 * per_row)
     big = Device("big", lim, memory_bytes=cost.weight_bytes + 100 * per_row + per_row // 2)
     packer = MemoryPacker(cost_model=cost, batch_overhead_tokens=0)
-    for it in items:
-        packer.add(it)
-    b_small = packer.cut(None, small, drain=True)
-    b_big = packer.cut(None, big, drain=True)
+    packer.add(ItemFeed(items).admit(len(items)))
+    b_small = packer.cut(NO_PREFIX, small, drain=True)
+    b_big = packer.cut(NO_PREFIX, big, drain=True)
     assert b_small.num_rows == 50
     assert b_big.num_rows == 100
     assert cost.step_bytes(b_big.num_rows, b_big.padded_len) <= big.memory_bytes

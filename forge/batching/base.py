@@ -1,32 +1,75 @@
-"""The packer seam: a window of waiting items and a policy that cuts batches from it.
+"""The packer seam: a window of waiting item geometry and a policy that cuts batches from it.
 
-A packer is pure Python/numpy and knows only token geometry: items (lengths, prefix keys)
-and a device's four limits. The scheduler owns routing; the packer owns cutting.
+A packer is pure Python/numpy and knows only token geometry: columns of item lengths and
+prefix codes (`Chunk`) and a device's four limits. It names items by id and hands back
+`Cut`s; the scheduler owns the items themselves, and routing. No per-item Python objects
+cross this seam, so a million items pack in well under a second.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, Item
+from forge.geometry import Device
+
+NO_PREFIX = -1  # prefix code of an item without a shared prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Geometry of admitted items as columns, one entry per item (all int64 arrays)."""
+
+    ids: np.ndarray  # the item's handle: unique among waiting items; cuts name items by it
+    num_tokens: np.ndarray  # whole sequence, shared prefix included
+    prefix: np.ndarray  # code of the shared prefix; NO_PREFIX when the item has none
+    prefix_len: np.ndarray  # tokens of the shared prefix; one value per code, 0 for NO_PREFIX
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(slots=True)
+class Cut:
+    """One batch as the packer cuts it: which items, how they sit in rows, how rows pad."""
+
+    ids: np.ndarray  # ids of the batch's items, row by row
+    lengths: np.ndarray  # each item's tokens inside its row, aligned with `ids`
+    row_ends: list[int] | None  # packed: end of each row in `ids`; None: one item per row
+    padded_len: int  # every row is padded to this many token slots
+    row_tokens: int  # useful tokens inside the rows: sum(lengths)
+    prefix: int  # shared prefix code of every item, or NO_PREFIX (rows of whole sequences)
+    split_prefix: bool  # rows hold suffixes; the prefix runs once for the batch (or is cached)
+    packed: bool = False  # rows may hold several items end to end
+    seq: int = -1  # order in which the scheduler handed it out
+    cache_hit: bool | None = None  # scheduler's prediction: the device's cache holds the prefix
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids) if self.row_ends is None else len(self.row_ends)
+
+    @property
+    def padded_slots(self) -> int:
+        return self.num_rows * self.padded_len
 
 
 class GroupInfo(NamedTuple):
-    """What waits under one group key (a prefix key, or None). A tuple: built per request."""
+    """What waits under one group (a prefix code, or NO_PREFIX). A tuple: built per request."""
 
-    key: str | None  # prefix key shared by the group's items; None for mixed/no prefix
+    key: int  # prefix code shared by the group's items; NO_PREFIX for mixed/no prefix
     items: int  # waiting items
     tokens: int  # waiting row tokens: what the group would occupy in rows
-    prefix_len: int  # the shared prefix length (0 when key is None)
     cacheable: bool  # batches cut from it run their prefix once, so a device cache can serve it
 
 
 class Packer(ABC):
-    """Holds admitted items and cuts batches for a device on request.
+    """Holds admitted geometry and cuts batches for a device on request.
 
-    `add`/`add_many` admit items; `groups` says what waits; `cut(key, device, drain)` removes and
+    `add` admits a chunk; `groups` says what waits; `cut(key, device, drain)` removes and
     returns the next batch of group `key` for `device` (None when the group should wait for
     more items, which only happens when `drain` is false).
     """
@@ -35,18 +78,13 @@ class Packer(ABC):
     mode: str = ""
 
     @abstractmethod
-    def add(self, item: Item) -> None: ...
-
-    def add_many(self, items: Iterable[Item]) -> None:
-        """Admit items in order. Packers override this when one loop beats many calls."""
-        for item in items:
-            self.add(item)
+    def add(self, chunk: Chunk) -> None: ...
 
     @abstractmethod
     def groups(self) -> list[GroupInfo]: ...
 
     @abstractmethod
-    def cut(self, key: str | None, device: Device, drain: bool) -> Batch | None: ...
+    def cut(self, key: int, device: Device, drain: bool) -> Cut | None: ...
 
     @abstractmethod
     def __len__(self) -> int:

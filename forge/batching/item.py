@@ -8,13 +8,11 @@ Rows hold whole sequences: every row runs its own prefix.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
+import numpy as np
 
-from forge.batching.base import GroupInfo, Packer
+from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, Item
+from forge.geometry import Device
 
 
 class ItemPacker(Packer):
@@ -26,52 +24,53 @@ class ItemPacker(Packer):
         self.batch_size = batch_size
         self.order = order
         self.batch_overhead_tokens = batch_overhead_tokens
-        self._queue: deque[Item] = deque()  # arrival order
-        self._heap: list[tuple[int, int, Item]] = []  # longest first, ties in arrival order
-        self._seq = itertools.count()
+        # the window in the order batches take it: [head:] waits
+        self._lengths = np.zeros(0, np.int64)
+        self._ids = np.zeros(0, np.int64)
+        self._head = 0
         self._tokens = 0
 
-    def priority(self, item: Item) -> int | None:
-        """Lower runs first; None keeps arrival order. Subclasses may reorder here."""
-        return -item.num_tokens if self.order == "length" else None
+    def sort_key(self, lengths: np.ndarray) -> np.ndarray | None:
+        """Per-item key the window is ordered by (lower runs first), or None for arrival
+        order. Subclasses may reorder here."""
+        return -lengths if self.order == "length" else None
 
-    def add(self, item: Item) -> None:
-        p = self.priority(item)
-        if p is None:
-            self._queue.append(item)
-        else:
-            heapq.heappush(self._heap, (p, next(self._seq), item))
-        self._tokens += item.num_tokens
+    def add(self, chunk: Chunk) -> None:
+        lengths = np.concatenate((self._lengths[self._head:], chunk.num_tokens))
+        ids = np.concatenate((self._ids[self._head:], chunk.ids))
+        key = self.sort_key(lengths)
+        if key is not None:
+            order = np.argsort(key, kind="stable")  # ties keep arrival order
+            lengths, ids = lengths[order], ids[order]
+        self._lengths, self._ids, self._head = lengths, ids, 0
+        self._tokens += int(chunk.num_tokens.sum())
 
     def __len__(self) -> int:
-        return len(self._queue) + len(self._heap)
+        return len(self._lengths) - self._head
 
     def groups(self) -> list[GroupInfo]:
-        return [GroupInfo(None, len(self), self._tokens, 0, False)]
+        return [GroupInfo(NO_PREFIX, len(self), self._tokens, False)] if len(self) else []
 
-    def _peek(self) -> Item | None:
-        if self._heap:
-            return self._heap[0][2]
-        return self._queue[0] if self._queue else None
-
-    def _pop(self) -> Item:
-        return heapq.heappop(self._heap)[2] if self._heap else self._queue.popleft()
-
-    def cut(self, key: str | None, device: Device, drain: bool) -> Batch | None:
+    def cut(self, key: int, device: Device, drain: bool) -> Cut | None:
         if not len(self) or (not drain and len(self) < self.batch_size):
             return None
         lim = device.limits
-        rows: list[list[Item]] = []
-        longest = 0
-        while (item := self._peek()) is not None and len(rows) < min(self.batch_size, lim.max_rows):
-            if item.num_tokens > lim.max_seq_len:
-                break
-            new_longest = max(longest, item.num_tokens)
-            if lim.pad(new_longest) * (len(rows) + 1) > lim.max_batch_tokens:
-                break
-            longest = new_longest
-            rows.append([self._pop()])
-        if not rows:
-            return None
-        self._tokens -= sum(r[0].num_tokens for r in rows)
-        return Batch(rows=rows, padded_len=lim.pad(longest))
+        h = self._head
+        seg = self._lengths[h:h + min(self.batch_size, lim.max_rows)]
+        longest = int(seg.max())
+        k = len(seg)
+        if longest > lim.max_seq_len or lim.pad(longest) * k > lim.max_batch_tokens:
+            # close early: the longest run of items whose padded rows fit
+            k = longest = 0
+            for n in seg.tolist():
+                top = max(longest, n)
+                if n > lim.max_seq_len or lim.pad(top) * (k + 1) > lim.max_batch_tokens:
+                    break
+                k, longest = k + 1, top
+            if k == 0:
+                return None
+        lengths = self._lengths[h:h + k]
+        self._head = h + k
+        row_tokens = int(lengths.sum())
+        self._tokens -= row_tokens
+        return Cut(self._ids[h:h + k], lengths, None, lim.pad(longest), row_tokens, NO_PREFIX, False)

@@ -1,78 +1,94 @@
 """`token` mode: group by prefix, then cut batches whose padded slots carry useful tokens.
 
-Model: every item belongs to the group of its prefix key. A batch comes from one group, so
+Model: every item belongs to the group of its prefix code. A batch comes from one group, so
 its rows share one prefix, which runs once per batch and can be served from the device's
-prefix cache; rows then hold only the suffixes. Inside a group, items sit in buckets by
-row length, so a cut costs O(distinct lengths it spans) in plain Python: no per-item
-search and no numpy call per batch, which keeps 1,000,000 items well under a second.
+prefix cache; rows then hold only the suffixes. A group keeps its waiting row lengths as
+one sorted numpy array (arrivals are sorted per chunk and merged when the group is next
+planned), and plans all its full batches for a device at once: a batch is a slice of that
+array and every decision walks runs of equal lengths in plain Python. Per-item work is
+all in numpy, so a million items pack in well under a second.
 
 * Without the prefix cache (`prefix_cache=false`, rows only) rows hold whole sequences, so
   all items form one group sorted by total length.
 * Rows per sequence (`packing=rows`): a batch is a run of consecutive lengths headed by
-  the group's longest item and padded to it. A step costs its padded slots plus a fixed
+  the longest that fits the device, padded to it. A step costs its padded slots plus a fixed
   overhead in token-equivalents (`batch_overhead_tokens`), so the run grows downward only
   while the next item raises useful tokens per unit of cost: short items are not padded
   up to a long head, and near-zero padding is not bought with tiny batches. Against the
   exact optimum of the same items (a dynamic program over contiguous cuts) this greedy
-  costs at most 8% more in tests, and under 2% on realistic length spreads.
-* Packed rows (`packing=packed`): each row holds several suffixes end to end (largest that
-  fits first), so padding is only the unfilled tail of rows. Rows are sized so that
-  rows x row_len fills `max_batch_tokens`; a group's last batch spreads what is left evenly.
+  costs at most 8% more in tests, and under 2% on realistic length spreads. Unless
+  draining, a batch with fewer than half the rows its head allows (a sparse long tail)
+  waits for company and the heads below it are tried.
+* Packed rows (`packing=packed`): each row holds several suffixes end to end (best fit
+  decreasing, a run of equal lengths at a time), so padding is only the unfilled tail of
+  rows. Rows are sized so that rows x row_len fills `max_batch_tokens`; a group's last
+  batch spreads what is left evenly over as few rows as hold it.
 
-With `drain=False` a group is cut only when it can fill a batch; the scheduler drains when
-the input is exhausted or the window is full.
+With `drain=False` a group is planned only while it holds `ready_batches` batches' worth,
+so its last batches wait for more arrivals; the scheduler drains when the input is
+exhausted or nothing else is ready. Planned batches are kept for the device profile
+(limits, memory budget, overhead) they were cut for; a device with another profile
+returns them to the group and plans again.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 
-from forge.batching.base import GroupInfo, Packer
+import numpy as np
+
+from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, Item
+from forge.geometry import Device
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+def _profile(device: Device) -> tuple:
+    """What a planned batch depends on besides the group: devices equal in it share plans."""
+    return device.limits, device.memory_bytes, device.batch_overhead_tokens
 
 
 class _Group:
-    """Waiting items of one prefix key, in buckets by row length.
+    """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
 
-    Cuts work on runs of equal length, so their cost grows with the distinct lengths a
-    batch spans, not with its items.
-    """
+    __slots__ = ("code", "offset", "split", "lengths", "ids", "pending", "ready", "ready_for", "count", "tokens",
+                 "stale_for")
 
-    __slots__ = ("key", "prefix_len", "offset", "buckets", "lengths", "count", "tokens", "wait_above", "wait_for", "stale_for")
-
-    def __init__(self, key: str | None, prefix_len: int, offset: int):
-        self.key = key
-        self.prefix_len = prefix_len
+    def __init__(self, code: int, offset: int, split: bool):
+        self.code = code
         self.offset = offset  # tokens of each item outside its row (the split prefix)
-        self.buckets: dict[int, list[Item]] = {}  # row length -> items
-        self.lengths: list[int] = []  # row lengths that have items, ascending
-        self.count = 0  # items waiting
-        self.tokens = 0  # row tokens waiting
-        # rows longer than this were found too sparse to head a batch for device `wait_for`;
-        # they wait for company, and a longer arrival clears the mark (rows mode, not draining)
-        self.wait_above: int | None = None
-        self.wait_for: Device | None = None
-        self.stale_for: Device | None = None  # device that found nothing ready here; an arrival clears it
+        self.split = split  # batches run the prefix once (rows hold suffixes)
+        self.lengths = _EMPTY  # row lengths not yet planned, ascending
+        self.ids = _EMPTY  # their ids
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # arrivals (lengths, ids), each sorted
+        self.ready: deque[Cut] = deque()  # batches planned for profile `ready_for`, in order
+        self.ready_for: tuple | None = None
+        self.count = 0  # items waiting, planned ones included
+        self.tokens = 0  # row tokens waiting, planned ones included
+        self.stale_for: tuple | None = None  # profile that found nothing ready; an arrival clears it
 
-    def take(self, n: int, q: int, out: list[Item]) -> None:
-        """Move `q` items of row length `n` into `out`."""
-        bucket = self.buckets[n]
-        if q >= len(bucket):
-            q = len(bucket)
-            out += bucket
-            del self.buckets[n]
-            del self.lengths[bisect.bisect_left(self.lengths, n)]
-        else:
-            out += bucket[-q:]
-            del bucket[-q:]
-        self.count -= q
-        self.tokens -= q * n
+    def merge(self) -> None:
+        """Fold arrivals, and batches planned for another profile, into the sorted arrays."""
+        parts = self.pending + [(c.lengths, c.ids) for c in self.ready]
+        if not parts:
+            return
+        lengths = np.concatenate([self.lengths, *(p[0] for p in parts)])
+        ids = np.concatenate([self.ids, *(p[1] for p in parts)])
+        order = np.argsort(lengths, kind="stable")  # merges the sorted pieces
+        self.lengths, self.ids = lengths[order], ids[order]
+        self.pending = []
+        self.ready.clear()
 
-    def largest_at_most(self, room: int) -> int | None:
-        i = bisect.bisect_right(self.lengths, room)
-        return self.lengths[i - 1] if i else None
+    def runs(self) -> tuple[list[int], list[int], list[int]]:
+        """Runs of equal lengths, ascending: (first position, length, row tokens below it);
+        the token list has one more entry, the total."""
+        lengths = self.lengths
+        starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
+        below = np.concatenate(([0], np.cumsum(lengths)))
+        return starts.tolist(), lengths[starts].tolist(), [*below[starts].tolist(), int(below[-1])]
 
 
 class TokenPacker(Packer):
@@ -95,209 +111,300 @@ class TokenPacker(Packer):
         self.ready_batches = ready_batches
         # packed rows always split the prefix: it is what every sequence in a row attends to
         self.split_prefix = self.prefix_cache or packing == "packed"
-        self._groups: dict[str | None, _Group] = {}
+        self._groups: dict[int, _Group] = {}
         self._count = 0
 
     # -- window -----------------------------------------------------------------
-    def add(self, item: Item) -> None:
-        self.add_many((item,))
-
-    def add_many(self, items) -> None:
-        # This runs once per item of the whole input, so the per-item work is a few C-level
-        # loops: split by prefix key, then per group read lengths in bulk and bucket them.
+    def add(self, chunk: Chunk) -> None:
+        n = len(chunk)
+        if not n:
+            return
         if self.split_prefix:
-            by_key: dict[str | None, list[Item]] = {}
-            for item in items:
-                lst = by_key.get(item.prefix_key)
-                if lst is None:
-                    by_key[item.prefix_key] = [item]
-                else:
-                    lst.append(item)
+            rows = chunk.num_tokens - chunk.prefix_len
+            order = np.lexsort((rows, chunk.prefix))  # by prefix code, then row length
+            codes = chunk.prefix[order]
+            edges = [0, *(np.flatnonzero(codes[1:] != codes[:-1]) + 1).tolist(), n]
+            offsets = chunk.prefix_len[order][edges[:-1]].tolist()
+            group_codes = codes[edges[:-1]].tolist()
         else:
             # Rows hold whole sequences and every row runs its own prefix: sharing one buys
             # nothing, so one group sorted by total length packs tightest.
-            by_key = {None: items if isinstance(items, list) else list(items)}
-        for key, group_items in by_key.items():
-            self._add_group(key, group_items)
-
-    def _add_group(self, key: str | None, items: list[Item]) -> None:
-        if not items:
-            return
-        g = self._groups.get(key)
-        if g is None:
-            plen = items[0].prefix_len if key is not None else 0
-            g = self._groups[key] = _Group(key, plen, plen)
-        if key is not None and {it.prefix_len for it in items} != {g.prefix_len}:
-            bad = next(it for it in items if it.prefix_len != g.prefix_len)
-            raise ForgeError(
-                f"item {bad.id!r}: prefix {key!r} has length {bad.prefix_len}, "
-                f"but earlier items gave {g.prefix_len}; one prefix key must mean one token block"
-            )
-        off = g.offset
-        rows = [it.num_tokens - off for it in items] if off else [it.num_tokens for it in items]
-        buckets, lengths = g.buckets, g.lengths
-        for n, item in zip(rows, items):
-            bucket = buckets.get(n)
-            if bucket is None:
-                buckets[n] = [item]
-                bisect.insort(lengths, n)
-            else:
-                bucket.append(item)
-        longest = max(rows)
-        if g.wait_above is not None and longest > g.wait_above:
-            g.wait_above = None  # company for the waiting tail: look at it again
-        g.count += len(rows)
-        g.tokens += sum(rows)
-        g.stale_for = None
-        self._count += len(rows)
+            rows = chunk.num_tokens
+            order = np.argsort(rows, kind="stable")
+            edges, offsets, group_codes = [0, n], [0], [NO_PREFIX]
+        rows, ids = rows[order], chunk.ids[order]
+        tokens = np.concatenate(([0], np.cumsum(rows)))[edges].tolist()
+        packed = self.packing == "packed"
+        for j, code in enumerate(group_codes):
+            s, e = edges[j], edges[j + 1]
+            g = self._groups.get(code)
+            if g is None:
+                g = self._groups[code] = _Group(code, offsets[j], bool(offsets[j]) or packed)
+            g.pending.append((rows[s:e], ids[s:e]))
+            g.count += e - s
+            g.tokens += tokens[j + 1] - tokens[j]
+            g.stale_for = None
+        self._count += n
 
     def __len__(self) -> int:
         return self._count
 
     def groups(self) -> list[GroupInfo]:
-        return [
-            GroupInfo(g.key, g.count, g.tokens, g.prefix_len, self.split_prefix and g.key is not None)
-            for g in self._groups.values()
-        ]
+        split = self.split_prefix
+        return [GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX) for g in self._groups.values()]
 
     # -- cutting ----------------------------------------------------------------
-    def cut(self, key: str | None, device: Device, drain: bool) -> Batch | None:
+    def cut(self, key: int, device: Device, drain: bool) -> Cut | None:
         g = self._groups.get(key)
         if g is None:
             return None
-        if not drain and (g.stale_for is device or g.tokens < self.ready_batches * device.limits.max_batch_tokens):
-            return None  # not enough waiting to fill a batch well: wait for more, or a drain
-        count = g.count
-        batch = self._cut_packed(g, device) if self.packing == "packed" else self._cut_rows(g, device, drain)
-        if batch is None:
-            g.stale_for = None if drain else device
-        else:
-            self._count -= count - g.count
-            if not g.count:
-                del self._groups[key]
-        return batch
+        profile = _profile(device)
+        if not (g.ready and g.ready_for == profile):
+            if not drain and (g.stale_for == profile or g.tokens < self.ready_batches * device.limits.max_batch_tokens):
+                return None  # not enough waiting to fill a batch well: wait for more, or a drain
+            g.merge()
+            if self.packing == "packed":
+                self._plan_packed(g, device, drain)
+            else:
+                self._plan_rows(g, device, drain)
+            # the same items plan the same way: until more arrive, this profile has no more here
+            g.stale_for = None if drain else profile
+            if not g.ready:
+                return None
+            g.ready_for = profile
+        cut = g.ready.popleft()
+        n = len(cut.ids)
+        g.count -= n
+        g.tokens -= cut.row_tokens
+        self._count -= n
+        if not g.count:
+            del self._groups[key]
+        return cut
 
     def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
         """Most rows of `padded_len` slots one step may hold. Memory mode narrows this."""
         lim = device.limits
         return min(lim.max_rows, lim.max_batch_tokens // padded_len)
 
-    def _cut_rows(self, g: _Group, device: Device, drain: bool) -> Batch | None:
+    def _keep_tokens(self, device: Device, drain: bool) -> float:
+        """Row tokens a plan leaves unplanned, for arrivals to join (none when draining)."""
+        return 0 if drain else self.ready_batches * device.limits.max_batch_tokens
+
+    def _plan_rows(self, g: _Group, device: Device, drain: bool) -> None:
         # A batch is a run of consecutive lengths padded to its head, the longest. From a
         # head it grows downward one run of equal lengths at a time while the next length l
         # still pays for its slot, that is while l > head x (useful / cost) of the batch so
         # far, where cost is padded slots plus the per-step overhead: a shorter item would
         # lower the batch's useful tokens per unit of cost, so it waits for a lower head.
-        # Heads are tried from the longest down. Unless draining, a batch with fewer than
-        # half the rows its head allows is left to wait for company (a sparse long tail)
-        # and the next head below it is tried.
+        # That threshold rises while items above it join and lengths fall, so the first run
+        # that fails is found by bisection over prefix sums: O(log runs) per batch. Heads go
+        # from the longest down, so each batch is the slice just below the last.
         lim = device.limits
-        lengths, buckets = g.lengths, g.buckets
-        top = lim.max_seq_len - g.offset  # longer rows wait for a bigger device
-        if not drain and g.wait_above is not None and g.wait_for is device:
-            top = min(top, g.wait_above)
-        hi = bisect.bisect_right(lengths, top) - 1
+        lengths, ids = g.lengths, g.ids
+        starts, values, below = g.runs()
         m = lim.pad_multiple
-        prefix_len = g.prefix_len if g.offset else 0
         overhead = self.overhead_tokens(device)
-        while hi >= 0:
-            padded = -(-lengths[hi] // m) * m
-            cap = self.row_cap(padded, prefix_len, device)
+        keep = self._keep_tokens(device, drain)
+        remaining = g.tokens  # tokens not yet cut: the plan stops when `keep` are left
+        r = bisect.bisect_right(values, lim.max_seq_len - g.offset) - 1  # longer rows wait for a bigger device
+        hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
+        t_hi = below[r + 1]  # tokens below position hi
+        waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
+        caps: dict[int, int] = {}  # row cap by padded length
+        while hi and remaining >= keep:
+            r = bisect.bisect_right(starts, hi - 1) - 1  # the head's run
+            padded = -(-values[r] // m) * m
+            cap = caps.get(padded)
+            if cap is None:
+                cap = caps[padded] = self.row_cap(padded, g.offset, device)
             if cap < 1:
-                return None
-            k = useful = 0
-            takes: list[tuple[int, int]] = []  # (row length, items of it)
-            i = hi
-            while i >= 0:
-                n = lengths[i]
-                if k and n * (k * padded + overhead) <= padded * useful:
+                break
+            floor = max(hi - cap, 0)
+            b = r  # the highest run known to pay (the head always joins)
+            if not drain:
+                # Unless draining, a head that cannot fill half its rows waits for company (a
+                # sparse long tail), with the rows down to that depth; the next head is below.
+                half = hi - (cap + 1) // 2
+                if half < 0:
+                    waiting.append((0, hi))
+                    hi = 0
                     break
-                q = len(buckets[n])
-                if q > cap - k:
-                    q = cap - k
-                takes.append((n, q))
-                k += q
-                useful += q * n
-                if k >= cap:
-                    break
-                i -= 1
-            if drain or 2 * k >= cap:
-                items: list[Item] = []
-                for n, q in takes:
-                    g.take(n, q, items)
-                return self._batch(g, [[it] for it in items], padded, packed=False)
-            hi = i  # these wait; try the heads below them
-            g.wait_above, g.wait_for = (lengths[i] if i >= 0 else 0), device
-        return None
+                j = bisect.bisect_right(starts, half) - 1
+                if j < r:
+                    if values[j] * ((hi - starts[j + 1]) * padded + overhead) <= padded * (t_hi - below[j + 1]):
+                        if waiting[-1][0] == hi:  # extends the span above
+                            waiting[-1] = (half, waiting[-1][1])
+                        else:
+                            waiting.append((half, hi))
+                        hi, t_hi = half, below[j] + (half - starts[j]) * values[j]
+                        continue
+                    b = j
+            # Runs j in [lo, b) may join. Run j fails when it no longer pays, given all above
+            # it joined: values[j] x (k x padded + overhead) <= padded x useful, with k items
+            # and `useful` tokens above it. Failing is monotone: find the highest failing run.
+            lo = bisect.bisect_right(starts, floor) - 1
+            a = lo  # invariant: a fails or is lo; b pays
+            while b - a > 1:
+                j = (a + b) // 2
+                if values[j] * ((hi - starts[j + 1]) * padded + overhead) <= padded * (t_hi - below[j + 1]):
+                    a = j
+                else:
+                    b = j
+            if a == b or values[a] * ((hi - starts[a + 1]) * padded + overhead) > padded * (t_hi - below[a + 1]):
+                pos = floor  # every run down to the cap pays
+            else:
+                pos = max(floor, starts[a + 1])
+            rr = bisect.bisect_right(starts, pos - 1) - 1 if pos else 0
+            t_pos = below[rr] + (pos - starts[rr]) * values[rr] if pos else 0
+            g.ready.append(Cut(ids[pos:hi], lengths[pos:hi], None, padded, t_hi - t_pos, g.code, g.split))
+            remaining -= t_hi - t_pos
+            hi, t_hi = pos, t_pos
+        if g.ready:
+            waiting.append((0, hi))
+            g.lengths, g.ids = self._slices(lengths, ids, waiting[::-1])
 
-    def _cut_packed(self, g: _Group, device: Device) -> Batch | None:
+    @staticmethod
+    def _slices(lengths, ids, spans) -> tuple[np.ndarray, np.ndarray]:
+        spans = [(a, b) for a, b in spans if b > a]
+        if len(spans) == 1:
+            a, b = spans[0]
+            return lengths[a:b], ids[a:b]
+        if not spans:
+            return _EMPTY, _EMPTY
+        return (np.concatenate([lengths[a:b] for a, b in spans]), np.concatenate([ids[a:b] for a, b in spans]))
+
+    def _packed_shape(self, longest: int, g: _Group, device: Device) -> tuple[int, int]:
+        """(rows, tokens a row may hold) for a packed batch whose longest item is `longest`."""
         lim = device.limits
-        off = g.offset
-        longest = g.largest_at_most(lim.max_seq_len - off)
-        if longest is None:
-            return None  # everything waiting is too long for this device
-        row_cap = lim.max_seq_len - off
-        if self.packed_row_tokens:
-            row_cap = min(row_cap, self.packed_row_tokens)
+        limit = lim.max_seq_len - g.offset
+        row_cap = min(limit, self.packed_row_tokens) if self.packed_row_tokens else limit
         row_cap = max(lim.pad(longest), row_cap - row_cap % lim.pad_multiple, lim.pad_multiple)
         n_rows = min(lim.max_rows, -(-lim.max_batch_tokens // row_cap))
         row_len = lim.max_batch_tokens // n_rows
         row_len = max(lim.pad(longest), min(row_cap, row_len - row_len % lim.pad_multiple))
-        n_rows = min(n_rows, self.row_cap(row_len, off, device))
-        if n_rows < 1:
-            return None
-        fill = min(row_len, lim.max_seq_len - off)  # tokens a row may hold; padding may round past it
-        if g.tokens <= n_rows * fill:
-            return self._last_packed(g, n_rows, fill, lim)
-        # Best fit decreasing, a run at a time: the longest length that fits, as many of it
-        # as fit, until the row is full or nothing fits.
-        rows: list[list[Item]] = []
-        lengths, buckets = g.lengths, g.buckets
-        used_max = 0
-        while len(rows) < n_rows and g.count:
-            room, row = fill, []
-            while (i := bisect.bisect_right(lengths, room)) > 0:
-                n = lengths[i - 1]
-                q = min(len(buckets[n]), room // n)
-                g.take(n, q, row)
-                room -= q * n
-            if not row:
-                break
-            rows.append(row)
-            used_max = max(used_max, fill - room)
-        if not rows:
-            return None
-        return self._batch(g, rows, lim.pad(used_max), packed=True)
+        n_rows = min(n_rows, self.row_cap(row_len, g.offset, device))
+        return n_rows, min(row_len, limit)  # padding may round a row past `limit`; its tokens may not
 
-    def _last_packed(self, g: _Group, n_rows: int, fill: int, lim) -> Batch:
+    def _plan_packed(self, g: _Group, device: Device, drain: bool) -> None:
+        # Best fit decreasing, a run at a time: into each row goes the longest length that
+        # fits, as many of it as fit, until the row is full or nothing fits. Items of a run
+        # are interchangeable, so a take is (run, how many), drawn from the run's top end;
+        # the plan's positions are gathered in one numpy pass at the end.
+        lim = device.limits
+        lengths = g.lengths
+        starts, values, below = g.runs()
+        # per run with items left, ascending: its length (what bisect searches), items left,
+        # and the end of its items in the sorted arrays (takes come off the top end)
+        avail = list(values)
+        ends = [*starts[1:], len(lengths)]
+        left = np.diff([0, *ends]).tolist()
+        limit = lim.max_seq_len - g.offset
+        keep = self._keep_tokens(device, drain)
+        remaining = g.tokens
+        fitting = below[bisect.bisect_right(values, limit)]  # tokens of rows short enough for this device
+        shapes: dict[int, tuple[int, int]] = {}  # packed shape by longest item
+        take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
+        take_q: list[int] = []
+        batches = []  # (first take item, last take item, row ends, padded_len, useful tokens)
+        taken = 0
+        while remaining >= keep and (top := bisect.bisect_right(avail, limit)):
+            longest = avail[top - 1]
+            shape = shapes.get(longest)
+            if shape is None:
+                shape = shapes[longest] = self._packed_shape(longest, g, device)
+            n_rows, fill = shape
+            if n_rows < 1:
+                break
+            first = taken
+            if fitting <= n_rows * fill:
+                rows, used = self._last_rows(avail, left, ends, n_rows, fill)
+                row_ends = []
+                for row in rows:
+                    take_end.extend(p + 1 for p in row)
+                    take_q.extend(1 for _ in row)
+                    taken += len(row)
+                    row_ends.append(taken - first)
+                useful = sum(values[bisect.bisect_right(starts, p) - 1] for row in rows for p in row)
+                batches.append((first, taken, row_ends, lim.pad(used), useful))
+                break
+            row_ends = []
+            used_max = useful = 0
+            for _ in range(n_rows):
+                room = fill
+                while (i := bisect.bisect_right(avail, room)) > 0:
+                    # whole runs, longest first, while they fit; then as many of the next as fit
+                    j = i - 1
+                    while j >= 0:
+                        n, c = avail[j], left[j]
+                        if n * c <= room:
+                            room -= n * c
+                            taken += c
+                            j -= 1
+                            continue
+                        q = room // n
+                        if q:
+                            left[j] = c - q
+                            ends[j] -= q
+                            room -= q * n
+                            taken += q
+                            take_end.append(ends[j] + q)
+                            take_q.append(q)
+                        break
+                    if j + 1 < i:  # whole runs j+1 .. i-1
+                        take_end += ends[j + 1:i]
+                        take_q += left[j + 1:i]
+                        del avail[j + 1:i], left[j + 1:i], ends[j + 1:i]
+                    if j < 0:
+                        break
+                if room == fill:
+                    break
+                row_ends.append(taken - first)
+                if fill - room > used_max:
+                    used_max = fill - room
+                useful += fill - room
+            if not row_ends:
+                break
+            batches.append((first, taken, row_ends, lim.pad(used_max), useful))
+            remaining -= useful
+            fitting -= useful
+        if not batches:
+            return
+        q = np.array(take_q, np.int64)
+        ends = np.array(take_end, np.int64)
+        skip = np.cumsum(q) - q  # items before each take
+        where = np.repeat(ends - q - skip, q) + np.arange(taken)  # positions, in plan order
+        plan_ids, plan_lengths = g.ids[where], lengths[where]
+        for first, last, row_ends, padded, useful in batches:
+            g.ready.append(Cut(plan_ids[first:last], plan_lengths[first:last], row_ends, padded, useful, g.code,
+                               True, packed=True))
+        kept = np.ones(len(lengths), bool)
+        kept[where] = False
+        g.lengths, g.ids = lengths[kept], g.ids[kept]
+
+    @staticmethod
+    def _last_rows(avail: list[int], left: list[int], ends: list[int], n_rows: int,
+                   fill: int) -> tuple[list[list[int]], int]:
         """The group's last batch: spread what is left evenly over as few rows as hold it
-        (worst fit, longest first), so padding is the spread between rows, not an empty tail."""
-        fitting = [n for n in g.lengths if n <= fill]
-        total = sum(n * len(g.buckets[n]) for n in fitting)
+        (worst fit, longest first), so padding is the spread between rows, not an empty tail.
+        Returns each row's positions and the fullest row's tokens."""
+        fits = [j for j, n in enumerate(avail) if n <= fill]
+        total = sum(avail[j] * left[j] for j in fits)
         loads = [(0, r) for r in range(min(n_rows, max(1, -(-total // fill))))]  # (tokens, row) heap
-        rows: list[list[Item]] = [[] for _ in loads]
-        for n in reversed(fitting):
-            for _ in range(len(g.buckets[n])):  # takes may empty the bucket: count first
-                load, r = loads[0]
+        rows: list[list[int]] = [[] for _ in loads]
+        for j in reversed(fits):
+            n = avail[j]
+            while left[j]:
+                load, row = loads[0]
                 if load + n <= fill:
-                    heapq.heapreplace(loads, (load + n, r))
+                    heapq.heapreplace(loads, (load + n, row))
                 elif len(rows) < n_rows:
-                    r = len(rows)
+                    row = len(rows)
                     rows.append([])
-                    heapq.heappush(loads, (n, r))
+                    heapq.heappush(loads, (n, row))
                 else:
                     break  # the rest of this length waits for the next batch
-                g.take(n, 1, rows[r])
-        rows = [row for row in rows if row]
-        used = max(load for load, _ in loads)
-        return self._batch(g, rows, lim.pad(used), packed=True)
+                left[j] -= 1
+                ends[j] -= 1
+                rows[row].append(ends[j])
+        return [row for row in rows if row], max(load for load, _ in loads)
 
-    def _batch(self, g: _Group, rows: list[list[Item]], padded_len: int, packed: bool) -> Batch:
-        return Batch(
-            rows=rows,
-            padded_len=padded_len,
-            prefix_key=g.key,
-            prefix_len=g.prefix_len,
-            split_prefix=bool(g.offset) or (packed and self.split_prefix),
-            packed=packed,
-        )

@@ -1,0 +1,130 @@
+"""Feeds: where the scheduler's window gets its items, as the columns the packer reads.
+
+A feed hands out the next items' geometry as a `Chunk` (lengths and prefix codes as numpy
+columns, plus ids that name each item while it waits) and owns the prefix table (code <->
+key, code -> length).
+
+* `ItemFeed` reads `Item`s (a run's input) and files them into slots until a cut names
+  them in `take`. Each step is a few C-level passes, with no Python loop per item. It
+  checks that one prefix key means one length.
+* `GeometryFeed` reads bare columns (lengths and prefix codes, no Items): for planning and
+  benchmarking the packer at the scale of millions of items.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from operator import attrgetter
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from forge.batching.base import NO_PREFIX, Chunk
+from forge.errors import ForgeError
+from forge.geometry import Item
+
+_num_tokens, _prefix_key, _prefix_len = attrgetter("num_tokens"), attrgetter("prefix_key"), attrgetter("prefix_len")
+
+
+class ItemFeed:
+    def __init__(self, items: Iterable[Item], capacity: int = 1024):
+        self._items = iter(items)
+        self._codes: dict[str | None, int] = {None: NO_PREFIX}  # prefix key -> code
+        self.keys: list[str] = []  # code -> prefix key
+        self.prefix_lens: list[int] = []  # code -> prefix length
+        self._slots = np.empty(max(1, capacity), dtype=object)  # id -> waiting Item
+        self._free = np.arange(len(self._slots) - 1, -1, -1, dtype=np.int64)  # free ids, a stack: [:_top]
+        self._top = len(self._slots)
+
+    def __len__(self) -> int:
+        """Items held."""
+        return len(self._slots) - self._top
+
+    def key(self, code: int) -> str | None:
+        return None if code == NO_PREFIX else self.keys[code]
+
+    def prefix_len(self, code: int) -> int:
+        return 0 if code == NO_PREFIX else self.prefix_lens[code]
+
+    def admit(self, n: int) -> Chunk:
+        """Up to `n` more items (fewer only when the input ends), stored under free ids."""
+        items = list(islice(self._items, n))
+        n = len(items)
+        keys = list(map(_prefix_key, items))
+        codes = self._codes
+        new = set(keys).difference(codes)
+        for key in new:
+            codes[key] = len(self.keys)
+            self.keys.append(key)
+            self.prefix_lens.append(-1)  # set from its first item below
+        prefix = np.fromiter(map(codes.__getitem__, keys), np.int64, n)
+        given = np.fromiter(map(_prefix_len, items), np.int64, n)
+        num_tokens = np.fromiter(map(_num_tokens, items), np.int64, n)
+        if new:
+            uniq, first = np.unique(prefix, return_index=True)
+            for code, i in zip(uniq.tolist(), first.tolist()):
+                if code != NO_PREFIX and self.prefix_lens[code] < 0:
+                    self.prefix_lens[code] = int(given[i])
+        table = np.array(self.prefix_lens + [0], np.int64)  # the trailing 0 is NO_PREFIX's (index -1)
+        prefix_len = table[prefix]
+        bad = np.flatnonzero((prefix_len != given) & (prefix != NO_PREFIX))
+        if len(bad):
+            it = items[int(bad[0])]
+            raise ForgeError(
+                f"item {it.id!r}: prefix {it.prefix_key!r} has length {it.prefix_len}, but earlier "
+                f"items gave {int(prefix_len[bad[0]])}; one prefix key must mean one token block"
+            )
+        if n > self._top:
+            self._grow(n - self._top)
+        self._top -= n
+        ids = self._free[self._top:self._top + n].copy()
+        self._slots[ids] = np.fromiter(items, dtype=object, count=n)
+        return Chunk(ids, num_tokens, prefix, prefix_len)
+
+    def take(self, ids: np.ndarray) -> list[Item]:
+        """Remove and return the Items named by `ids`, in that order."""
+        items = self._slots[ids].tolist()
+        self._slots[ids] = None
+        n = len(ids)
+        self._free[self._top:self._top + n] = ids
+        self._top += n
+        return items
+
+    def _grow(self, at_least: int) -> None:
+        old = len(self._slots)
+        size = max(2 * old, old + at_least)
+        self._slots = np.concatenate((self._slots, np.empty(size - old, dtype=object)))
+        # new ids go under the free ones, so the stack stays [:_top]
+        self._free = np.concatenate((np.arange(size - 1, old - 1, -1, dtype=np.int64), self._free[:self._top],
+                                     np.empty(old - self._top, np.int64)))
+        self._top += size - old
+
+
+class GeometryFeed:
+    """Items as bare columns: `num_tokens` per item, and optionally its prefix code (an index
+    into `prefix_lens`, or -1 for none). Ids are positions in the input."""
+
+    def __init__(self, num_tokens: np.ndarray, prefix: np.ndarray | None = None,
+                 prefix_lens: Sequence[int] = (), keys: Sequence[str] | None = None):
+        self.num_tokens = np.asarray(num_tokens, np.int64)
+        n = len(self.num_tokens)
+        self.prefix = np.full(n, NO_PREFIX, np.int64) if prefix is None else np.asarray(prefix, np.int64)
+        self.prefix_lens = [int(p) for p in prefix_lens]
+        self.keys = list(keys) if keys is not None else [f"prefix{i}" for i in range(len(self.prefix_lens))]
+        table = np.array(self.prefix_lens + [0], np.int64)  # index -1 (NO_PREFIX) reads the trailing 0
+        self.item_prefix_len = table[self.prefix]
+        if np.any(self.item_prefix_len >= self.num_tokens):
+            i = int(np.argmax(self.item_prefix_len >= self.num_tokens))
+            raise ForgeError(f"item {i}: {self.num_tokens[i]} tokens, not more than its prefix; give it a suffix")
+        self._next = 0
+
+    def key(self, code: int) -> str | None:
+        return None if code == NO_PREFIX else self.keys[code]
+
+    def prefix_len(self, code: int) -> int:
+        return 0 if code == NO_PREFIX else self.prefix_lens[code]
+
+    def admit(self, n: int) -> Chunk:
+        a = self._next
+        b = self._next = min(len(self.num_tokens), a + n)
+        return Chunk(np.arange(a, b, dtype=np.int64), self.num_tokens[a:b], self.prefix[a:b], self.item_prefix_len[a:b])
