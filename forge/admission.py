@@ -36,6 +36,11 @@ def admit(
         if isinstance(record, Rejected):
             hook.forge_input_failed(run=run, record_id=record.record_id, reason=record.reason)
             continue
+        if record.num_tokens <= (record.prefix_len if record.prefix_key is not None else 0):
+            hook.forge_input_failed(run=run, record_id=record.id, reason=(
+                f"item {record.id!r} has {record.num_tokens} tokens and a {record.prefix_len}-token prefix: "
+                "it needs at least one token of its own after the prefix"))
+            continue
         buf.append(record)
         if len(buf) < chunk:
             continue

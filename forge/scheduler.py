@@ -25,12 +25,17 @@ from collections import deque
 from operator import attrgetter
 from typing import Iterable
 
-from forge.batching.base import NO_PREFIX, Cut, Packer
+from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
 from forge.columns import GeometryFeed, ItemFeed
 from forge.geometry import Batch, Device, Item
 from forge.lru import TokenLRU
 
 _waiting_tokens = attrgetter("tokens")
+
+
+def _keys(groups: list[GroupInfo], ready: bool = False) -> list[int]:
+    """Keys of `groups`, in order; with `ready`, only those that hold ready batches."""
+    return [g.key for g in groups if g.ready] if ready else [g.key for g in groups]
 
 
 class Scheduler:
@@ -54,7 +59,7 @@ class Scheduler:
         self.cache_misses = {d.name: 0 for d in devices}
         self._retries: deque[Item] = deque()
         self._seq = 0
-        self._refill_chunk = max(1, self.window // 4)  # refill once this much room is free
+        self._refill_chunk = max(1, self.window // 16)  # top the window up once this much room is free
         self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
 
     # -- state ------------------------------------------------------------------
@@ -80,7 +85,6 @@ class Scheduler:
 
     def next_cut(self, device: Device) -> Cut | None:
         """The next batch's geometry for `device` (retries aside), cache hit predicted."""
-        self._refill()
         cut = self._cut(device)
         if cut is None:
             return None
@@ -93,10 +97,10 @@ class Scheduler:
         """Items of a failed batch: each runs again on its own, before new work."""
         self._retries.extend(items)
 
-    def _refill(self, full: bool = False) -> bool:
-        """Top the window up (only once a chunk's worth is free, unless `full`). True if it grew."""
+    def _refill(self) -> bool:
+        """Fill the window from the feed. True if it grew."""
         room = self.window - len(self.packer)
-        if self.exhausted or room <= 0 or (room < self._refill_chunk and not full):
+        if self.exhausted or room <= 0:
             return False
         chunk = self.feed.admit(room)
         if len(chunk) < room:
@@ -104,7 +108,7 @@ class Scheduler:
         if len(chunk):
             self.packer.add(chunk)
         self.max_window_seen = max(self.max_window_seen, len(self.packer))
-        return bool(chunk)
+        return bool(len(chunk))
 
     def _cut(self, device: Device) -> Cut | None:
         last = self._last_key.get(device.name)  # None: no group yet
@@ -113,25 +117,34 @@ class Scheduler:
         # device caches its prefix, and no other group ranks above it when it has no prefix
         # and this device caches none.
         if last is not None and (last in mine or (last == NO_PREFIX and not mine)):
-            cut = self.packer.cut(last, device, False)  # same group, still ready: no reordering
+            cut = self.packer.cut(last, device, Urgency.WAIT)  # same group, still ready: no reordering
             if cut is not None:
                 return cut
+        near, far = self._affinity_order(device)
+        cut = self._first_ready(_keys(near, ready=True), device, Urgency.WAIT)  # cut already
+        if cut is not None:
+            return cut
+        # Nothing ready: plan from a full window, so batches pick from the most items (a
+        # nearly full one is not topped up: admitting a chunk has a fixed cost).
+        if self.window - len(self.packer) >= self._refill_chunk and self._refill():
+            near, far = self._affinity_order(device)
         if not self.exhausted:
-            cut = self._first_ready(device, drain=False)
+            cut = self._first_ready(_keys(near), device, Urgency.ROOM)
+            if cut is None and self._refill():  # nothing worth running yet: the last room first
+                near, far = self._affinity_order(device)
+                cut = self._first_ready(_keys(near), device, Urgency.ROOM)
+            # work stealing: another device's prefix, before cutting what should wait
+            cut = (cut or self._first_ready(_keys(far, ready=True), device, Urgency.WAIT)
+                   or self._first_ready(_keys(far), device, Urgency.ROOM))
             if cut is not None:
                 return cut
-            self._refill(full=True)  # nothing ready: fill the window first
-            if not self.exhausted:
-                cut = self._first_ready(device, drain=False)
-                if cut is not None:
-                    return cut
-        # Nothing is full, or nothing more will arrive to fill it: cut what there is, in
+        # Nothing more will arrive, or nothing is worth waiting for: cut what there is, in
         # affinity order (a device drains its own prefixes before taking another's).
-        return self._first_ready(device, drain=True)
+        return self._first_ready(_keys(near + far), device, Urgency.DRAIN)
 
-    def _first_ready(self, device: Device, drain: bool) -> Cut | None:
-        for key in self._affinity_order(device):
-            cut = self.packer.cut(key, device, drain)
+    def _first_ready(self, keys: list[int], device: Device, urgency: Urgency) -> Cut | None:
+        for key in keys:
+            cut = self.packer.cut(key, device, urgency)
             if cut is not None:
                 self._last_key[device.name] = cut.prefix
                 return cut
@@ -148,22 +161,22 @@ class Scheduler:
                      prefix_len=self.feed.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
                      packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
 
-    def _affinity_order(self, device: Device) -> list[int]:
-        """Group keys, best first: held by this device, held by none, held by another; the
-        most waiting tokens first within each."""
+    def _affinity_order(self, device: Device) -> tuple[list[GroupInfo], list[GroupInfo]]:
+        """Waiting groups, best first, the most waiting tokens first within each tier: (groups
+        this device caches or no device does, groups only another device caches)."""
         mine = self.caches[device.name].keys()
         theirs = set().union(*(c.keys() for name, c in self.caches.items() if name != device.name))
         held, free, stolen = [], [], []
         for g in sorted(self.packer.groups(), key=_waiting_tokens, reverse=True):  # stable
             if not g.cacheable:
-                free.append(g.key)
+                free.append(g)
             elif g.key in mine:
-                held.append(g.key)
+                held.append(g)
             elif g.key in theirs:
-                stolen.append(g.key)
+                stolen.append(g)
             else:
-                free.append(g.key)
-        return held + free + stolen
+                free.append(g)
+        return held + free, stolen
 
     def _next_retry(self, device: Device) -> Batch | None:
         lim = device.limits

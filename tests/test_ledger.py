@@ -108,3 +108,34 @@ def _dataset():
     from functions.assets import embedded_dataset_path
 
     return embedded_dataset_path()
+
+
+def test_an_item_with_nothing_after_its_prefix_fails_alone(pm):
+    from forge.admission import admit
+    from forge.geometry import Device, Item, Limits
+    from forge.run import RunContext
+
+    run = RunContext("probe_gen", "token", [Device("cpu", Limits(2048, 64, 1024))], None)
+    pm.hook.forge_run_start(run=run)
+    items = [Item("ok", 7, "p", 4), Item("bare", 4, "p", 4), Item("ok2", 6, "p", 4)]
+    admitted = list(admit(items, run=run, hook=pm.hook, max_seq_len=1024))
+    assert [it.id for it in admitted] == ["ok", "ok2"]
+    report, batch = {}, _batch_of(admitted)
+    pm.hook.forge_batch_routed(run=run, batch=batch, device=run.devices[0])
+    pm.hook.forge_batch_completed(run=run, batch=batch, device=run.devices[0], stats=_stats())
+    pm.hook.forge_run_end(run=run, report=report)
+    assert report["items"] == {"received": 3, "completed": 2, "failed": 1, "skipped": 0}
+    assert "needs at least one token of its own" in report["failures"][0]["reason"]
+    assert report["balanced"], report["imbalance"]
+
+
+def _batch_of(items):
+    from forge.geometry import Batch
+
+    return Batch(rows=[[it] for it in items], padded_len=8)
+
+
+def _stats():
+    from forge.run import BatchStats
+
+    return BatchStats(0.0, 0, 0, 16)

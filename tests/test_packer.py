@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
-from forge.batching.base import NO_PREFIX
+from forge.batching.base import NO_PREFIX, Urgency
 from forge.columns import ItemFeed
 from forge.geometry import Batch, Device, Item, Limits, batch_fits
 from forge.scheduler import Scheduler
@@ -127,7 +127,7 @@ def test_row_cuts_are_near_the_optimal_cost():
             packer.add(ItemFeed(Item(str(i), int(n)) for i, n in enumerate(lens)).admit(len(lens)))
             cost = 0
             while len(packer):
-                b = packer.cut(NO_PREFIX, Device("d", lim), drain=True)
+                b = packer.cut(NO_PREFIX, Device("d", lim), Urgency.DRAIN)
                 cost += b.padded_slots + overhead
             best = exact_cost(lens, lim, overhead)
             assert best <= cost <= 1.08 * best, (overhead, cost, best)
@@ -159,8 +159,8 @@ def test_memory_mode_gives_a_bigger_card_bigger_batches():
     big = Device("big", lim, memory_bytes=cost.weight_bytes + 100 * per_row + per_row // 2)
     packer = MemoryPacker(cost_model=cost, batch_overhead_tokens=0)
     packer.add(ItemFeed(items).admit(len(items)))
-    b_small = packer.cut(NO_PREFIX, small, drain=True)
-    b_big = packer.cut(NO_PREFIX, big, drain=True)
+    b_small = packer.cut(NO_PREFIX, small, Urgency.DRAIN)
+    b_big = packer.cut(NO_PREFIX, big, Urgency.DRAIN)
     assert b_small.num_rows == 50
     assert b_big.num_rows == 100
     assert cost.step_bytes(b_big.num_rows, b_big.padded_len) <= big.memory_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -57,6 +58,15 @@ class Cut:
         return self.num_rows * self.padded_len
 
 
+class Urgency(IntEnum):
+    """How much the scheduler needs a batch now; `Packer.cut` cuts more the higher it is."""
+
+    WAIT = 0  # only a batch worth running now; the rest waits for more items to join it
+    ROOM = 1  # the window is full and nothing is worth running: cut what more items would not
+    #           improve much, but keep the tail a group holds for arrivals
+    DRAIN = 2  # no more items will come: cut everything
+
+
 class GroupInfo(NamedTuple):
     """What waits under one group (a prefix code, or NO_PREFIX). A tuple: built per request."""
 
@@ -64,14 +74,15 @@ class GroupInfo(NamedTuple):
     items: int  # waiting items
     tokens: int  # waiting row tokens: what the group would occupy in rows
     cacheable: bool  # batches cut from it run their prefix once, so a device cache can serve it
+    ready: int  # batches it can hand out under Urgency.WAIT (cut already, or full)
 
 
 class Packer(ABC):
     """Holds admitted geometry and cuts batches for a device on request.
 
-    `add` admits a chunk; `groups` says what waits; `cut(key, device, drain)` removes and
-    returns the next batch of group `key` for `device` (None when the group should wait for
-    more items, which only happens when `drain` is false).
+    `add` admits a chunk; `groups` says what waits; `cut(key, device, urgency)` removes and
+    returns the next batch of group `key` for `device`, or None when the group should wait
+    for more items (never under `Urgency.DRAIN` while the group holds anything that fits).
     """
 
     #: name of the batching mode, set by the factory
@@ -84,7 +95,7 @@ class Packer(ABC):
     def groups(self) -> list[GroupInfo]: ...
 
     @abstractmethod
-    def cut(self, key: int, device: Device, drain: bool) -> Cut | None: ...
+    def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None: ...
 
     @abstractmethod
     def __len__(self) -> int:

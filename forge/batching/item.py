@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer
+from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
 from forge.errors import ForgeError
 from forge.geometry import Device
 
@@ -49,10 +49,10 @@ class ItemPacker(Packer):
         return len(self._lengths) - self._head
 
     def groups(self) -> list[GroupInfo]:
-        return [GroupInfo(NO_PREFIX, len(self), self._tokens, False)] if len(self) else []
+        return [GroupInfo(NO_PREFIX, len(self), self._tokens, False, len(self) // self.batch_size)] if len(self) else []
 
-    def cut(self, key: int, device: Device, drain: bool) -> Cut | None:
-        if not len(self) or (not drain and len(self) < self.batch_size):
+    def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
+        if not len(self) or (urgency == Urgency.WAIT and len(self) < self.batch_size):
             return None
         lim = device.limits
         h = self._head

@@ -16,19 +16,19 @@ all in numpy, so a million items pack in well under a second.
   while the next item raises useful tokens per unit of cost: short items are not padded
   up to a long head, and near-zero padding is not bought with tiny batches. Against the
   exact optimum of the same items (a dynamic program over contiguous cuts) this greedy
-  costs at most 8% more in tests, and under 2% on realistic length spreads. Unless
-  draining, a batch with fewer than half the rows its head allows (a sparse long tail)
-  waits for company and the heads below it are tried.
+  costs at most 8% more in tests, and under 2% on realistic length spreads. Under
+  `Urgency.WAIT`, a batch that would spend over 5% of its cost on the step overhead (a
+  sparse long tail) waits for company and the heads below it are tried.
 * Packed rows (`packing=packed`): each row holds several suffixes end to end (best fit
   decreasing, a run of equal lengths at a time), so padding is only the unfilled tail of
   rows. Rows are sized so that rows x row_len fills `max_batch_tokens`; a group's last
   batch spreads what is left evenly over as few rows as hold it.
 
-With `drain=False` a group is planned only while it holds `ready_batches` batches' worth,
-so its last batches wait for more arrivals; the scheduler drains when the input is
-exhausted or nothing else is ready. Planned batches are kept for the device profile
-(limits, memory budget, overhead) they were cut for; a device with another profile
-returns them to the group and plans again.
+Unless draining (`Urgency.DRAIN`), a plan leaves a group's last `ready_batches` batches'
+worth uncut, for arrivals to join. `Urgency.ROOM` (the window is full and nothing is worth
+running) lifts the sparse rule but keeps that tail. Planned batches are kept for the
+device profile (limits, memory budget, overhead) they were cut for; a device with another
+profile returns them to the group and plans again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections import deque
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer
+from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
 from forge.errors import ForgeError
 from forge.geometry import Device
 
@@ -55,7 +55,7 @@ class _Group:
     """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
 
     __slots__ = ("code", "offset", "split", "lengths", "ids", "pending", "ready", "ready_for", "count", "tokens",
-                 "stale_for")
+                 "stale")
 
     def __init__(self, code: int, offset: int, split: bool):
         self.code = code
@@ -68,7 +68,9 @@ class _Group:
         self.ready_for: tuple | None = None
         self.count = 0  # items waiting, planned ones included
         self.tokens = 0  # row tokens waiting, planned ones included
-        self.stale_for: tuple | None = None  # profile that found nothing ready; an arrival clears it
+        # (profile, tokens left unplanned) of the last plan: the same items plan the same
+        # way, so the group is planned again for that profile once a batch's worth more came
+        self.stale: tuple[tuple, int] | None = None
 
     def merge(self) -> None:
         """Fold arrivals, and batches planned for another profile, into the sorted arrays."""
@@ -143,7 +145,6 @@ class TokenPacker(Packer):
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
             g.tokens += tokens[j + 1] - tokens[j]
-            g.stale_for = None
         self._count += n
 
     def __len__(self) -> int:
@@ -151,24 +152,28 @@ class TokenPacker(Packer):
 
     def groups(self) -> list[GroupInfo]:
         split = self.split_prefix
-        return [GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX) for g in self._groups.values()]
+        return [GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready))
+                for g in self._groups.values()]
 
     # -- cutting ----------------------------------------------------------------
-    def cut(self, key: int, device: Device, drain: bool) -> Cut | None:
+    def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
         g = self._groups.get(key)
         if g is None:
             return None
         profile = _profile(device)
         if not (g.ready and g.ready_for == profile):
-            if not drain and (g.stale_for == profile or g.tokens < self.ready_batches * device.limits.max_batch_tokens):
-                return None  # not enough waiting to fill a batch well: wait for more, or a drain
+            if urgency == Urgency.WAIT:
+                return None  # batches are planned once the window is full, so they pick from the most items
+            budget = device.limits.max_batch_tokens
+            stale = g.stale
+            if urgency == Urgency.ROOM and stale is not None and stale[0] == profile and g.tokens < stale[1] + budget:
+                return None  # planned already, and too little has arrived since to change it
             g.merge()
             if self.packing == "packed":
-                self._plan_packed(g, device, drain)
+                self._plan_packed(g, device, urgency)
             else:
-                self._plan_rows(g, device, drain)
-            # the same items plan the same way: until more arrive, this profile has no more here
-            g.stale_for = None if drain else profile
+                self._plan_rows(g, device, urgency)
+            g.stale = None if urgency == Urgency.DRAIN else (profile, g.tokens - sum(c.row_tokens for c in g.ready))
             if not g.ready:
                 return None
             g.ready_for = profile
@@ -186,11 +191,11 @@ class TokenPacker(Packer):
         lim = device.limits
         return min(lim.max_rows, lim.max_batch_tokens // padded_len)
 
-    def _keep_tokens(self, device: Device, drain: bool) -> float:
+    def _keep_tokens(self, device: Device, urgency: Urgency) -> float:
         """Row tokens a plan leaves unplanned, for arrivals to join (none when draining)."""
-        return 0 if drain else self.ready_batches * device.limits.max_batch_tokens
+        return 0 if urgency == Urgency.DRAIN else self.ready_batches * device.limits.max_batch_tokens
 
-    def _plan_rows(self, g: _Group, device: Device, drain: bool) -> None:
+    def _plan_rows(self, g: _Group, device: Device, urgency: Urgency) -> None:
         # A batch is a run of consecutive lengths padded to its head, the longest. From a
         # head it grows downward one run of equal lengths at a time while the next length l
         # still pays for its slot, that is while l > head x (useful / cost) of the batch so
@@ -204,15 +209,12 @@ class TokenPacker(Packer):
         starts, values, below = g.runs()
         m = lim.pad_multiple
         overhead = self.overhead_tokens(device)
-        keep = self._keep_tokens(device, drain)
-        remaining = g.tokens  # tokens not yet cut: the plan stops when `keep` are left
         r = bisect.bisect_right(values, lim.max_seq_len - g.offset) - 1  # longer rows wait for a bigger device
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
         t_hi = below[r + 1]  # tokens below position hi
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
         caps: dict[int, int] = {}  # row cap by padded length
-        while hi and remaining >= keep:
-            r = bisect.bisect_right(starts, hi - 1) - 1  # the head's run
+        while hi:  # r: the head's run, the one holding position hi - 1
             padded = -(-values[r] // m) * m
             cap = caps.get(padded)
             if cap is None:
@@ -221,22 +223,23 @@ class TokenPacker(Packer):
                 break
             floor = max(hi - cap, 0)
             b = r  # the highest run known to pay (the head always joins)
-            if not drain:
-                # Unless draining, a head that cannot fill half its rows waits for company (a
-                # sparse long tail), with the rows down to that depth; the next head is below.
-                half = hi - (cap + 1) // 2
-                if half < 0:
-                    waiting.append((0, hi))
-                    hi = 0
+            if urgency < Urgency.DRAIN:
+                # Unless draining, a head that cannot fill half its rows (a sparse long tail,
+                # or the last few short rows) waits for company, with the rows down to that
+                # depth; the next head is below them. Failing to pay is monotone (below), so
+                # one test at half depth decides.
+                top = hi - (cap + 1) // 2
+                if top < 0:
                     break
-                j = bisect.bisect_right(starts, half) - 1
+                j = bisect.bisect_right(starts, top) - 1
                 if j < r:
                     if values[j] * ((hi - starts[j + 1]) * padded + overhead) <= padded * (t_hi - below[j + 1]):
                         if waiting[-1][0] == hi:  # extends the span above
-                            waiting[-1] = (half, waiting[-1][1])
+                            waiting[-1] = (top, waiting[-1][1])
                         else:
-                            waiting.append((half, hi))
-                        hi, t_hi = half, below[j] + (half - starts[j]) * values[j]
+                            waiting.append((top, hi))
+                        hi, t_hi = top, below[j] + (top - starts[j]) * values[j]
+                        r = bisect.bisect_right(starts, hi - 1) - 1
                         continue
                     b = j
             # Runs j in [lo, b) may join. Run j fails when it no longer pays, given all above
@@ -254,10 +257,9 @@ class TokenPacker(Packer):
                 pos = floor  # every run down to the cap pays
             else:
                 pos = max(floor, starts[a + 1])
-            rr = bisect.bisect_right(starts, pos - 1) - 1 if pos else 0
-            t_pos = below[rr] + (pos - starts[rr]) * values[rr] if pos else 0
+            r = bisect.bisect_right(starts, pos - 1) - 1 if pos else 0
+            t_pos = below[r] + (pos - starts[r]) * values[r] if pos else 0
             g.ready.append(Cut(ids[pos:hi], lengths[pos:hi], None, padded, t_hi - t_pos, g.code, g.split))
-            remaining -= t_hi - t_pos
             hi, t_hi = pos, t_pos
         if g.ready:
             waiting.append((0, hi))
@@ -285,7 +287,7 @@ class TokenPacker(Packer):
         n_rows = min(n_rows, self.row_cap(row_len, g.offset, device))
         return n_rows, min(row_len, limit)  # padding may round a row past `limit`; its tokens may not
 
-    def _plan_packed(self, g: _Group, device: Device, drain: bool) -> None:
+    def _plan_packed(self, g: _Group, device: Device, urgency: Urgency) -> None:
         # Best fit decreasing, a run at a time: into each row goes the longest length that
         # fits, as many of it as fit, until the row is full or nothing fits. Items of a run
         # are interchangeable, so a take is (run, how many), drawn from the run's top end;
@@ -299,7 +301,7 @@ class TokenPacker(Packer):
         ends = [*starts[1:], len(lengths)]
         left = np.diff([0, *ends]).tolist()
         limit = lim.max_seq_len - g.offset
-        keep = self._keep_tokens(device, drain)
+        keep = self._keep_tokens(device, urgency)
         remaining = g.tokens
         fitting = below[bisect.bisect_right(values, limit)]  # tokens of rows short enough for this device
         shapes: dict[int, tuple[int, int]] = {}  # packed shape by longest item
