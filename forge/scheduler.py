@@ -59,7 +59,7 @@ class Scheduler:
         self.cache_misses = {d.name: 0 for d in devices}
         self._retries: deque[Item] = deque()
         self._seq = 0
-        self._refill_chunk = max(1, self.window // 16)  # top the window up once this much room is free
+        self._refill_chunk = max(1, self.window // 8)  # top the window up once this much room is free
         self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
 
     # -- state ------------------------------------------------------------------

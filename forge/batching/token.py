@@ -4,9 +4,16 @@ Model: every item belongs to the group of its prefix code. A batch comes from on
 its rows share one prefix, which runs once per batch and can be served from the device's
 prefix cache; rows then hold only the suffixes. A group keeps its waiting row lengths as
 one sorted numpy array (arrivals are sorted per chunk and merged when the group is next
-planned), and plans all its full batches for a device at once: a batch is a slice of that
-array and every decision walks runs of equal lengths in plain Python. Per-item work is
-all in numpy, so a million items pack in well under a second.
+planned) and plans many batches for a device at once: a batch is a slice of that array,
+and every decision walks runs of equal lengths in plain Python, so no per-item work
+happens outside numpy.
+
+When plans happen (`Urgency`): never under WAIT, which only hands out batches planned
+already; under ROOM (the scheduler's window is full, so no more company can arrive for
+now) a group is planned again once `ready_batches` batches' worth of tokens has arrived
+since its last plan; under DRAIN (the input is exhausted) everything is cut. Planned
+batches are kept for the device profile (limits, memory budget, overhead) they were cut
+for; a device with another profile returns them to the group and plans again.
 
 * Without the prefix cache (`prefix_cache=false`, rows only) rows hold whole sequences, so
   all items form one group sorted by total length.
@@ -16,19 +23,14 @@ all in numpy, so a million items pack in well under a second.
   while the next item raises useful tokens per unit of cost: short items are not padded
   up to a long head, and near-zero padding is not bought with tiny batches. Against the
   exact optimum of the same items (a dynamic program over contiguous cuts) this greedy
-  costs at most 8% more in tests, and under 2% on realistic length spreads. Under
-  `Urgency.WAIT`, a batch that would spend over 5% of its cost on the step overhead (a
-  sparse long tail) waits for company and the heads below it are tried.
+  costs at most 8% more in tests, and under 2% on realistic length spreads. Unless
+  draining, a head that cannot fill half its rows (a sparse long tail, or the last few
+  short rows) waits for company.
 * Packed rows (`packing=packed`): each row holds several suffixes end to end (best fit
   decreasing, a run of equal lengths at a time), so padding is only the unfilled tail of
-  rows. Rows are sized so that rows x row_len fills `max_batch_tokens`; a group's last
-  batch spreads what is left evenly over as few rows as hold it.
-
-Unless draining (`Urgency.DRAIN`), a plan leaves a group's last `ready_batches` batches'
-worth uncut, for arrivals to join. `Urgency.ROOM` (the window is full and nothing is worth
-running) lifts the sparse rule but keeps that tail. Planned batches are kept for the
-device profile (limits, memory budget, overhead) they were cut for; a device with another
-profile returns them to the group and plans again.
+  rows. Rows are sized so that rows x row_len fills `max_batch_tokens`; unless draining,
+  a group keeps its last `ready_batches` batches' worth for arrivals to join, and its very
+  last batch spreads what is left evenly over as few rows as hold it.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class _Group:
     """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
 
     __slots__ = ("code", "offset", "split", "lengths", "ids", "pending", "ready", "ready_for", "count", "tokens",
-                 "stale")
+                 "stale", "info")
 
     def __init__(self, code: int, offset: int, split: bool):
         self.code = code
@@ -69,8 +71,10 @@ class _Group:
         self.count = 0  # items waiting, planned ones included
         self.tokens = 0  # row tokens waiting, planned ones included
         # (profile, tokens left unplanned) of the last plan: the same items plan the same
-        # way, so the group is planned again for that profile once a batch's worth more came
+        # way, so the group is planned again for that profile once `ready_batches` batches'
+        # worth more has arrived
         self.stale: tuple[tuple, int] | None = None
+        self.info: GroupInfo | None = None  # what `groups()` reports; None once out of date
 
     def merge(self) -> None:
         """Fold arrivals, and batches planned for another profile, into the sorted arrays."""
@@ -115,6 +119,7 @@ class TokenPacker(Packer):
         self.split_prefix = self.prefix_cache or packing == "packed"
         self._groups: dict[int, _Group] = {}
         self._count = 0
+        self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
 
     # -- window -----------------------------------------------------------------
     def add(self, chunk: Chunk) -> None:
@@ -145,6 +150,7 @@ class TokenPacker(Packer):
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
             g.tokens += tokens[j + 1] - tokens[j]
+            g.info = None
         self._count += n
 
     def __len__(self) -> int:
@@ -152,8 +158,13 @@ class TokenPacker(Packer):
 
     def groups(self) -> list[GroupInfo]:
         split = self.split_prefix
-        return [GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready))
-                for g in self._groups.values()]
+        # rebuilt only for the groups that changed since the last call: this runs once per plan
+        out = []
+        for g in self._groups.values():
+            if g.info is None:
+                g.info = GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready))
+            out.append(g.info)
+        return out
 
     # -- cutting ----------------------------------------------------------------
     def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
@@ -164,11 +175,12 @@ class TokenPacker(Packer):
         if not (g.ready and g.ready_for == profile):
             if urgency == Urgency.WAIT:
                 return None  # batches are planned once the window is full, so they pick from the most items
-            budget = device.limits.max_batch_tokens
             stale = g.stale
-            if urgency == Urgency.ROOM and stale is not None and stale[0] == profile and g.tokens < stale[1] + budget:
+            if (urgency == Urgency.ROOM and stale is not None and stale[0] == profile
+                    and g.tokens < stale[1] + self.ready_batches * device.limits.max_batch_tokens):
                 return None  # planned already, and too little has arrived since to change it
             g.merge()
+            g.info = None
             if self.packing == "packed":
                 self._plan_packed(g, device, urgency)
             else:
@@ -178,6 +190,7 @@ class TokenPacker(Packer):
                 return None
             g.ready_for = profile
         cut = g.ready.popleft()
+        g.info = None
         n = len(cut.ids)
         g.count -= n
         g.tokens -= cut.row_tokens
@@ -213,7 +226,7 @@ class TokenPacker(Packer):
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
         t_hi = below[r + 1]  # tokens below position hi
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
-        caps: dict[int, int] = {}  # row cap by padded length
+        caps = self._caps.setdefault((_profile(device), g.offset), {})  # row cap by padded length
         while hi:  # r: the head's run, the one holding position hi - 1
             padded = -(-values[r] // m) * m
             cap = caps.get(padded)
@@ -225,8 +238,8 @@ class TokenPacker(Packer):
             b = r  # the highest run known to pay (the head always joins)
             if urgency < Urgency.DRAIN:
                 # Unless draining, a head that cannot fill half its rows (a sparse long tail,
-                # or the last few short rows) waits for company, with the rows down to that
-                # depth; the next head is below them. Failing to pay is monotone (below), so
+                # or the last few short rows) waits for company, with the rows down to its
+                # cap; the next head is below them. Failing to pay is monotone (below), so
                 # one test at half depth decides.
                 top = hi - (cap + 1) // 2
                 if top < 0:
@@ -235,11 +248,11 @@ class TokenPacker(Packer):
                 if j < r:
                     if values[j] * ((hi - starts[j + 1]) * padded + overhead) <= padded * (t_hi - below[j + 1]):
                         if waiting[-1][0] == hi:  # extends the span above
-                            waiting[-1] = (top, waiting[-1][1])
+                            waiting[-1] = (floor, waiting[-1][1])
                         else:
-                            waiting.append((top, hi))
-                        hi, t_hi = top, below[j] + (top - starts[j]) * values[j]
-                        r = bisect.bisect_right(starts, hi - 1) - 1
+                            waiting.append((floor, hi))
+                        r = bisect.bisect_right(starts, floor - 1) - 1 if floor else 0
+                        hi, t_hi = floor, below[r] + (floor - starts[r]) * values[r] if floor else 0
                         continue
                     b = j
             # Runs j in [lo, b) may join. Run j fails when it no longer pays, given all above
@@ -409,4 +422,3 @@ class TokenPacker(Packer):
                 ends[j] -= 1
                 rows[row].append(ends[j])
         return [row for row in rows if row], max(load for load, _ in loads)
-
