@@ -1,8 +1,12 @@
-"""Packer cost and geometry at scale (no model): `python benchmarks/bench_packer.py`.
+"""Packer cost and geometry at scale (no model): `python -m benchmarks.bench_packer`.
 
-1. Time to pack 1,000,000 items (lengths and prefix keys only) through the scheduler's
-   bounded window, per mode: every batch is cut, routed and cache-tracked exactly as in
-   a run, and dropped (a run hands it to a device and forgets it).
+1. Time to pack 1,000,000 items through the scheduler's bounded window (65,536 items), per
+   mode: every batch is cut, routed and cache-tracked exactly as in a run, then dropped
+   (a run hands it to a device and forgets it). Two inputs, interleaved:
+   - geometry: lengths and prefix codes only, as numpy columns (`GeometryFeed`): the
+     packer's own cost, the figure the issue sets;
+   - Items: the same workload as `Item` objects (`ItemFeed`), as a run feeds it, which adds
+     reading each Item's geometry and handing each batch its Items.
 2. Geometry on the reference workload and on a 200,000-item / 50-prefix variant with two
    devices: padding waste, batches against the minimum possible, prefix-cache hit rate.
 """
@@ -11,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from collections import Counter
 
+from benchmarks.workloads import geometry as workload_geometry
 from benchmarks.workloads import items as workload_items
 from forge.batching import ItemPacker, TokenPacker
+from forge.columns import GeometryFeed
 from forge.geometry import Device, Limits
 from forge.scheduler import Scheduler
 
@@ -36,13 +43,15 @@ def drive(packer, items, devices, window=65536, cache_tokens=1 << 20):
     return batches, sched, time.perf_counter() - t0
 
 
-def pack_seconds(packer, items, device, window=65536) -> tuple[int, float]:
-    """(batches, seconds) to schedule everything on one device, keeping no batch."""
-    sched = Scheduler(packer, items, [device], window=window, cache_tokens=1 << 20)
+def pack_seconds(packer, source, device, window=65536) -> tuple[int, float]:
+    """(batches, seconds) to schedule everything on one device, keeping no batch. `source`
+    is a list of Items (whole batches of Items are built) or a GeometryFeed (cuts only)."""
+    sched = Scheduler(packer, source, [device], window=window, cache_tokens=1 << 20)
+    step = sched.next_cut if isinstance(source, GeometryFeed) else sched.schedule
     n = 0
     t0 = time.perf_counter()
     while not sched.done:
-        sched.schedule(device)
+        step(device)
         n += 1
     return n, time.perf_counter() - t0
 
@@ -69,10 +78,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    print(f"## Packer cost: {args.n:,} items, window 65,536, one device\n")
-    print("| mode | batches | median s | items/s |\n| --- | --- | --- | --- |")
+    print(f"## Packer cost: {args.n:,} items, 50 prefixes, window 65,536, one device\n")
+    print("| mode | batches | geometry: median s | geometry: items/s | Items: median s |")
+    print("| --- | --- | --- | --- | --- |")
+    which, prefix_lens, suffix = workload_geometry(args.n, 50, seed=3)
     big = workload_items(args.n, 50, seed=3)
-    # The workload is built up front, which a streaming run never does: freeze it so the
+    # The Items are built up front, which a streaming run never does: freeze them so the
     # garbage collector does not walk a million resident Items on every collection.
     gc.collect()
     gc.freeze()
@@ -81,15 +92,17 @@ def main() -> None:
         "token rows": lambda: TokenPacker(),
         "token packed": lambda: TokenPacker(packing="packed"),
     }
-    times = {m: [] for m in modes}
+    times = {(m, src): [] for m in modes for src in ("geometry", "items")}
     batches = {}
     for _ in range(args.repeat):  # interleaved: A B C A B C ...
-        for m, make in modes.items():
-            batches[m], s = pack_seconds(make(), big, Device("d0", LIMITS))
-            times[m].append(s)
-    for m, ts in times.items():
-        med = sorted(ts)[len(ts) // 2]
-        print(f"| {m} | {batches[m]:,} | {med:.2f} | {args.n / med:,.0f} |")
+        for src in ("geometry", "items"):
+            for m, make in modes.items():
+                feed = GeometryFeed(prefix_lens[which] + suffix, which, prefix_lens) if src == "geometry" else big
+                batches[m], s = pack_seconds(make(), feed, Device("d0", LIMITS))
+                times[m, src].append(s)
+    for m in modes:
+        geo, its = statistics.median(times[m, "geometry"]), statistics.median(times[m, "items"])
+        print(f"| {m} | {batches[m]:,} | {geo:.2f} | {args.n / geo:,.0f} | {its:.2f} |")
 
     print("\n## Geometry (max_batch_tokens=8192, max_rows=256, pad_multiple=1)\n")
     print("| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate | misses per device |")

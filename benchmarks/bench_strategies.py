@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from benchmarks.workloads import items as workload_items
-from forge.batching import ItemPacker, TokenPacker
 from forge.engine import RunSpec, execute
 from forge.function import Function
 from forge.geometry import Batch, Device, Item, Limits

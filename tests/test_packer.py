@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
 from forge.batching.base import NO_PREFIX, Urgency
-from forge.columns import ItemFeed
+from forge.columns import GeometryFeed, ItemFeed
 from forge.geometry import Batch, Device, Item, Limits, batch_fits
 from forge.scheduler import Scheduler
 
@@ -174,3 +174,54 @@ def test_the_packer_side_never_imports_torch():
             "plugins.ledger; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_geometry_feed_cuts_as_items_do():
+    """The packer sees the same columns from bare geometry as from Items: the same cuts."""
+    rng = np.random.default_rng(5)
+    plens = [30, 90, 150]
+    which = rng.integers(0, 3, 4000)
+    suffix = np.clip(rng.lognormal(np.log(40), 0.7, 4000), 4, 400).astype(int)
+    items = [Item(str(i), plens[k] + int(s), f"prefix{k}", plens[k]) for i, (k, s) in enumerate(zip(which, suffix))]
+    feed = GeometryFeed(np.array(plens)[which] + suffix, which, plens)
+    lim = Limits(8192, 256, 1024)
+    for make in (lambda: TokenPacker(), lambda: TokenPacker(packing="packed")):
+        d = Device("d", lim)
+        by_items = Scheduler(make(), items, [d], window=1000, cache_tokens=1 << 16)
+        by_columns = Scheduler(make(), feed, [d], window=1000, cache_tokens=1 << 16)
+        feed._next = 0
+        while not by_items.done:
+            b, c = by_items.schedule(d), by_columns.next_cut(d)
+            assert (b.padded_len, b.num_rows, b.prefix_key, b.cache_hit) == (
+                c.padded_len, c.num_rows, feed.key(c.prefix), c.cache_hit)
+            assert sorted(int(it.id) for it in b.items) == sorted(c.ids.tolist())  # ids are input positions
+        assert by_columns.done
+
+
+def test_item_feed_grows_and_reuses_ids():
+    items = [Item(str(i), 5 + i) for i in range(10)]
+    feed = ItemFeed(iter(items), capacity=2)
+    chunk = feed.admit(6)  # more than it holds: it grows
+    assert len(chunk) == 6 and len(set(chunk.ids.tolist())) == 6 and len(feed) == 6
+    assert [it.id for it in feed.take(chunk.ids[::-1])] == [str(i) for i in range(5, -1, -1)]
+    again = feed.admit(10)  # the input has 4 left; freed ids are used again
+    assert len(again) == 4 and set(again.ids.tolist()) <= set(chunk.ids.tolist())
+    assert [it.num_tokens for it in feed.take(again.ids)] == [11, 12, 13, 14]
+
+
+def test_devices_with_different_limits_share_a_group():
+    """Batches planned for one device's limits go back to the group when another asks."""
+    rng = np.random.default_rng(2)
+    items = [Item(str(i), 20 + int(n), "p", 20) for i, n in enumerate(rng.integers(1, 200, 3000))]
+    small, big = Device("small", Limits(1024, 16, 256)), Device("big", Limits(8192, 256, 1024))
+    for packing in ("rows", "packed"):
+        sched = Scheduler(TokenPacker(packing=packing), items, [small, big], window=800, cache_tokens=1 << 16)
+        seen, turn = Counter(), 0
+        while not sched.done:
+            d = (small, big)[turn % 2]
+            turn += 1
+            b = sched.schedule(d)
+            if b is not None:
+                assert batch_fits(b, d.limits) is None
+                seen.update(it.id for it in b.items)
+        assert seen == Counter(it.id for it in items)

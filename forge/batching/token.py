@@ -81,6 +81,9 @@ class _Group:
         parts = self.pending + [(c.lengths, c.ids) for c in self.ready]
         if not parts:
             return
+        if len(self.pending) == 1 and not self.ready and not len(self.lengths):  # one sorted arrival
+            (self.lengths, self.ids), self.pending = self.pending[0], []
+            return
         lengths = np.concatenate([self.lengths, *(p[0] for p in parts)])
         ids = np.concatenate([self.ids, *(p[1] for p in parts)])
         order = np.argsort(lengths, kind="stable")  # merges the sorted pieces
@@ -95,6 +98,12 @@ class _Group:
         starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
         below = np.concatenate(([0], np.cumsum(lengths)))
         return starts.tolist(), lengths[starts].tolist(), [*below[starts].tolist(), int(below[-1])]
+
+    def run_counts(self) -> tuple[list[int], list[int], list[int]]:
+        """Runs of equal lengths, ascending: (length, items, end position)."""
+        lengths = self.lengths
+        ends = np.flatnonzero(np.concatenate((lengths[1:] != lengths[:-1], [True]))) + 1
+        return lengths[ends - 1].tolist(), np.diff(ends, prepend=0).tolist(), ends.tolist()
 
 
 class TokenPacker(Packer):
@@ -120,6 +129,7 @@ class TokenPacker(Packer):
         self._groups: dict[int, _Group] = {}
         self._count = 0
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
+        self._shapes: dict[tuple, dict[int, tuple[int, int]]] = {}  # ... -> packed shape by longest item
 
     # -- window -----------------------------------------------------------------
     def add(self, chunk: Chunk) -> None:
@@ -128,7 +138,8 @@ class TokenPacker(Packer):
             return
         if self.split_prefix:
             rows = chunk.num_tokens - chunk.prefix_len
-            order = np.lexsort((rows, chunk.prefix))  # by prefix code, then row length
+            # by prefix code, then row length: one stable sort of a combined key
+            order = np.argsort((chunk.prefix + 1) * (int(rows.max()) + 1) + rows, kind="stable")
             codes = chunk.prefix[order]
             edges = [0, *(np.flatnonzero(codes[1:] != codes[:-1]) + 1).tolist(), n]
             offsets = chunk.prefix_len[order][edges[:-1]].tolist()
@@ -307,17 +318,14 @@ class TokenPacker(Packer):
         # the plan's positions are gathered in one numpy pass at the end.
         lim = device.limits
         lengths = g.lengths
-        starts, values, below = g.runs()
         # per run with items left, ascending: its length (what bisect searches), items left,
         # and the end of its items in the sorted arrays (takes come off the top end)
-        avail = list(values)
-        ends = [*starts[1:], len(lengths)]
-        left = np.diff([0, *ends]).tolist()
+        avail, left, ends = g.run_counts()
         limit = lim.max_seq_len - g.offset
         keep = self._keep_tokens(device, urgency)
         remaining = g.tokens
-        fitting = below[bisect.bisect_right(values, limit)]  # tokens of rows short enough for this device
-        shapes: dict[int, tuple[int, int]] = {}  # packed shape by longest item
+        fitting = remaining - sum(n * c for n, c in zip(avail, left) if n > limit)  # rows short enough
+        shapes = self._shapes.setdefault((_profile(device), g.offset), {})  # packed shape by longest item
         take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
         take_q: list[int] = []
         batches = []  # (first take item, last take item, row ends, padded_len, useful tokens)
@@ -339,7 +347,7 @@ class TokenPacker(Packer):
                     take_q.extend(1 for _ in row)
                     taken += len(row)
                     row_ends.append(taken - first)
-                useful = sum(values[bisect.bisect_right(starts, p) - 1] for row in rows for p in row)
+                useful = int(lengths[[p for row in rows for p in row]].sum())
                 batches.append((first, taken, row_ends, lim.pad(used), useful))
                 break
             row_ends = []
