@@ -7,16 +7,18 @@ Items. `next_cut` is the same step without Items, for geometry-only feeds.
 
 For a device the scheduler walks the waiting prefix groups in affinity order (groups whose
 prefix that device's cache holds, then groups no device holds, then groups another device
-holds: work stealing, so nobody idles while work waits) and asks the packer to cut a
-batch: first a full one, then, when none is ready, whatever fits. It tracks each device's
+holds: work stealing, so nobody idles while work waits) and asks the packer for a
+batch. It tracks each device's
 prefix cache with the same LRU policy and capacity the device uses, so predicted hits
 are the hits the device will see. Failed batches come back through `requeue` and run
 first, one item per batch.
 
-Per-batch cost is kept flat: the window refills in chunks (a quarter of it at a time,
-or all of it before anything is drained), and a device keeps cutting from the prefix
-group it ran last while that group is ready and cached there, which is where the full
-affinity order would send it anyway.
+A step asks, in order: for a batch planned already (`Urgency.WAIT`); then, with the window
+topped up (in eighths: admitting a chunk has a fixed cost), for a plan from what the full
+window holds (`ROOM`); then for another device's prefix (work stealing); and only when the
+input is exhausted, or nothing else is left, for whatever remains (`DRAIN`). Per-batch cost
+stays flat: a device keeps taking the planned batches of the group it ran last while that
+group is cached there, which is where the full affinity order would send it anyway.
 """
 
 from __future__ import annotations
