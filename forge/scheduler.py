@@ -32,7 +32,7 @@ from forge.columns import GeometryFeed, ItemFeed
 from forge.geometry import Batch, Device, Item
 from forge.lru import TokenLRU
 
-_waiting_tokens = attrgetter("tokens")
+_new_tokens = attrgetter("new_tokens")
 
 
 def _keys(groups: list[GroupInfo], ready: bool = False) -> list[int]:
@@ -164,12 +164,12 @@ class Scheduler:
                      packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
 
     def _affinity_order(self, device: Device) -> tuple[list[GroupInfo], list[GroupInfo]]:
-        """Waiting groups, best first, the most waiting tokens first within each tier: (groups
-        this device caches or no device does, groups only another device caches)."""
+        """Waiting groups, best first: (groups this device caches or no device does, groups only
+        another device caches); within each, the most tokens not yet planned first."""
         mine = self.caches[device.name].keys()
         theirs = set().union(*(c.keys() for name, c in self.caches.items() if name != device.name))
         held, free, stolen = [], [], []
-        for g in sorted(self.packer.groups(), key=_waiting_tokens, reverse=True):  # stable
+        for g in sorted(self.packer.groups(), key=_new_tokens, reverse=True):  # stable
             if not g.cacheable:
                 free.append(g)
             elif g.key in mine:

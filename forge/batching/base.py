@@ -75,6 +75,7 @@ class GroupInfo(NamedTuple):
     tokens: int  # waiting row tokens: what the group would occupy in rows
     cacheable: bool  # batches cut from it run their prefix once, so a device cache can serve it
     ready: int  # batches it can hand out under Urgency.WAIT (cut already, or full)
+    new_tokens: int  # row tokens that arrived since its batches were last planned (all, if never)
 
 
 class Packer(ABC):

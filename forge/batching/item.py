@@ -49,7 +49,9 @@ class ItemPacker(Packer):
         return len(self._lengths) - self._head
 
     def groups(self) -> list[GroupInfo]:
-        return [GroupInfo(NO_PREFIX, len(self), self._tokens, False, len(self) // self.batch_size)] if len(self) else []
+        if not len(self):
+            return []
+        return [GroupInfo(NO_PREFIX, len(self), self._tokens, False, len(self) // self.batch_size, self._tokens)]
 
     def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
         if not len(self) or (urgency == Urgency.WAIT and len(self) < self.batch_size):

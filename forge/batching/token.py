@@ -57,7 +57,7 @@ class _Group:
     """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
 
     __slots__ = ("code", "offset", "split", "lengths", "ids", "pending", "ready", "ready_for", "count", "tokens",
-                 "stale", "info")
+                 "planned_for", "arrived", "info")
 
     def __init__(self, code: int, offset: int, split: bool):
         self.code = code
@@ -70,10 +70,11 @@ class _Group:
         self.ready_for: tuple | None = None
         self.count = 0  # items waiting, planned ones included
         self.tokens = 0  # row tokens waiting, planned ones included
-        # (profile, tokens left unplanned) of the last plan: the same items plan the same
-        # way, so the group is planned again for that profile once `replan_batches`
-        # batches' worth more has arrived
-        self.stale: tuple[tuple, int] | None = None
+        # the profile of the last plan, and the row tokens that arrived since: the same items
+        # plan the same way, so the group is planned again for that profile once
+        # `replan_batches` batches' worth has arrived
+        self.planned_for: tuple | None = None
+        self.arrived = 0
         self.info: GroupInfo | None = None  # what `groups()` reports; None once out of date
 
     def merge(self) -> None:
@@ -162,6 +163,7 @@ class TokenPacker(Packer):
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
             g.tokens += tokens[j + 1] - tokens[j]
+            g.arrived += tokens[j + 1] - tokens[j]
             g.info = None
         self._count += n
 
@@ -174,7 +176,7 @@ class TokenPacker(Packer):
         out = []
         for g in self._groups.values():
             if g.info is None:
-                g.info = GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready))
+                g.info = GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready), g.arrived)
             out.append(g.info)
         return out
 
@@ -187,9 +189,8 @@ class TokenPacker(Packer):
         if not (g.ready and g.ready_for == profile):
             if urgency == Urgency.WAIT:
                 return None  # batches are planned once the window is full, so they pick from the most items
-            stale = g.stale
-            if (urgency == Urgency.ROOM and stale is not None and stale[0] == profile
-                    and g.tokens < stale[1] + self.replan_batches * device.limits.max_batch_tokens):
+            if (urgency == Urgency.ROOM and g.planned_for == profile
+                    and g.arrived < self.replan_batches * device.limits.max_batch_tokens):
                 return None  # planned already, and too little has arrived since to change it
             g.merge()
             g.info = None
@@ -197,7 +198,7 @@ class TokenPacker(Packer):
                 self._plan_packed(g, device, urgency)
             else:
                 self._plan_rows(g, device, urgency)
-            g.stale = None if urgency == Urgency.DRAIN else (profile, g.tokens - sum(c.row_tokens for c in g.ready))
+            g.planned_for, g.arrived = (None if urgency == Urgency.DRAIN else profile), 0
             if not g.ready:
                 return None
             g.ready_for = profile
