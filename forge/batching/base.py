@@ -61,14 +61,14 @@ class Cut:
 class Urgency(IntEnum):
     """How much the scheduler needs a batch now; `Packer.cut` cuts more the higher it is."""
 
-    WAIT = 0  # only a batch worth running now; the rest waits for more items to join it
-    ROOM = 1  # the window is full and nothing is worth running: cut what more items would not
-    #           improve much, but keep the tail a group holds for arrivals
-    DRAIN = 2  # no more items will come: cut everything
+    WAIT = 0  # the window is filling: hand out only what is ready (cut already, or a full batch)
+    ROOM = 1  # the window is full: plan from what it holds; what more company would clearly
+    #           improve (a sparse long tail, a packed group's last batch) still waits
+    DRAIN = 2  # no more items will come, or nothing else is left: cut everything
 
 
 class GroupInfo(NamedTuple):
-    """What waits under one group (a prefix code, or NO_PREFIX). A tuple: built per request."""
+    """What waits under one group (a prefix code, or NO_PREFIX). A tuple, rebuilt when the group changes."""
 
     key: int  # prefix code shared by the group's items; NO_PREFIX for mixed/no prefix
     items: int  # waiting items
