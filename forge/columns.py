@@ -32,6 +32,7 @@ class ItemFeed:
         self._codes: dict[str | None, int] = {None: NO_PREFIX}  # prefix key -> code
         self.keys: list[str] = []  # code -> prefix key
         self.prefix_lens: list[int] = []  # code -> prefix length
+        self._table = np.zeros(1, np.int64)  # prefix_lens + [0]: index -1 (NO_PREFIX) reads the 0
         self._slots = np.empty(max(1, capacity), dtype=object)  # id -> waiting Item
         self._free = np.arange(len(self._slots) - 1, -1, -1, dtype=np.int64)  # free ids, a stack: [:_top]
         self._top = len(self._slots)
@@ -65,8 +66,8 @@ class ItemFeed:
             for code, i in zip(uniq.tolist(), first.tolist()):
                 if code != NO_PREFIX and self.prefix_lens[code] < 0:
                     self.prefix_lens[code] = int(given[i])
-        table = np.array(self.prefix_lens + [0], np.int64)  # the trailing 0 is NO_PREFIX's (index -1)
-        prefix_len = table[prefix]
+            self._table = np.array(self.prefix_lens + [0], np.int64)
+        prefix_len = self._table[prefix]
         bad = np.flatnonzero((prefix_len != given) & (prefix != NO_PREFIX))
         if len(bad):
             it = items[int(bad[0])]
@@ -74,6 +75,11 @@ class ItemFeed:
                 f"item {it.id!r}: prefix {it.prefix_key!r} has length {it.prefix_len}, but earlier "
                 f"items gave {int(prefix_len[bad[0]])}; one prefix key must mean one token block"
             )
+        empty = np.flatnonzero(num_tokens <= prefix_len)
+        if len(empty):
+            it = items[int(empty[0])]
+            raise ForgeError(f"item {it.id!r} has {it.num_tokens} tokens and a {it.prefix_len}-token prefix: "
+                             "it needs at least one token of its own (admission fails such items)")
         if n > self._top:
             self._grow(n - self._top)
         self._top -= n

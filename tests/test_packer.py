@@ -183,13 +183,12 @@ def test_geometry_feed_cuts_as_items_do():
     which = rng.integers(0, 3, 4000)
     suffix = np.clip(rng.lognormal(np.log(40), 0.7, 4000), 4, 400).astype(int)
     items = [Item(str(i), plens[k] + int(s), f"prefix{k}", plens[k]) for i, (k, s) in enumerate(zip(which, suffix))]
-    feed = GeometryFeed(np.array(plens)[which] + suffix, which, plens)
     lim = Limits(8192, 256, 1024)
     for make in (lambda: TokenPacker(), lambda: TokenPacker(packing="packed")):
         d = Device("d", lim)
+        feed = GeometryFeed(np.array(plens)[which] + suffix, which, plens)
         by_items = Scheduler(make(), items, [d], window=1000, cache_tokens=1 << 16)
         by_columns = Scheduler(make(), feed, [d], window=1000, cache_tokens=1 << 16)
-        feed._next = 0
         while not by_items.done:
             b, c = by_items.schedule(d), by_columns.next_cut(d)
             assert (b.padded_len, b.num_rows, b.prefix_key, b.cache_hit) == (
@@ -225,3 +224,13 @@ def test_devices_with_different_limits_share_a_group():
                 assert batch_fits(b, d.limits) is None
                 seen.update(it.id for it in b.items)
         assert seen == Counter(it.id for it in items)
+
+
+def test_item_feed_names_an_item_with_nothing_after_its_prefix():
+    import pytest
+
+    from forge.errors import ForgeError
+
+    feed = ItemFeed([Item("ok", 7, "p", 4), Item("bare", 4, "p", 4)])
+    with pytest.raises(ForgeError, match="item 'bare' has 4 tokens and a 4-token prefix"):
+        feed.admit(2)

@@ -100,12 +100,6 @@ class _Group:
         below = np.concatenate(([0], np.cumsum(lengths)))
         return starts.tolist(), lengths[starts].tolist(), [*below[starts].tolist(), int(below[-1])]
 
-    def run_counts(self) -> tuple[list[int], list[int], list[int]]:
-        """Runs of equal lengths, ascending: (length, items, end position)."""
-        lengths = self.lengths
-        ends = np.flatnonzero(np.concatenate((lengths[1:] != lengths[:-1], [True]))) + 1
-        return lengths[ends - 1].tolist(), np.diff(ends, prepend=0).tolist(), ends.tolist()
-
 
 class TokenPacker(Packer):
     def __init__(
@@ -217,10 +211,6 @@ class TokenPacker(Packer):
         lim = device.limits
         return min(lim.max_rows, lim.max_batch_tokens // padded_len)
 
-    def _keep_tokens(self, device: Device, urgency: Urgency) -> int:
-        """Packed: row tokens a plan leaves uncut, for arrivals to join (none when draining)."""
-        return 0 if urgency == Urgency.DRAIN else device.limits.max_batch_tokens
-
     def _plan_rows(self, g: _Group, device: Device, urgency: Urgency) -> None:
         # A batch is a run of consecutive lengths padded to its head, the longest. From a
         # head it grows downward one run of equal lengths at a time while the next length l
@@ -322,11 +312,13 @@ class TokenPacker(Packer):
         lengths = g.lengths
         # per run with items left, ascending: its length (what bisect searches), items left,
         # and the end of its items in the sorted arrays (takes come off the top end)
-        avail, left, ends = g.run_counts()
+        starts, avail, below = g.runs()
+        ends = [*starts[1:], len(lengths)]
+        left = [e - s for s, e in zip(starts, ends)]
         limit = lim.max_seq_len - g.offset
-        keep = self._keep_tokens(device, urgency)
+        keep = 0 if urgency == Urgency.DRAIN else lim.max_batch_tokens  # the last batch's worth waits for arrivals
         remaining = g.tokens
-        fitting = remaining - sum(n * c for n, c in zip(avail, left) if n > limit)  # rows short enough
+        fitting = below[bisect.bisect_right(avail, limit)]  # tokens of rows short enough for this device
         shapes = self._shapes.setdefault((_profile(device), g.offset), {})  # packed shape by longest item
         take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
         take_q: list[int] = []
