@@ -47,6 +47,9 @@ def run(ctx: typer.Context) -> None:
             err.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
+        if report.get("status", "finished") != "finished":
+            err.print(f"[bold red]{report['status']}:[/] {report.get('error')}", highlight=False)
+            raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
     try:
         _precheck(ctx.args)
@@ -85,7 +88,7 @@ def _execute(cfg, run_dir: Path) -> dict[str, Any]:
     from forge.plugins import make_plugin_manager
 
     spec = build_spec(cfg, run_dir)
-    return execute(spec, make_plugin_manager())
+    return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 
 @app.command(context_settings=EXTRA)

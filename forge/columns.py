@@ -47,6 +47,13 @@ class ItemFeed:
     def prefix_len(self, code: int) -> int:
         return 0 if code == NO_PREFIX else self.prefix_lens[code]
 
+    def code(self, key: str | None) -> int:
+        return self._codes[key]
+
+    def waiting(self) -> list[Item]:
+        """Every Item held (admitted and not yet taken by a cut)."""
+        return [it for it in self._slots.tolist() if it is not None]
+
     def admit(self, n: int) -> Chunk:
         """Up to `n` more items (fewer only when the input ends), stored under free ids."""
         items = list(islice(self._items, n))
@@ -129,6 +136,9 @@ class GeometryFeed:
 
     def prefix_len(self, code: int) -> int:
         return 0 if code == NO_PREFIX else self.prefix_lens[code]
+
+    def code(self, key: str | None) -> int:
+        return NO_PREFIX if key is None else self.keys.index(key)
 
     def admit(self, n: int) -> Chunk:
         a = self._next

@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from forge.devices import resolve_devices
-from forge.engine import RunSpec
+from forge.engine import RunSpec, RuntimeSpec
+from forge.loop import RunPolicy
 from forge.errors import ForgeError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -76,6 +77,10 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         options["default_memory_bytes"] = int(gb * GB) if gb else None
     cache_tokens = int(batching.get("cache_tokens") or 0) if batching.get("prefix_cache", False) else 0
     return RunSpec(
+        runtime=build_runtime(plain.get("runtime") or {}),
+        resume=bool(plain.get("resume", False)),
+        fail_fast=bool(plain.get("fail_fast", False)),
+        plugins=tuple(plain.get("plugins") or ()),
         function=build_function(plain),
         mode=mode,
         mode_options=options,
@@ -87,6 +92,17 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         run_dir=run_dir,
         config=plain,
     )
+
+
+POLICY_KEYS = ("batch_timeout_s", "timeout_floor_s", "timeout_factor", "failure_window", "max_failure_share",
+               "commit_interval_s")
+
+
+def build_runtime(runtime: dict[str, Any]) -> RuntimeSpec:
+    """The runtime group as plain values: executor settings and the loop's policy."""
+    policy = RunPolicy(**{k: runtime[k] for k in POLICY_KEYS if runtime.get(k) is not None})
+    rest = {k: v for k, v in runtime.items() if k not in POLICY_KEYS}
+    return RuntimeSpec(**rest, policy=policy)
 
 
 def _replace_limits(device, limits):

@@ -1,29 +1,56 @@
-"""The engine: one thread per device, each looping schedule -> run -> postprocess.
+"""The engine: turns a RunSpec into a run (or a plan) on the run loop.
 
-The scheduler (behind one lock) owns the backlog and decides what each device runs; the
-workers only see batches. Accounting happens through hooks, so the ledger sees every
-token received, routed, completed and failed.
+`prepare` builds what every run needs (packer, scheduler over admitted items); `execute`
+adds the run directory (`forge.store`), the function's sink and an executor, and drives
+`forge.loop.RunLoop` until the work is done or the run stops early. The loop, the
+scheduler and the hooks do the rest; accounting happens through hooks, so the ledger sees
+every token received, routed, completed, retried, discarded and failed.
 """
 
 from __future__ import annotations
 
 import inspect
+import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pluggy
 
-from forge.admission import admit
-from forge.batching.base import create_packer
+from forge.admission import AdmissionRules, admit
+from forge.batching.base import Packer, create_packer
 from forge.errors import ForgeError
+from forge.executors import Executor, InProcessExecutor
 from forge.function import Function
-from forge.geometry import Batch, Device
+from forge.geometry import Device, Item
+from forge.loop import Committer, RunLoop, RunPolicy, Stop
 from forge.plugins import batching_modes
-from forge.run import RunContext, batch_stats
+from forge.run import RunContext
 from forge.scheduler import Scheduler
+from forge.store import RunStore
+
+EXECUTORS = ("process", "inprocess")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Where and how batches run (the `runtime` config group), as plain values."""
+
+    executor: str = "process"  # process | inprocess
+    max_in_flight: int = 2  # batches queued per worker
+    startup_timeout_s: float = 600.0  # a worker that has not loaded by then is replaced
+    kill_grace_s: float = 5.0  # a timed-out worker may still answer this long before it is killed
+    max_restarts: int = 3  # worker restarts per device before the device is retired
+    max_attempts: int = 3  # runs of an item lost with its worker before it fails
+    policy: RunPolicy = RunPolicy()  # timeouts, recurring failures, commit interval
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ForgeError(f"runtime.executor={self.executor!r}; choose one of: {', '.join(EXECUTORS)}")
 
 
 @dataclass
@@ -40,26 +67,43 @@ class RunSpec:
     max_tokens: int | None = None  # stop admitting once this many tokens were received
     run_dir: Path | None = None  # outputs; None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # resolved config, for the report
+    runtime: RuntimeSpec = RuntimeSpec()  # executor, timeouts, restarts
+    resume: bool = False  # finish the run in run_dir, skipping what it committed
+    fail_fast: bool = False  # the first bad record stops the run
+    plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
 
 
-@dataclass
-class DeviceTally:
-    """Per-device figures for the report."""
-
-    batches: int = 0
-    tokens: int = 0  # useful tokens completed
-    padded_slots: int = 0
-    busy_s: float = 0.0
-    cache_misses: int = 0  # prefix computed on this device because its cache lacked it
-
-    def add(self, batch: Batch, stats) -> None:
-        self.batches += 1
-        self.tokens += batch.num_tokens
-        self.padded_slots += stats.padded_slots
-        self.busy_s += stats.seconds
+def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
+    modes = {name: factory for name, (factory, _) in batching_modes(pm).items()}
+    options = dict(spec.mode_options)
+    factory = modes.get(spec.mode)
+    if factory is not None and "cost_model" in inspect.signature(factory).parameters:
+        options["cost_model"] = spec.function.cost_model()
+    packer = create_packer(modes, spec.mode, options)
+    for device in spec.devices:
+        packer.check_device(device)
+    return packer
 
 
-def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool) -> tuple[RunContext, Scheduler]:
+def placeable(packer: Packer, devices: list[Device], mode: str):
+    """Admission's check: why each item can never run (None where some device takes it)."""
+
+    def reasons(items: list[Item]) -> list[str | None]:
+        n = np.fromiter((it.num_tokens for it in items), np.int64, len(items))
+        p = np.fromiter((it.prefix_len for it in items), np.int64, len(items))
+        ok = np.zeros(len(items), bool)
+        for device in devices:
+            ok |= packer.fits(n, p, device)
+        return [None if good else (
+            f"item {it.id!r} ({it.num_tokens} tokens, {it.prefix_len} of them prefix) fits no device under "
+            f"batching={mode}: a batch of it alone breaks every device's limits or memory budget; raise a "
+            "device's memory_gb or limits, or set too_long=truncate") for it, good in zip(items, ok.tolist())]
+
+    return reasons
+
+
+def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
+            committed: set[int] | frozenset = frozenset()) -> tuple[RunContext, Scheduler]:
     """Start a run: fire run_start, build the packer and the scheduler over admitted items."""
     if not spec.devices:
         raise ForgeError("no devices: set devices=auto or list devices in a devices config")
@@ -72,126 +116,92 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool) -> tuple[Run
         dry_run=dry_run,
         expected_items=None if dry_run else spec.function.expected_items(),
     )
-    pm.hook.forge_run_start(run=run)
-    modes = {name: factory for name, (factory, _) in batching_modes(pm).items()}
-    options = dict(spec.mode_options)
-    factory = modes.get(spec.mode)
-    if factory is not None and "cost_model" in inspect.signature(factory).parameters:
-        options["cost_model"] = spec.function.cost_model()
-    packer = create_packer(modes, spec.mode, options)
-    for device in spec.devices:
-        packer.check_device(device)
+    packer = build_packer(spec, pm)
     splits = getattr(packer, "split_prefix", False)
     if splits and not spec.function.causal:
         raise ForgeError(
             f"batching={spec.mode} shares prefixes, but {spec.function.name}'s model is not causal; "
             "set batching.prefix_cache=false and batching.packing=rows"
         )
-    items = admit(
-        spec.function.records(),
-        run=run,
-        hook=pm.hook,
-        max_seq_len=max(d.limits.max_seq_len for d in spec.devices),
-        too_long=spec.too_long,
-        max_tokens=spec.max_tokens,
-    )
-    scheduler = Scheduler(
-        packer, items, spec.devices, window=spec.window, cache_tokens=spec.cache_tokens if splits else 0
-    )
+    pm.hook.forge_run_start(run=run)
+    rules = AdmissionRules(max_seq_len=max(d.limits.max_seq_len for d in spec.devices), too_long=spec.too_long,
+                           max_tokens=spec.max_tokens, fail_fast=spec.fail_fast,
+                           placeable=placeable(packer, spec.devices, spec.mode))
+    items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed)
+    scheduler = Scheduler(packer, items, spec.devices, window=spec.window,
+                          cache_tokens=spec.cache_tokens if splits else 0, max_attempts=spec.runtime.max_attempts)
     return run, scheduler
 
 
+def make_executor(spec: RunSpec, cache_tokens: int) -> Executor:
+    rt = spec.runtime
+    if rt.executor == "inprocess":
+        return InProcessExecutor(spec.function, cache_tokens)
+    from forge.executors.process import ProcessExecutor
+
+    return ProcessExecutor(spec.function, cache_tokens, plugins=spec.plugins, max_in_flight=rt.max_in_flight,
+                           max_restarts=rt.max_restarts, startup_timeout_s=rt.startup_timeout_s,
+                           kill_grace_s=rt.kill_grace_s)
+
+
 def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
-    """Run the function over its input on every device; return the report (also written)."""
+    """Run the function over its input on every device; return the report (also written).
+
+    The report's `status` says how the run ended: finished, interrupted (Ctrl-C), stopped
+    (a recurring failure, a write error, every device retired) or stalled; `error` says why.
+    Every status but finished leaves a run that `resume=true` finishes.
+    """
     from forge.report import finish_report
 
     assert spec.run_dir is not None
-    spec.run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    run, scheduler = prepare(spec, pm, dry_run=False)
-    sink = spec.function.open_sink(spec.run_dir)
-    tallies = {d.name: DeviceTally() for d in spec.devices}
-    cond = threading.Condition()
-    in_flight = [0]
-    errors: list[BaseException] = []
-
-    scheduler_s = [0.0]  # time spent deciding what runs (admission and tokenizing included)
-
-    def next_batch(device: Device) -> Batch | None:
-        with cond:
-            while not errors:
-                t0 = time.perf_counter()
-                batch = scheduler.schedule(device)
-                scheduler_s[0] += time.perf_counter() - t0
-                if batch is not None:
-                    in_flight[0] += 1
-                    pm.hook.forge_batch_routed(run=run, batch=batch, device=device)
-                    return batch
-                if scheduler.done and not in_flight[0]:
-                    cond.notify_all()
-                    return None
-                cond.wait(0.05)
-            return None
-
-    def device_loop(device: Device) -> None:
-        try:
-            worker = spec.function.open_worker(device, scheduler.cache_tokens)
-        except BaseException as exc:  # a device that cannot load leaves the others running
-            with cond:
-                errors.append(exc)
-                cond.notify_all()
-            return
-        try:
-            while (batch := next_batch(device)) is not None:
-                t0 = time.perf_counter()
-                try:
-                    output = worker.run(batch)
-                except Exception as exc:  # recorded, retried item by item, and the run goes on
-                    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    with cond:
-                        retry = len(batch.items) > 1
-                        pm.hook.forge_batch_failed(run=run, batch=batch, device=device,
-                                                   reason=reason, will_retry=retry)
-                        if retry:
-                            scheduler.requeue(batch.items)
-                        in_flight[0] -= 1
-                        cond.notify_all()
-                    continue
-                stats = batch_stats(batch, time.perf_counter() - t0, output.prefix_computed_tokens)
-                with cond:
-                    sink.write(batch, output)
-                    tally = tallies[device.name]
-                    tally.add(batch, stats)
-                    if batch.split_prefix and batch.prefix_len and not output.cache_hit:
-                        tally.cache_misses += 1
-                    pm.hook.forge_batch_completed(run=run, batch=batch, device=device, stats=stats)
-                    in_flight[0] -= 1
-                    cond.notify_all()
-        except BaseException as exc:
-            with cond:
-                errors.append(exc)
-                cond.notify_all()
-        finally:
-            worker.close()
-
-    threads = [threading.Thread(target=device_loop, args=(d,), name=f"forge-{d.name}", daemon=True)
-               for d in spec.devices]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors and (len(errors) == len(spec.devices) or not scheduler.done):
-        raise errors[0]
+    store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
+                     fault=lambda tmp: pm.hook.forge_fault(point="write_shard", device=None, batch=None))
+    run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+    sink = spec.function.open_sink(store)
+    policy = spec.runtime.policy
+    committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
+    executor = make_executor(spec, scheduler.cache_tokens)
+    loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
+    status, error = "finished", None
+    try:
+        with _stop_on_signals(loop):
+            executor.start(list(scheduler.devices.values()))
+            loop.run_until_done()
+    except Stop as stop:
+        status, error = stop.status, str(stop)
+    finally:
+        executor.close()
     outputs = sink.close()
+    store.close(status)
     return finish_report(
-        run=run,
-        pm=pm,
-        spec=spec,
-        tallies=tallies,
-        predicted_misses=scheduler.cache_misses,
+        run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
-        extra={"outputs": outputs, "max_window_items": scheduler.max_window_seen,
-               "scheduler_s": round(scheduler_s[0], 4),
-               # devices that could not run (the others finished the work)
-               "device_errors": [f"{type(e).__name__}: {e}" for e in errors]},
+        extra={"status": status, "error": error, "outputs": outputs,
+               "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
+               "attempts": {**dict(loop.counts), "oom_splits": scheduler.oom_splits},
+               "restarts": dict(executor.restarts), "retired": dict(executor.retired),
+               "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
+                                    if d.limits != next(x for x in spec.devices if x.name == name).limits}},
     )
+
+
+@contextmanager
+def _stop_on_signals(loop: RunLoop):
+    """Ctrl-C (or SIGTERM) asks the loop to stop gracefully; a second one stops at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if loop.halt is not None and loop.halt[0] == "interrupted":
+            raise KeyboardInterrupt
+        loop.halt = ("interrupted", f"interrupted by {signal.Signals(signum).name}; committed work stays, "
+                                    "resume=true finishes the run")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

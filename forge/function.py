@@ -1,20 +1,23 @@
 """The function seam: what a Forge function provides to the engine.
 
 A function turns its input into token-geometry items, opens one worker per device (the
-model lives there, loaded once), and opens one sink that writes results in the run
-directory. A worker is small on purpose (`run`, `close`) so a thread, a process or a
-Ray actor can host it.
+model lives there, loaded once), and opens one sink that commits results to the run
+directory through `forge.store.RunStore`. A worker is small on purpose (`run`, `close`)
+so a thread, a process or a Ray actor can host it: the function object is pickled to a
+worker process, and a batch's output must pickle (plain numpy arrays, not device tensors).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from forge.batching.memory import CostModel
 from forge.geometry import Batch, Device, Item
 from forge.run import Rejected
+
+if TYPE_CHECKING:
+    from forge.store import RunStore
 
 
 class BatchOutput(Protocol):
@@ -29,10 +32,17 @@ class Worker(Protocol):
 
 
 class Sink(Protocol):
-    def write(self, batch: Batch, output: BatchOutput) -> None: ...
+    rows_per_shard: int  # the loop flushes once this many rows are buffered
+
+    def write(self, batch: Batch, output: BatchOutput, keep: list[bool] | None) -> None:
+        """Buffer a batch's results; with `keep`, only the items where it is true (aligned
+        with `batch.items`: the others were committed already)."""
+
+    def flush(self) -> None:
+        """Commit what is buffered as one shard (`RunStore.write_shard`); raise OSError on failure."""
 
     def close(self) -> dict[str, Any]:
-        """Finish writing; return figures for the report."""
+        """Finish (nothing buffered is left); return figures for the report."""
 
 
 class Function(ABC):
@@ -49,7 +59,12 @@ class Function(ABC):
         """Load the model on `device` (once) and return a worker for its batches."""
 
     @abstractmethod
-    def open_sink(self, run_dir: Path) -> Sink: ...
+    def open_sink(self, store: "RunStore") -> Sink: ...
+
+    @abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that decides results (model identity, input content, options): a resume
+        whose fingerprint differs is refused, naming what changed."""
 
     def cost_model(self) -> CostModel | None:
         """Bytes per step from the model's shape (for batching=memory); no weights loaded."""

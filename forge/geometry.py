@@ -7,7 +7,7 @@ here knows about models or torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from forge.errors import ForgeError
@@ -65,6 +65,7 @@ class Item:
     prefix_len: int = 0  # tokens of the sequence that belong to the shared prefix
     tokens: Sequence[int] | None = None  # the token ids (prefix first); None for geometry-only work
     meta: Any = None  # opaque to Forge: passed through to the function (label, row index, ...)
+    index: int = -1  # position of its record in the input: the key output is committed under
 
     @property
     def suffix_len(self) -> int:
@@ -105,6 +106,24 @@ class Batch:
     @property
     def items(self) -> list[Item]:
         return [item for row in self.rows for item in row]
+
+    def select(self, keep) -> "Batch":
+        """This batch with only the items where `keep` (aligned with `items`) is true."""
+        flags = iter(keep)
+        rows = [kept for row in self.rows if (kept := [it for it in row if next(flags)])]
+        return replace(self, rows=rows)
+
+    def halves(self) -> list["Batch"]:
+        """Two batches holding this one's items (rows split in two; a single packed row
+        split between its items), for a retry after a failure; one item gives itself."""
+        if len(self.rows) > 1:
+            mid = len(self.rows) // 2
+            return [replace(self, rows=self.rows[:mid], retry=True), replace(self, rows=self.rows[mid:], retry=True)]
+        row = self.rows[0]
+        if len(row) == 1:
+            return [replace(self, retry=True)]
+        mid = len(row) // 2
+        return [replace(self, rows=[row[:mid]], retry=True), replace(self, rows=[row[mid:]], retry=True)]
 
     @property
     def num_rows(self) -> int:

@@ -52,6 +52,27 @@ def forge_items_skipped(run, items, reason):
 
 
 @hookspec
+def forge_items_truncated(run, items, tokens):
+    """Received items cut to the longest sequence a device takes (`too_long=truncate`).
+
+    :param run: the `RunContext`.
+    :param items: list of `forge.Item` as received (before the cut).
+    :param tokens: tokens cut off them, in all.
+    """
+
+
+@hookspec
+def forge_items_failed(run, items, reason):
+    """Received items failed at admission, before any work (no device can ever take them,
+    or too long under `too_long=error`).
+
+    :param run: the `RunContext`.
+    :param items: list of `forge.Item`.
+    :param reason: one line: why, and the fix.
+    """
+
+
+@hookspec
 def forge_input_failed(run, record_id, reason):
     """An input record could not become an item (malformed line, no text). It counts as
     received and failed, with zero tokens.
@@ -85,14 +106,87 @@ def forge_batch_completed(run, batch, device, stats):
 
 @hookspec
 def forge_batch_failed(run, batch, device, reason, will_retry):
-    """A batch failed on a device.
+    """A batch attempt failed on a device (an error, out of memory, a timeout, a lost worker).
 
     :param run: the `RunContext`.
     :param batch: the `forge.Batch`.
     :param device: the `forge.Device`.
     :param reason: one line: the error.
-    :param will_retry: true when its items are re-routed one by one (then they count again
-        as retries, not as new routing); false when the items are recorded as failed.
+    :param will_retry: true when its items go back to the scheduler (whole, split, or one by
+        one; their tokens count as retried); false when the items are recorded as failed.
+    """
+
+
+@hookspec
+def forge_batch_discarded(run, batch, device, reason):
+    """A result arrived for items already committed (a late result after re-routing): it is
+    dropped, the first commit stands.
+
+    :param run: the `RunContext`.
+    :param batch: the `forge.Batch` holding the duplicate items only.
+    :param device: the `forge.Device` that ran it.
+    :param reason: one line, e.g. ``"late result after a timeout"``.
+    """
+
+
+@hookspec
+def forge_batch_late(run, batch, device):
+    """A result arrived for an attempt given up after a timeout (and counted as retried).
+    What of it is not committed yet is committed now (then `forge_batch_completed` fires
+    for that part, `forge_batch_discarded` for the rest).
+
+    :param run: the `RunContext`.
+    :param batch: the `forge.Batch` of the late attempt, whole.
+    :param device: the `forge.Device` that ran it.
+    """
+
+
+@hookspec
+def forge_items_resumed(run, items):
+    """Received items that an earlier session of this run committed: not run again.
+
+    :param run: the `RunContext`.
+    :param items: list of `forge.Item`.
+    """
+
+
+@hookspec
+def forge_items_unfinished(run, items, reason):
+    """Received items that are neither committed nor failed when the run stops early
+    (interrupted, or stopped for a recurring failure or a write error). A resume runs them.
+
+    :param run: the `RunContext`.
+    :param items: list of `forge.Item`.
+    :param reason: one line: why the run stopped.
+    """
+
+
+@hookspec
+def forge_commit_failed(run, items, reason):
+    """Completed items whose shard could not be written (a full disk, say): they are not
+    committed after all, and the run stops; a resume runs them again.
+
+    :param run: the `RunContext`.
+    :param items: list of `forge.Item` that were completed but not committed.
+    :param reason: one line: the write error.
+    """
+
+
+# ----------------------------------------------------------------------------- faults (tests)
+
+
+@hookspec
+def forge_fault(point, device, batch):
+    """A named point in a batch's life, where a test plugin may inject a fault (kill the
+    process, hang, raise). Production code registers no implementation.
+
+    Points: ``before_forward`` and ``after_forward`` (in the worker process, around the
+    forward pass), ``write_shard`` (in the driver, with a shard written under its temporary
+    name and not yet renamed into place; `batch` is None).
+
+    :param point: the point's name.
+    :param device: the `forge.Device` (None for ``write_shard``).
+    :param batch: the `forge.Batch` (None for ``write_shard``).
     """
 
 

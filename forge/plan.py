@@ -1,64 +1,63 @@
 """`forge plan`: admit, pack and route the whole input without loading any weights.
 
-Model: the same scheduler a run uses, driven by simulated device clocks. A batch costs its
-padded slots plus the device's per-step overhead plus the prefix tokens it must compute;
-the device whose clock is lowest asks for the next batch, as the first idle device would.
-The figures are those a run reports, with time in token-equivalents.
+Model: the run loop of `forge run`, with the simulated executor: batches complete in
+virtual time (padded slots + prefix tokens computed + the device's per-step overhead, in
+token-equivalents), so the device that would be idle first asks for the next batch. The
+figures are those a run reports, with time in token-equivalents.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pluggy
 
-from forge.engine import DeviceTally, RunSpec, prepare
+from forge.engine import RunSpec, prepare
+from forge.executors import SimExecutor
 from forge.geometry import Batch
+from forge.loop import Committer, RunLoop, Stop
 from forge.report import finish_report
-from forge.run import batch_stats
+
+
+class _Kept:
+    """A sink that keeps every batch (`forge plan --plot`)."""
+
+    rows_per_shard = 1 << 62
+
+    def __init__(self):
+        self.batches: list[Batch] = []
+
+    def write(self, batch, output, keep) -> None:
+        self.batches.append(batch if keep is None else batch.select(keep))
+
+    def flush(self) -> None:
+        pass
 
 
 def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) -> dict[str, Any]:
     """The run's geometry: batches, padding, predicted cache hits, per device."""
-    import time
-
     started = time.perf_counter()
     run, scheduler = prepare(spec, pm, dry_run=True)
-    packer = scheduler.packer
-    clocks = {d.name: 0.0 for d in spec.devices}
-    tallies = {d.name: DeviceTally() for d in spec.devices}
-    active = list(spec.devices)
-    kept: list[tuple[str, Batch]] = []
-    while active:
-        device = min(active, key=lambda d: clocks[d.name])
-        batch = scheduler.schedule(device)
-        if batch is None:
-            active.remove(device)  # nothing that fits it remains
-            continue
-        pm.hook.forge_batch_routed(run=run, batch=batch, device=device)
-        computed = batch.prefix_len if (batch.split_prefix and not batch.cache_hit) else 0
-        cost = batch.padded_slots + computed + packer.overhead_tokens(device)
-        clocks[device.name] += cost
-        stats = batch_stats(batch, float(cost), computed)
-        tallies[device.name].add(batch, stats)
-        if batch.cache_hit is False:
-            tallies[device.name].cache_misses += 1
-        pm.hook.forge_batch_completed(run=run, batch=batch, device=device, stats=stats)
-        if keep_batches:
-            kept.append((device.name, batch))
+    executor = SimExecutor(scheduler.packer.overhead_tokens)
+    executor.start(spec.devices)
+    kept = _Kept() if keep_batches else None
+    loop = RunLoop(scheduler, executor, Committer(kept, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,
+                   policy=spec.runtime.policy)
+    status, error = "finished", None
+    try:
+        loop.run_until_done()
+    except Stop as stop:
+        status, error = stop.status, str(stop)
     report = finish_report(
-        run=run,
-        pm=pm,
-        spec=spec,
-        tallies=tallies,
-        predicted_misses=scheduler.cache_misses,
+        run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
-        extra={"max_window_items": scheduler.max_window_seen,
-               "simulated_cost_tokens": {k: int(v) for k, v in clocks.items()}},
+        extra={"status": status, "error": error, "max_window_items": scheduler.max_window_seen,
+               "simulated_cost_tokens": {k: int(v) for k, v in executor.clocks.items()}},
     )
     report.pop("useful_tokens_per_s", None)
     for d in report["devices"]:
         d.pop("busy_s", None)  # simulated: see simulated_cost_tokens
     if keep_batches:
-        report["_batches"] = kept
+        report["_batches"] = kept.batches
     return report

@@ -18,7 +18,7 @@ WHITE, PREFIX, TOKEN, TOKEN2, PAD = (1.0, 1.0, 1.0), (0.15, 0.15, 0.3), (0.25, 0
 def _rows(batches) -> list[list[tuple[int, tuple]]]:
     """Each drawn row as (length, colour) segments."""
     out: list[list[tuple[int, tuple]]] = []
-    for _, b in batches:
+    for b in batches:
         if b.split_prefix and b.prefix_len and not b.cache_hit:
             out.append([(b.prefix_len, PREFIX)])
         off = b.prefix_len if b.split_prefix else 0

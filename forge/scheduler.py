@@ -10,8 +10,12 @@ prefix that device's cache holds, then groups no device holds, then groups anoth
 holds: work stealing, so nobody idles while work waits) and asks the packer for a
 batch. It tracks each device's
 prefix cache with the same LRU policy and capacity the device uses, so predicted hits
-are the hits the device will see. Failed batches come back through `requeue` and run
-first, one item per batch.
+are the hits the device will see. Every outcome comes back through `update_from_output`
+(vLLM's pairing of `schedule` with it): a lost worker's cache is forgotten, an out-of-memory
+error lowers the device's budget, and a failed batch goes back whole (worker lost or timed
+out) or split in halves (an error, out of memory, or an item lost with its worker
+`max_attempts` times), until a single item that still fails is failed with its reason.
+Batches that come back run first, on the first device they fit.
 
 A step asks, in order: for a batch planned already (`Urgency.WAIT`); then, with the window
 topped up (in eighths: admitting a chunk has a fixed cost), for a plan from what the full
@@ -24,12 +28,14 @@ group is cached there, which is where the full affinity order would send it anyw
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from operator import attrgetter
 from typing import Iterable
 
 from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
 from forge.columns import GeometryFeed, ItemFeed
-from forge.geometry import Batch, Device, Item
+from forge.executors.base import Outcome, Status
+from forge.geometry import Batch, Device, Item, Limits, batch_fits
 from forge.lru import TokenLRU
 
 _new_tokens = attrgetter("new_tokens")
@@ -49,8 +55,13 @@ class Scheduler:
         *,
         window: int = 65536,
         cache_tokens: int = 0,
+        max_attempts: int = 3,
     ):
         self.packer = packer
+        self.devices: dict[str, Device] = {d.name: d for d in devices}  # as known now (budgets drop on OOM)
+        self.max_attempts = max(1, int(max_attempts))  # runs of an item lost with its worker before it fails
+        self.attempts: dict[int, int] = {}  # input index -> runs lost with a worker (crash, hang)
+        self.oom_splits = 0  # batches split after running out of memory
         self.window = max(1, int(window))
         # where items come from: Items (a run), or bare geometry (plans and benchmarks at scale)
         self.feed = items if isinstance(items, GeometryFeed) else ItemFeed(items, self.window)
@@ -59,7 +70,7 @@ class Scheduler:
         self.cache_tokens = cache_tokens
         self.caches = {d.name: TokenLRU(cache_tokens) for d in devices}  # predicted device caches
         self.cache_misses = {d.name: 0 for d in devices}
-        self._retries: deque[Item] = deque()
+        self._retries: deque[Batch] = deque()  # batches that came back, run first
         self._seq = 0
         self._refill_chunk = max(1, self.window // 8)  # top the window up once this much room is free
         self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
@@ -67,7 +78,7 @@ class Scheduler:
     # -- state ------------------------------------------------------------------
     @property
     def waiting(self) -> int:
-        return len(self.packer) + len(self._retries)
+        return len(self.packer) + sum(len(b.items) for b in self._retries)
 
     @property
     def done(self) -> bool:
@@ -95,9 +106,50 @@ class Scheduler:
         self._track_cache(cut, device)
         return cut
 
-    def requeue(self, items: list[Item]) -> None:
-        """Items of a failed batch: each runs again on its own, before new work."""
-        self._retries.extend(items)
+    def update_from_output(self, device: str, batch: Batch, outcome: Outcome) -> str | None:
+        """Learn from what happened to `batch` on `device`. Returns the reason when its item
+        fails for good (a single item that cannot succeed); None when it completed or went back."""
+        status = outcome.status
+        if status == Status.COMPLETED:
+            return None
+        if status in (Status.LOST, Status.TIMEOUT):
+            self.caches[device] = TokenLRU(self.cache_tokens)  # a new worker starts with an empty cache
+            if not outcome.charged:  # queued behind the batch that failed: it goes back as it was
+                self._retries.appendleft(replace(batch, retry=True))
+                return None
+            for it in batch.items:
+                self.attempts[it.index] = self.attempts.get(it.index, 0) + 1
+            worn = max(self.attempts[it.index] for it in batch.items)
+            if worn < self.max_attempts:
+                self._retries.appendleft(replace(batch, retry=True))
+                return None
+            if len(batch.items) == 1:
+                return f"{outcome.reason}; its worker was lost {worn} times running it"
+        elif status == Status.OOM:
+            self._lower_budget(device, batch)
+            self.oom_splits += 1
+            if len(batch.items) == 1:
+                return f"{outcome.reason}; out of memory even alone on {device}"
+        elif len(batch.items) == 1:  # FAILED
+            return outcome.reason
+        self._retries.extendleft(reversed(batch.halves()))  # halves isolate what fails
+        return None
+
+    def _lower_budget(self, name: str, batch: Batch) -> None:
+        """After an out-of-memory error: later batches on this device stay below the failed one."""
+        d = self.devices[name]
+        lim = d.limits
+        floor = lim.pad(lim.max_seq_len)
+        tokens = max(floor, min(lim.max_batch_tokens, batch.padded_slots * 3 // 4))
+        memory = int(d.memory_bytes * 0.9) if d.memory_bytes else d.memory_bytes
+        self.devices[name] = replace(d, limits=Limits(tokens, lim.max_rows, lim.max_seq_len, lim.pad_multiple),
+                                     memory_bytes=memory)
+
+    def waiting_items(self) -> list[Item]:
+        """Every item waiting (window and retries), e.g. to account for them when a run stops."""
+        items = [it for b in self._retries for it in b.items]
+        waiting = getattr(self.feed, "waiting", None)
+        return items + (waiting() if waiting else [])
 
     def _refill(self) -> bool:
         """Fill the window from the feed. True if it grew."""
@@ -181,14 +233,30 @@ class Scheduler:
         return held + free, stolen
 
     def _next_retry(self, device: Device) -> Batch | None:
-        lim = device.limits
-        for _ in range(len(self._retries)):
-            item = self._retries.popleft()
-            if item.num_tokens <= lim.max_seq_len:
-                return Batch(rows=[[item]], padded_len=lim.pad(item.num_tokens),
-                             prefix_key=item.prefix_key, prefix_len=item.prefix_len, retry=True)
-            self._retries.append(item)  # too long here; another device takes it
+        """The first batch that came back and fits `device`; one that fits no device goes
+        back as single items."""
+        for i, batch in enumerate(self._retries):
+            fitted = _fit(batch, device.limits)
+            if fitted is not None:
+                del self._retries[i]
+                self._track_batch(fitted, device)
+                return fitted
+        for i, batch in enumerate(self._retries):
+            if len(batch.items) > 1 and not any(_fit(batch, d.limits) for d in self.devices.values()):
+                del self._retries[i]
+                self._retries.extend(replace(batch, rows=[[it]]) for it in batch.items)
+                return self._next_retry(device)
         return None
+
+    def _track_batch(self, batch: Batch, device: Device) -> None:
+        code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX
+        if not (batch.split_prefix and batch.prefix_len):
+            return
+        cache = self.caches[device.name]
+        batch.cache_hit = cache.get(code) is not None
+        if not batch.cache_hit:
+            self.cache_misses[device.name] += 1
+            cache.put(code, True, batch.prefix_len)
 
     def _track_cache(self, cut: Cut, device: Device) -> None:
         prefix_len = self.feed.prefix_len(cut.prefix)
@@ -199,3 +267,11 @@ class Scheduler:
         if not cut.cache_hit:
             self.cache_misses[device.name] += 1
             cache.put(cut.prefix, True, prefix_len)
+
+
+def _fit(batch: Batch, limits: Limits) -> Batch | None:
+    """`batch` padded for `limits`, or None when it breaks one of them."""
+    off = batch.row_offset
+    used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
+    fitted = replace(batch, padded_len=limits.pad(used))
+    return fitted if batch_fits(fitted, limits) is None else None

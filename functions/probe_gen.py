@@ -10,7 +10,8 @@ tokenized with the special tokens.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,11 +22,13 @@ from forge.function import Function
 from forge.geometry import Batch, Device, Item
 from forge.inputs import check_input, count_rows, read_rows
 from forge.run import Rejected
+from forge.store import RunStore
 
 EMBEDDED = "embedded:"
 POOLINGS = ("last", "mean")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOKENIZE_CHUNK = 256
+TOKEN_RULE = "prefix with special tokens + text without; text alone with them (v1)"
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,30 @@ class ProbeGen(Function):
             intermediate=inter, dtype_bytes=DTYPES[self.model.torch_dtype],
         )
 
+    def fingerprint(self) -> dict[str, Any]:
+        config = {k: v for k, v in self.config.to_dict().items()
+                  if not k.startswith("_") and k != "transformers_version"}
+        digest = hashlib.sha256()
+        with open(self.input_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return {
+            "function": self.name,
+            "model": {**asdict(self.model),
+                      "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()},
+            "input": {"path": str(self.input_path), "bytes": self.input_path.stat().st_size,
+                      "sha256": digest.hexdigest(), "limit": self.input_limit},
+            "layers": self.layers,
+            "pooling": self.pooling,
+            "token_rule": TOKEN_RULE,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a worker process needs: caches (tokenizer, prefixes) are rebuilt there on demand."""
+        state = dict(self.__dict__)
+        state.update(_tokenizer=None, _prefixes={}, _warnings=[])
+        return state
+
     def describe(self) -> dict[str, Any]:
         return {"model": self._model_path or self.source, "input": str(self.input_path)}
 
@@ -172,11 +199,11 @@ class ProbeGen(Function):
             rid = str(row["id"]) if row.get("id") is not None else str(index)
             if prefix is None:
                 tokens = tok(row["text"], add_special_tokens=True)["input_ids"]
-                yield Item(rid, len(tokens), None, 0, tokens, (index, row.get("label")))
+                yield Item(rid, len(tokens), None, 0, tokens, row.get("label"), index)
                 continue
             key, prefix_ids = self._prefix(prefix)
             yield Item(rid, len(prefix_ids) + len(text_ids), key, len(prefix_ids),
-                       prefix_ids + text_ids, (index, row.get("label")))
+                       prefix_ids + text_ids, row.get("label"), index)
 
     def _prefix(self, prefix: str) -> tuple[str, list[int]]:
         """(prefix key, token ids) of a prefix, tokenized once."""
@@ -216,17 +243,28 @@ class ProbeGen(Function):
                                 pad_token_id=pad if pad is not None else 0)
         return ProbeWorker(runner)
 
-    def open_sink(self, run_dir: Path) -> "ProbeSink":
-        meta = {"pooling": self.pooling, "model": self._model_path or self.source}
-        return ProbeSink(ShardWriter(run_dir, self.layers, meta, self.shard_size))
+    def open_sink(self, store: RunStore) -> "ProbeSink":
+        meta = {"pooling": self.pooling, "model": self.model.name}
+        return ProbeSink(ShardWriter(store, self.layers, meta, self.shard_size))
+
+
+@dataclass
+class ProbeOutput:
+    """What a worker returns for a batch: plain arrays, so it crosses a process boundary."""
+
+    pooled: dict[int, Any]  # layer -> float32 numpy [n_items, hidden], batch.items order
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
+    cache_hit: bool
 
 
 class ProbeWorker:
     def __init__(self, runner):
         self.runner = runner
 
-    def run(self, batch: Batch):
-        return self.runner.run(batch)
+    def run(self, batch: Batch) -> ProbeOutput:
+        out = self.runner.run(batch)
+        pooled = {layer: t.numpy() for layer, t in out.pooled.items()}
+        return ProbeOutput(pooled, out.prefix_computed_tokens, out.cache_hit)
 
     def close(self) -> None:
         self.runner = None
@@ -235,15 +273,19 @@ class ProbeWorker:
 class ProbeSink:
     def __init__(self, writer: ShardWriter):
         self.writer = writer
+        self.rows_per_shard = writer.rows_per_shard
 
-    def write(self, batch: Batch, output) -> None:
+    def write(self, batch: Batch, output: ProbeOutput, keep: list[bool] | None) -> None:
         items = batch.items
-        self.writer.add(
-            ids=[it.id for it in items],
-            labels=[it.meta[1] for it in items],
-            index=[it.meta[0] for it in items],
-            pooled=output.pooled,
-        )
+        pooled = output.pooled
+        if keep is not None:
+            items = [it for it, k in zip(items, keep) if k]
+            pooled = {layer: rows[keep] for layer, rows in pooled.items()}
+        self.writer.add(ids=[it.id for it in items], labels=[it.meta for it in items],
+                        index=[it.index for it in items], pooled=pooled)
+
+    def flush(self) -> None:
+        self.writer.flush()
 
     def close(self) -> dict[str, Any]:
         return self.writer.close()

@@ -1,49 +1,69 @@
 """The token ledger: counts every item and token through the hooks and checks the balance.
 
-    items:  received = completed + failed + skipped
-    tokens: received = completed + failed + skipped + truncated
-            routed   = completed + failed          (retries are counted apart)
+    items:  received = completed + failed + skipped + unfinished
+    tokens: received = completed + failed + skipped + truncated + unfinished
+            routed   = run_completed + failed_in_batches + retried + discarded
 
-A leak shows as a difference between two large numbers in report.json.
+`completed` counts committed items, those an earlier session committed (`resumed`)
+included; `routed` counts the tokens of every attempt, so a retried, discarded or dropped
+attempt shows as retried or discarded, never as a gap. `unfinished` is non-zero only when a
+run stops early. A leak shows as a difference between two large numbers in report.json.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 from forge.hookspecs import hookimpl
 
 NAME = "ledger"
 MAX_FAILURES_IN_REPORT = 20
+ITEM_KEYS = ("received", "completed", "failed", "skipped", "unfinished", "resumed")
+TOKEN_KEYS = ("received", "routed", "completed", "failed", "skipped", "truncated", "unfinished", "resumed",
+              "retried", "discarded", "padding", "padded_slots", "prefix", "cache_hit")
 
 
 @dataclass
 class Ledger:
-    items: dict = field(default_factory=lambda: dict.fromkeys(("received", "completed", "failed", "skipped"), 0))
-    tokens: dict = field(default_factory=lambda: dict.fromkeys(
-        ("received", "routed", "completed", "failed", "skipped", "truncated", "retried",
-         "padding", "padded_slots", "prefix", "cache_hit"), 0))
+    items: dict = field(default_factory=lambda: dict.fromkeys(ITEM_KEYS, 0))
+    tokens: dict = field(default_factory=lambda: dict.fromkeys(TOKEN_KEYS, 0))
+    failed_in_batches: int = 0  # tokens of routed items that failed (the rest failed before routing)
     failures: list = field(default_factory=list)  # {"id", "reason"} per failed item
     skipped: dict = field(default_factory=dict)  # reason -> items
+    retry_reasons: Counter = field(default_factory=Counter)  # reason -> failed attempts retried
 
     def check(self) -> list[str]:
         """Every way the books do not balance, in words; empty when balanced."""
         i, t = self.items, self.tokens
         problems = []
-        if i["received"] != i["completed"] + i["failed"] + i["skipped"]:
+        if i["received"] != i["completed"] + i["failed"] + i["skipped"] + i["unfinished"]:
             problems.append(f"items: received {i['received']} != completed {i['completed']} + failed "
-                            f"{i['failed']} + skipped {i['skipped']}")
-        if t["received"] != t["completed"] + t["failed"] + t["skipped"] + t["truncated"]:
+                            f"{i['failed']} + skipped {i['skipped']} + unfinished {i['unfinished']}")
+        if t["received"] != t["completed"] + t["failed"] + t["skipped"] + t["truncated"] + t["unfinished"]:
             problems.append(f"tokens: received {t['received']} != completed {t['completed']} + failed "
-                            f"{t['failed']} + skipped {t['skipped']} + truncated {t['truncated']}")
-        if t["routed"] != t["completed"] + t["failed"]:
-            problems.append(f"tokens: routed {t['routed']} != completed {t['completed']} + failed {t['failed']}")
+                            f"{t['failed']} + skipped {t['skipped']} + truncated {t['truncated']} "
+                            f"+ unfinished {t['unfinished']}")
+        ran = t["completed"] - t["resumed"]
+        if t["routed"] != ran + self.failed_in_batches + t["retried"] + t["discarded"]:
+            problems.append(f"tokens: routed {t['routed']} != completed this session {ran} + failed in batches "
+                            f"{self.failed_in_batches} + retried {t['retried']} + discarded {t['discarded']}")
         return problems
 
 
 def ledger_of(run) -> Ledger:
     return run.state[NAME]
+
+
+def _tokens(items) -> int:
+    return sum(it.num_tokens for it in items)
+
+
+def _fail(led: Ledger, items, reason: str) -> None:
+    led.items["failed"] += len(items)
+    led.tokens["failed"] += _tokens(items)
+    led.failures.extend({"id": it.id, "reason": reason} for it in items)
 
 
 @hookimpl
@@ -55,7 +75,15 @@ def forge_run_start(run):
 def forge_items_received(run, items):
     led = ledger_of(run)
     led.items["received"] += len(items)
-    led.tokens["received"] += sum(it.num_tokens for it in items)
+    led.tokens["received"] += _tokens(items)
+
+
+@hookimpl
+def forge_items_resumed(run, items):
+    led = ledger_of(run)
+    for key in ("completed", "resumed"):
+        led.items[key] += len(items)
+        led.tokens[key] += _tokens(items)
 
 
 @hookimpl
@@ -67,17 +95,26 @@ def forge_input_failed(run, record_id, reason):
 
 
 @hookimpl
+def forge_items_failed(run, items, reason):
+    _fail(ledger_of(run), items, reason)
+
+
+@hookimpl
+def forge_items_truncated(run, items, tokens):
+    ledger_of(run).tokens["truncated"] += tokens
+
+
+@hookimpl
 def forge_items_skipped(run, items, reason):
     led = ledger_of(run)
     led.items["skipped"] += len(items)
-    led.tokens["skipped"] += sum(it.num_tokens for it in items)
+    led.tokens["skipped"] += _tokens(items)
     led.skipped[reason] = led.skipped.get(reason, 0) + len(items)
 
 
 @hookimpl
 def forge_batch_routed(run, batch, device):
-    led = ledger_of(run)
-    led.tokens["retried" if batch.retry else "routed"] += batch.num_tokens
+    ledger_of(run).tokens["routed"] += batch.num_tokens
 
 
 @hookimpl
@@ -92,25 +129,54 @@ def forge_batch_completed(run, batch, device, stats):
 
 
 @hookimpl
+def forge_batch_discarded(run, batch, device, reason):
+    ledger_of(run).tokens["discarded"] += batch.num_tokens
+
+
+@hookimpl
+def forge_batch_late(run, batch, device):
+    ledger_of(run).tokens["retried"] -= batch.num_tokens  # it ended after all: completed or discarded
+
+
+@hookimpl
 def forge_batch_failed(run, batch, device, reason, will_retry):
-    if will_retry:
-        return  # its items come back as retries and end completed or failed
     led = ledger_of(run)
-    for item in batch.items:
-        led.items["failed"] += 1
-        led.tokens["failed"] += item.num_tokens
-        led.failures.append({"id": item.id, "reason": f"{reason} (on {device.name})"})
+    if will_retry:  # its items come back and end completed, failed or unfinished
+        led.tokens["retried"] += batch.num_tokens
+        led.retry_reasons[reason] += 1
+        return
+    led.failed_in_batches += batch.num_tokens
+    _fail(led, batch.items, reason)
+
+
+@hookimpl
+def forge_commit_failed(run, items, reason):
+    led = ledger_of(run)
+    n, t = len(items), _tokens(items)
+    led.items["completed"] -= n
+    led.tokens["completed"] -= t
+    led.tokens["discarded"] += t  # their attempt's tokens bought nothing
+    led.items["unfinished"] += n
+    led.tokens["unfinished"] += t
+
+
+@hookimpl
+def forge_items_unfinished(run, items, reason):
+    led = ledger_of(run)
+    led.items["unfinished"] += len(items)
+    led.tokens["unfinished"] += _tokens(items)
 
 
 @hookimpl
 def forge_run_end(run, report):
     led = ledger_of(run)
-    led.tokens["truncated"] = run.state.get("admission", {}).get("truncated_tokens", 0)
     t = led.tokens
     problems = led.check()
     report["items"] = dict(led.items)
     report["tokens"] = dict(t)
     report["skipped_reasons"] = dict(led.skipped)
+    report["retry_reasons"] = dict(led.retry_reasons.most_common())
+    report["failure_reasons"] = dict(Counter(f["reason"] for f in led.failures).most_common(MAX_FAILURES_IN_REPORT))
     report["padding_waste"] = round(t["padding"] / t["padded_slots"], 6) if t["padded_slots"] else 0.0
     report["cache_hit_rate"] = round(t["cache_hit"] / t["prefix"], 6) if t["prefix"] else None
     report["balanced"] = not problems

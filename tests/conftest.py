@@ -41,7 +41,8 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
     from forge.engine import execute
     from forge.plugins import make_plugin_manager
 
-    return execute(spec_for(*overrides, run_dir=tmp_path), pm or make_plugin_manager())
+    spec = spec_for(*overrides, run_dir=tmp_path)
+    return execute(spec, pm or make_plugin_manager(modules=spec.plugins))
 
 
 def plan_forge(*overrides, pm=None, keep_batches=False):

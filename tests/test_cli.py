@@ -59,7 +59,8 @@ def test_run_writes_report_and_activations(cli, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert report["balanced"] and report["items"]["completed"] == 30
-    assert (out / "activations" / "manifest.json").exists()
+    assert (out / "commits.jsonl").exists() and (out / "run.json").exists()
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
     for key in ("function", "batching", "model", "input", "config", "padding_waste", "cache_hit_rate",
                 "devices", "wall_s", "useful_tokens_per_s"):
         assert key in report

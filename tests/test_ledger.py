@@ -1,6 +1,7 @@
 """The ledger balances on clean runs, on bad input and when batches fail."""
 
 import json
+import re
 
 import pytest
 
@@ -23,7 +24,9 @@ GOOD = [{"prefix": "Answer True or False.\n", "text": f"Statement number {i} is 
 def test_clean_run_balances(tmp_path):
     report = run_forge(tmp_path, *SMALL, "input.limit=60")
     assert report["balanced"] and not report["imbalance"]
-    assert report["items"] == {"received": 60, "completed": 60, "failed": 0, "skipped": 0}
+    assert report["status"] == "finished"
+    assert report["items"] == {"received": 60, "completed": 60, "failed": 0, "skipped": 0, "unfinished": 0,
+                               "resumed": 0}
     t = report["tokens"]
     assert t["received"] == t["routed"] == t["completed"] > 0
     assert 0 <= t["padding"] < t["padded_slots"]
@@ -38,7 +41,8 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
     report = run_forge(out, *SMALL, f"input.path={data}")
     assert report["balanced"], report["imbalance"]
-    assert report["items"] == {"received": 35, "completed": 30, "failed": 4, "skipped": 1}
+    assert report["items"] == {"received": 35, "completed": 30, "failed": 4, "skipped": 1, "unfinished": 0,
+                               "resumed": 0}
     reasons = [f["reason"] for f in report["failures"]]
     assert any(r.startswith("line 11: invalid JSON") for r in reasons)
     assert any("no 'text' field" in r for r in reasons)
@@ -54,8 +58,12 @@ def test_truncate_and_error_policies(tmp_path):
     report = plan_forge(*SMALL, f"input.path={data}", "too_long=truncate")
     assert report["balanced"] and report["items"]["completed"] == 6
     assert report["tokens"]["truncated"] > 0
-    with pytest.raises(ForgeError, match="item 'huge' has .* over max_seq_len=1024; set too_long"):
-        plan_forge(*SMALL, f"input.path={data}", "too_long=error")
+    report = plan_forge(*SMALL, f"input.path={data}", "too_long=error")  # the item fails; the run goes on
+    assert report["balanced"] and report["items"]["completed"] == 5 and report["items"]["failed"] == 1
+    assert re.search(r"item 'huge' has \d+ tokens, over every device's max_seq_len \(1024\)",
+                     report["failures"][0]["reason"])
+    with pytest.raises(ForgeError, match="item 'huge' has .*fail_fast=true"):
+        plan_forge(*SMALL, f"input.path={data}", "too_long=error", "fail_fast=true")
 
 
 def test_budget_max_tokens_skips_the_rest(tmp_path):
@@ -67,24 +75,26 @@ def test_budget_max_tokens_skips_the_rest(tmp_path):
     assert any("budget.max_tokens" in r for r in report["skipped_reasons"])
 
 
-def test_failed_batch_is_retried_item_by_item(tmp_path, monkeypatch):
+def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):
     from forge.runtime.causal_lm import CausalLMRunner
 
     real = CausalLMRunner.run
 
     def flaky(self, batch):
-        if any(it.meta[0] == 7 for it in batch.items):  # the eighth row
+        if any(it.index == 7 for it in batch.items):  # the eighth row
             raise RuntimeError("simulated device fault")
         return real(self, batch)
 
     monkeypatch.setattr(CausalLMRunner, "run", flaky)
-    report = run_forge(tmp_path, *SMALL, "input.limit=40")
+    report = run_forge(tmp_path, *SMALL, "input.limit=40", "runtime.executor=inprocess")
     assert report["balanced"], report["imbalance"]
     assert report["items"]["failed"] == 1 and report["items"]["completed"] == 39
     assert report["failures"][0]["id"] == json.loads(open(_dataset()).readlines()[7])["id"]
     assert "simulated device fault" in report["failures"][0]["reason"]
+    # halves isolate it: every failed attempt held row 7, and each is in the retry reasons
     assert report["tokens"]["retried"] > 0
-    assert report["tokens"]["routed"] == report["tokens"]["completed"] + report["tokens"]["failed"]
+    assert sum(report["retry_reasons"].values()) >= 1
+    assert all("simulated device fault" in r for r in report["retry_reasons"])
 
 
 def test_missing_and_empty_inputs_fail_clearly(tmp_path):
@@ -111,20 +121,21 @@ def _dataset():
 
 
 def test_an_item_with_nothing_after_its_prefix_fails_alone(pm):
-    from forge.admission import admit
+    from forge.admission import AdmissionRules, admit
     from forge.geometry import Device, Item, Limits
     from forge.run import RunContext
 
     run = RunContext("probe_gen", "token", [Device("cpu", Limits(2048, 64, 1024))], None)
     pm.hook.forge_run_start(run=run)
     items = [Item("ok", 7, "p", 4), Item("bare", 4, "p", 4), Item("ok2", 6, "p", 4)]
-    admitted = list(admit(items, run=run, hook=pm.hook, max_seq_len=1024))
+    admitted = list(admit(items, run=run, hook=pm.hook, rules=AdmissionRules(max_seq_len=1024)))
     assert [it.id for it in admitted] == ["ok", "ok2"]
     report, batch = {}, _batch_of(admitted)
     pm.hook.forge_batch_routed(run=run, batch=batch, device=run.devices[0])
     pm.hook.forge_batch_completed(run=run, batch=batch, device=run.devices[0], stats=_stats())
     pm.hook.forge_run_end(run=run, report=report)
-    assert report["items"] == {"received": 3, "completed": 2, "failed": 1, "skipped": 0}
+    assert report["items"] == {"received": 3, "completed": 2, "failed": 1, "skipped": 0, "unfinished": 0,
+                               "resumed": 0}
     assert "needs at least one token of its own" in report["failures"][0]["reason"]
     assert report["balanced"], report["imbalance"]
 

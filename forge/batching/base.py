@@ -102,6 +102,11 @@ class Packer(ABC):
     def __len__(self) -> int:
         """Items waiting in the window."""
 
+    def fits(self, num_tokens: np.ndarray, prefix_len: np.ndarray, device: Device) -> np.ndarray:
+        """Per item (columns), whether a batch of it alone fits `device`: admission fails
+        items that fit no device, so nothing waits for ever."""
+        return num_tokens <= device.limits.max_seq_len
+
     def check_device(self, device: Device) -> None:
         """Raise ForgeError if this mode cannot serve `device` (checked before any work)."""
 

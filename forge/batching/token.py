@@ -206,6 +206,15 @@ class TokenPacker(Packer):
             del self._groups[key]
         return cut
 
+    def fits(self, num_tokens: np.ndarray, prefix_len: np.ndarray, device: Device) -> np.ndarray:
+        lim = device.limits
+        offset = prefix_len if self.split_prefix else np.zeros_like(prefix_len)
+        padded = -(-(num_tokens - offset) // lim.pad_multiple) * lim.pad_multiple
+        ok = num_tokens <= lim.max_seq_len
+        pairs = np.unique(np.stack([padded, offset]), axis=1)  # few distinct (row length, prefix) pairs
+        caps = {(int(p), int(o)): self.row_cap(int(p), int(o), device) for p, o in pairs.T}
+        return ok & np.fromiter((caps[p, o] >= 1 for p, o in zip(padded.tolist(), offset.tolist())), bool, len(ok))
+
     def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
         """Most rows of `padded_len` slots one step may hold. Memory mode narrows this."""
         lim = device.limits
@@ -301,6 +310,9 @@ class TokenPacker(Packer):
         row_len = lim.max_batch_tokens // n_rows
         row_len = max(lim.pad(longest), min(row_cap, row_len - row_len % lim.pad_multiple))
         n_rows = min(n_rows, self.row_cap(row_len, g.offset, device))
+        if n_rows < 1:  # rows this long do not fit the budget: rows as long as the longest item
+            row_len = lim.pad(longest)
+            n_rows = min(lim.max_rows, self.row_cap(row_len, g.offset, device))
         return n_rows, min(row_len, limit)  # padding may round a row past `limit`; its tokens may not
 
     def _plan_packed(self, g: _Group, device: Device, urgency: Urgency) -> None:

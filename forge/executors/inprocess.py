@@ -1,0 +1,51 @@
+"""Workers in the calling process, one batch at a time: no isolation, easiest to debug.
+
+A batch runs when its outcome is collected, so errors carry a plain traceback in a
+debugger. Timeouts cannot be enforced here (use the process executor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.geometry import Batch, Device
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, function, cache_tokens: int):
+        super().__init__()
+        self.function = function
+        self.cache_tokens = cache_tokens
+        self.workers: dict = {}
+        self._queue: deque[tuple[int, Device, Batch]] = deque()
+
+    def start(self, devices: list[Device]) -> None:
+        for device in devices:
+            self.workers[device.name] = self.function.open_worker(device, self.cache_tokens)
+
+    def free_slots(self, device: str) -> int:
+        return 0 if self.retired.get(device) or any(d.name == device for _, d, _ in self._queue) else 1
+
+    def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
+        self._queue.append((ticket, device, batch))
+
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def collect(self, wait_s: float) -> list[Outcome]:
+        if not self._queue:
+            return []
+        ticket, device, batch = self._queue.popleft()
+        t0 = time.perf_counter()
+        try:
+            output = self.workers[device.name].run(batch)
+        except Exception as exc:  # noqa: BLE001 - every error becomes an outcome
+            return [Outcome(ticket, device.name, classify_error(exc), None, one_line(exc), time.perf_counter() - t0)]
+        return [Outcome(ticket, device.name, Status.COMPLETED, output, "", time.perf_counter() - t0)]
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()

@@ -1,0 +1,247 @@
+"""One worker process per device: a crash, a hang or a sticky device error takes down a
+worker, never the run.
+
+Model: each device has a slot holding one worker process (the model loaded once), a pipe,
+and a FIFO of batches sent to it; the head of the FIFO is the one running. `collect` waits
+on every pipe and every process sentinel at once and turns what arrives into `Outcome`s:
+results, errors, out-of-memory, a dead process (its batches come back LOST), a head past
+its deadline (TIMEOUT; the worker gets no more work and is killed unless it answers within
+`kill_grace_s`). A dead or killed worker is replaced up to `max_restarts` times per device;
+then the device is retired and the others finish the work.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_any
+
+from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.geometry import Batch, Device
+
+_ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
+
+
+@dataclass
+class _Slot:
+    device: Device
+    process: object
+    conn: object
+    started: float  # when the process was started
+    ready: bool = False  # model loaded
+    queue: deque = field(default_factory=deque)  # (ticket, deadline budget) in send order; head runs
+    head_since: float | None = None  # when the head started running
+    silent_since: float | None = None  # set when the head timed out: no more work until it answers
+
+
+class ProcessExecutor(Executor):
+    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), max_in_flight: int = 2,
+                 max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
+        super().__init__()
+        self.function = function
+        self.cache_tokens = cache_tokens
+        self.plugins = tuple(plugins)
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.max_restarts = int(max_restarts)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.kill_grace_s = float(kill_grace_s)
+        self.slots: dict[str, _Slot] = {}
+        self._threads = 1
+        self._pending: list[Outcome] = []
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self, devices: list[Device]) -> None:
+        cpu_workers = sum(1 for d in devices if d.torch_device == "cpu")
+        self._threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+        for device in devices:
+            self.restarts[device.name] = 0
+            self._spawn(device)
+
+    def _spawn(self, device: Device) -> None:
+        parent, child = _ctx.Pipe()
+        process = _ctx.Process(target=worker_main, name=f"forge-worker-{device.name}", daemon=True,
+                               args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads))
+        process.start()
+        child.close()
+        self.slots[device.name] = _Slot(device, process, parent, time.monotonic())
+
+    def _replace(self, slot: _Slot, reason: str) -> None:
+        """Kill the slot's worker, hand its batches back as LOST, start another (or retire)."""
+        name = slot.device.name
+        self._kill(slot)
+        for i, (ticket, _) in enumerate(slot.queue):  # the head was running; the rest only waited
+            self._pending.append(Outcome(ticket, name, Status.LOST, reason=reason, charged=i == 0 and slot.ready))
+        slot.queue.clear()
+        if self.restarts[name] >= self.max_restarts:
+            self.retired[name] = f"device {name} retired after {self.restarts[name]} restarts; last: {reason}"
+            del self.slots[name]
+            return
+        self.restarts[name] += 1
+        self._spawn(slot.device)
+
+    @staticmethod
+    def _kill(slot: _Slot) -> None:
+        if slot.process.is_alive():
+            slot.process.kill()
+        slot.process.join(10)
+        slot.conn.close()
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            try:
+                slot.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for slot in self.slots.values():
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            self._kill(slot)
+        self.slots.clear()
+
+    # -- work -------------------------------------------------------------------
+    def free_slots(self, device: str) -> int:
+        slot = self.slots.get(device)
+        if slot is None or slot.silent_since is not None:
+            return 0
+        return self.max_in_flight - len(slot.queue)
+
+    def in_flight(self) -> int:
+        return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
+
+    def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
+        slot = self.slots[device.name]
+        if not slot.queue and slot.ready:
+            slot.head_since = time.monotonic()
+        slot.queue.append((ticket, timeout_s))
+        try:
+            slot.conn.send((ticket, batch))
+        except (OSError, ValueError) as exc:  # the worker died; its sentinel reports it
+            self._replace(slot, f"worker of {device.name} lost: {one_line(exc)}")
+
+    def collect(self, wait_s: float) -> list[Outcome]:
+        if self._pending:
+            wait_s = 0.0
+        now = time.monotonic()
+        deadline = now + wait_s
+        for slot in self.slots.values():
+            due = self._due(slot)
+            if due is not None:
+                deadline = min(deadline, due)
+        waitables = {}
+        for slot in self.slots.values():
+            waitables[slot.conn] = slot
+            waitables[slot.process.sentinel] = slot
+        if waitables:
+            wait_any(list(waitables), timeout=max(0.0, deadline - now))
+        for slot in list(self.slots.values()):
+            self._read(slot)
+        now = time.monotonic()
+        for slot in list(self.slots.values()):
+            self._check_time(slot, now)
+        out, self._pending = self._pending, []
+        return out
+
+    def _due(self, slot: _Slot) -> float | None:
+        """The next moment this slot needs attention without a message."""
+        if not slot.ready:
+            return slot.started + self.startup_timeout_s
+        if slot.silent_since is not None:
+            return slot.silent_since + self.kill_grace_s
+        if slot.queue and slot.head_since is not None and slot.queue[0][1] is not None:
+            return slot.head_since + slot.queue[0][1]
+        return None
+
+    def _read(self, slot: _Slot) -> None:
+        name = slot.device.name
+        try:
+            while slot.conn.poll():
+                msg = slot.conn.recv()
+                if msg[0] == "ready":
+                    slot.ready = True
+                    slot.head_since = time.monotonic() if slot.queue else None
+                    continue
+                kind, ticket, payload, seconds = msg
+                if slot.queue and slot.queue[0][0] == ticket:
+                    slot.queue.popleft()
+                slot.silent_since = None  # it answered: slow, not hung
+                slot.head_since = time.monotonic() if slot.queue else None
+                status = Status(kind)
+                self._pending.append(Outcome(ticket, name, status, payload if status == Status.COMPLETED else None,
+                                             "" if status == Status.COMPLETED else payload, seconds))
+        except (EOFError, OSError):
+            pass
+        if not slot.process.is_alive():
+            code = slot.process.exitcode
+            why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self._replace(slot, f"worker of {name} died ({why})")
+
+    def _check_time(self, slot: _Slot, now: float) -> None:
+        name = slot.device.name
+        if name not in self.slots or self.slots[name] is not slot:
+            return
+        if not slot.ready and now > slot.started + self.startup_timeout_s:
+            self._replace(slot, f"worker of {name} did not load within {self.startup_timeout_s:.0f} s")
+        elif slot.silent_since is not None and now > slot.silent_since + self.kill_grace_s:
+            self._replace(slot, f"worker of {name} hung: no answer {self.kill_grace_s:.0f} s after a timeout")
+        elif slot.silent_since is None and slot.queue and slot.head_since is not None:
+            ticket, timeout_s = slot.queue[0]
+            if timeout_s is not None and now > slot.head_since + timeout_s:
+                # the head timed out; what waits behind it is re-routed too
+                for t, _ in slot.queue:
+                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
+                        f"re-routed: queued behind a batch that timed out on {name}"
+                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
+                                                 charged=t == ticket))
+                slot.silent_since = now
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int) -> None:
+    """A worker process: load the model once, then run batches until told to stop or the
+    driver goes away (its pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    from forge.plugins import make_plugin_manager
+
+    if device.torch_device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
+    hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
+    worker = function.open_worker(device, cache_tokens)
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        if msg is None:
+            break
+        ticket, batch = msg
+        hook.forge_fault(point="before_forward", device=device, batch=batch)
+        t0 = time.perf_counter()
+        try:
+            output = worker.run(batch)
+        except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
+            status = classify_error(exc)
+            conn.send((status.value, ticket, one_line(exc), time.perf_counter() - t0))
+            if status == Status.OOM:
+                _free_device_memory(device)
+            elif "CUDA error" in str(exc) or "device-side assert" in str(exc):
+                break  # a sticky device error: this process is done; the driver starts another
+            continue
+        hook.forge_fault(point="after_forward", device=device, batch=batch)
+        conn.send((Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
+    worker.close()
+
+
+def _free_device_memory(device: Device) -> None:
+    if device.torch_device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
