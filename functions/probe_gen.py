@@ -10,9 +10,9 @@ tokenized with the special tokens.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 from forge.activations import ShardWriter
 from forge.batching.memory import CostModel
@@ -21,6 +21,7 @@ from forge.function import Function
 from forge.geometry import Batch, Device, Item
 from forge.inputs import check_input, count_rows, read_rows
 from forge.run import Rejected
+from forge.schema import MISSING, one_of, positive
 
 EMBEDDED = "embedded:"
 POOLINGS = ("last", "mean")
@@ -28,11 +29,28 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOKENIZE_CHUNK = 256
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelSpec:
-    name: str  # hub id, local path, or "embedded:tiny-llama"
-    torch_dtype: str = "float32"
-    attn_implementation: str | None = "sdpa"
+    name: str = MISSING  # hub id, local path, or "embedded:tiny-llama"
+    torch_dtype: str = one_of("float32", *DTYPES)
+    attn_implementation: Optional[str] = "sdpa"  # sdpa | eager | flash_attention_2 | ...
+
+
+@dataclass
+class InputSpec:
+    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
+    limit: Optional[int] = positive(None)  # take only the first N rows
+
+
+@dataclass
+class ProbeGenConfig:
+    """The root keys probe_gen reads (its constructor's parameters), checked at the edge."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    input: InputSpec = field(default_factory=InputSpec)
+    layers: List[int] = MISSING
+    pooling: str = one_of("last", *POOLINGS)
+    shard_size: int = positive(4096)
 
 
 def resolve_model_source(name: str) -> str:
@@ -58,6 +76,7 @@ def resolve_input(path: str) -> Path:
 class ProbeGen(Function):
     name = "probe_gen"
     causal = True
+    config_schema = ProbeGenConfig
 
     def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096):
         self.model = ModelSpec(**model)
