@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from forge.errors import ForgeError
@@ -20,8 +21,13 @@ err = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def _error_line(exc: Exception) -> None:
+    """`error: <message>` on one line: never wrapped, never read as markup."""
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+
+
 def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False)
+    _error_line(exc)
     raise typer.Exit(2)
 
 
@@ -44,7 +50,7 @@ def run(ctx: typer.Context) -> None:
         try:
             report = _execute(cfg, Path(HydraConfig.get().runtime.output_dir))
         except ForgeError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            _error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
         if report.get("status", "finished") != "finished":
@@ -63,23 +69,72 @@ def run(ctx: typer.Context) -> None:
         sys.argv = saved
 
 
+HYDRA_VALUE_FLAGS = ("--config-dir", "-cd")
+MULTIRUN_FLAGS = ("-m", "--multirun")
+MAX_SWEEP_CHECKS = 64  # sweeps with more combinations are checked one swept value at a time
+
+
 def _precheck(args: list[str]) -> None:
-    """Compose once before Hydra runs, so a bad choice or key is one clear line.
-    Sweeps and Hydra's own flags (other than --config-dir) are left to Hydra."""
-    overrides, config_dir, i = [], None, 0
+    """Compose and validate before Hydra runs (and before it makes a run directory), so a bad
+    choice, key or value is one clear line. With -m, every combination of the sweep is checked
+    (beyond MAX_SWEEP_CHECKS, every swept value). Hydra's other flags (--cfg, --info, ...) are
+    left to Hydra."""
+    from forge.config import to_plain
+
+    overrides, config_dir, multirun, i = [], None, False, 0
     while i < len(args):
         a = args[i]
-        if a in ("--config-dir", "-cd") and i + 1 < len(args):
+        if a in HYDRA_VALUE_FLAGS and i + 1 < len(args):
             config_dir, i = Path(args[i + 1]), i + 2
             continue
         if a.startswith("--config-dir="):
             config_dir = Path(a.split("=", 1)[1])
+        elif a in MULTIRUN_FLAGS:
+            multirun = True
         elif a.startswith("-"):
             return
         else:
             overrides.append(a)
         i += 1
-    compose(overrides, config_dir)
+    for combination in sweep_combinations(overrides, config_dir) if multirun else [overrides]:
+        to_plain(compose(combination, config_dir))
+
+
+def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
+    """The override lists a `-m` sweep runs (Hydra's basic sweeper: the product of every
+    comma-separated, choice(), range() or glob() value), or, when there are more than
+    MAX_SWEEP_CHECKS, each swept value with the others at their first value. Intervals
+    (other sweepers' syntax) are left out: their jobs check themselves."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    from forge.config import conf_dir
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise ForgeError(" ".join(str(exc).split())) from None
+    choices = []
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            choices.append([o.input_line])
+        elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            dirs = [d for d in (config_dir, conf_dir()) if d is not None]
+            options = sorted({p.stem for d in dirs for p in (Path(d) / o.key_or_group).glob("*.yaml")})
+            choices.append([f"{key}={v}" for v in o.value().filter(options)])
+        elif o.is_discrete_sweep():
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+    total = 1
+    for c in choices:
+        total *= len(c)
+    if total <= MAX_SWEEP_CHECKS:
+        return [list(combo) for combo in itertools.product(*choices)]
+    firsts = [c[0] for c in choices]
+    return [firsts[:n] + [value] + firsts[n + 1:] for n, c in enumerate(choices) for value in c]
 
 
 def _execute(cfg, run_dir: Path) -> dict[str, Any]:

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import DictConfig
 
 from forge.devices import resolve_devices
 from forge.engine import RunSpec, RuntimeSpec
 from forge.loop import RunPolicy
 from forge.errors import ForgeError
+from forge.schema import validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ENGINE_BATCHING_KEYS = ("mode", "window", "cache_tokens")
@@ -31,13 +31,8 @@ def conf_dir() -> Path:
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    try:
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as exc:
-        raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        raise ForgeError(f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}") from None
+    """The composed config checked against its typed schema (forge.schema), as plain containers."""
+    return validate(cfg)
 
 
 def build_function(cfg: dict[str, Any]):
@@ -72,6 +67,8 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     batching = dict(plain["batching"])
     mode = batching.get("mode")
     options = {k: v for k, v in batching.items() if k not in ENGINE_BATCHING_KEYS}
+    if options.get("prefix_cache") is None:
+        options.pop("prefix_cache", None)  # not set: the mode's own default
     if "default_memory_gb" in options:
         gb = options.pop("default_memory_gb")
         options["default_memory_bytes"] = int(gb * GB) if gb else None

@@ -47,6 +47,10 @@ class Sink(Protocol):
 
 class Function(ABC):
     name: str = ""
+    #: dataclass of the root config keys this function reads (its constructor's parameters),
+    #: typed, with value checks from `forge.schema` (positive, one_of, ...): the config is
+    #: validated against it before any work. None: those keys pass unchecked.
+    config_schema: type | None = None
     #: causal decoders may reuse a prefix's KV; encoders must not
     causal: bool = True
 

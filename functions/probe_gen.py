@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 from forge.activations import ShardWriter
 from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import check_input, count_rows, read_rows
+from forge.inputs import Column, check_input, count_rows, read_rows
 from forge.run import Rejected
+from forge.schema import MISSING, one_of, positive
 from forge.store import RunStore
 
 EMBEDDED = "embedded:"
@@ -29,13 +30,32 @@ POOLINGS = ("last", "mean")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOKENIZE_CHUNK = 256
 TOKEN_RULE = "prefix with special tokens + text without; text alone with them (v1)"
+# input columns (Parquet schemas are checked against these before any work; JSONL rows one by one)
+COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelSpec:
-    name: str  # hub id, local path, or "embedded:tiny-llama"
-    torch_dtype: str = "float32"
-    attn_implementation: str | None = "sdpa"
+    name: str = MISSING  # hub id, local path, or "embedded:tiny-llama"
+    torch_dtype: str = one_of("float32", *DTYPES)
+    attn_implementation: Optional[str] = "sdpa"  # sdpa | eager | flash_attention_2 | ...
+
+
+@dataclass
+class InputSpec:
+    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
+    limit: Optional[int] = positive(None)  # take only the first N rows
+
+
+@dataclass
+class ProbeGenConfig:
+    """The root keys probe_gen reads (its constructor's parameters), checked at the edge."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    input: InputSpec = field(default_factory=InputSpec)
+    layers: List[int] = MISSING
+    pooling: str = one_of("last", *POOLINGS)
+    shard_size: int = positive(4096)
 
 
 def resolve_model_source(name: str) -> str:
@@ -61,6 +81,7 @@ def resolve_input(path: str) -> Path:
 class ProbeGen(Function):
     name = "probe_gen"
     causal = True
+    config_schema = ProbeGenConfig
 
     def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096):
         self.model = ModelSpec(**model)
@@ -71,7 +92,7 @@ class ProbeGen(Function):
         self.pooling = pooling
         self.layers = list(layers)
         self.shard_size = int(shard_size)
-        self.input_path = check_input(resolve_input(str(input["path"])))
+        self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
         self.input_limit = input.get("limit")
         self.source = resolve_model_source(self.model.name)
         self._model_path: str | None = None
@@ -182,13 +203,26 @@ class ProbeGen(Function):
 
     @staticmethod
     def _check_row(index: int, row: dict) -> Rejected | None:
-        rid = str(row["id"]) if row.get("id") is not None else str(index)
+        """A Rejected naming the row, the field and the fix, or None for a good row."""
+        rid = row.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            return Rejected(str(index), f"row {index}: 'id' must be a string or an integer, got "
+                                        f"{type(rid).__name__} {_short(rid)}; fix the id or leave it out")
+        rid = str(index) if rid is None else str(rid)
         text, prefix = row.get("text"), row.get("prefix")
         if not isinstance(text, str) or not text.strip():
-            what = "has no 'text' field" if text is None else "has an empty or non-string 'text'"
+            what = ("has no 'text' field" if text is None else
+                    f"has an empty or non-string 'text' ({type(text).__name__} {_short(text)})")
             return Rejected(rid, f"row {index} (id {rid}) {what}; every row needs a non-empty string 'text'")
         if prefix is not None and not isinstance(prefix, str):
-            return Rejected(rid, f"row {index} (id {rid}): 'prefix' must be a string, got {type(prefix).__name__}")
+            return Rejected(rid, f"row {index} (id {rid}): 'prefix' must be a string, got "
+                                 f"{type(prefix).__name__} {_short(prefix)}; fix it or leave it out")
+        for name, value in (("text", text), ("prefix", prefix)):
+            bad = _unencodable(value)
+            if bad is not None:
+                return Rejected(rid, f"row {index} (id {rid}): {name!r} holds an unpaired surrogate "
+                                     f"(\\u{ord(value[bad]):04x} at position {bad}); write the character whole "
+                                     "or drop it")
         return None
 
     def _tokenize(self, chunk: list[tuple[int, dict]]) -> Iterator[Item]:
@@ -255,6 +289,23 @@ class ProbeOutput:
     pooled: dict[int, Any]  # layer -> float32 numpy [n_items, hidden], batch.items order
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
     cache_hit: bool
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unencodable(text: str | None) -> int | None:
+    """Position of the first character UTF-8 cannot encode (an unpaired surrogate, from a JSON
+    escape like \\ud800): tokenizers refuse the whole batch it is in."""
+    if not text or text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 class ProbeWorker:

@@ -137,3 +137,41 @@ def test_run_unknown_mode_is_one_clear_line(cli, tmp_path):
     assert result.exit_code == 2
     assert "error:" in result.output and "item" in result.output and "token" in result.output
     assert not (tmp_path / "report.json").exists()
+
+
+BAD_CONFIG = {
+    "budget.tokens_per_step=abc": "error: config budget.tokens_per_step='abc': expected an integer",
+    "batching.window=-5": "error: config batching.window=-5: must be a positive integer",
+    "devices.limits.max_rows=0": "error: config devices.limits.max_rows=0: must be a positive integer",
+    "+foo=1": "error: config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
+              "batching, devices, runtime, resume, fail_fast, plugins, model, input, layers, pooling, shard_size",
+}
+
+
+def _one_error_line(result, want):
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == want  # one line, unwrapped, nothing else (no traceback, no Hydra log)
+
+
+@pytest.mark.parametrize("override", list(BAD_CONFIG))
+@pytest.mark.parametrize("sweep", [False, True])
+def test_run_bad_config_is_one_line_before_any_work(cli, tmp_path, override, sweep):
+    out = tmp_path / "out"
+    args = ["run", *(["-m", "batching=item,token"] if sweep else []), override, f"output_dir={out}"]
+    _one_error_line(cli.invoke(app, args), BAD_CONFIG[override])
+    assert not out.exists()  # Hydra never started: no run directory, no report
+
+
+def test_sweep_checks_every_swept_value_before_launching(cli, tmp_path):
+    out = tmp_path / "out"
+    result = cli.invoke(app, ["run", "-m", "budget.tokens_per_step=1024,abc", f"output_dir={out}", "input.limit=5"])
+    _one_error_line(result, BAD_CONFIG["budget.tokens_per_step=abc"])
+    assert not out.exists()  # the good value's job did not run either
+    result = cli.invoke(app, ["run", "--multirun", "runtime.executor=process,thread", f"output_dir={out}"])
+    _one_error_line(result, "error: config runtime.executor='thread': choose one of: process, inprocess")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override", list(BAD_CONFIG))
+def test_plan_bad_config_is_one_line(cli, override):
+    _one_error_line(cli.invoke(app, ["plan", override]), BAD_CONFIG[override])

@@ -1,5 +1,7 @@
 """Every config group composes, and the edge turns it into plain typed objects."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -9,13 +11,15 @@ from conftest import compose, spec_for
 from forge.config import conf_dir
 from forge.errors import ForgeError
 
-GROUPS = {g: sorted(p.stem for p in (conf_dir() / g).glob("*.yaml")) for g in ("function", "batching", "devices", "model")}
+GROUPS = {g: sorted(p.stem for p in (conf_dir() / g).glob("*.yaml"))
+          for g in ("function", "batching", "devices", "model", "runtime")}
 
 
 def test_every_group_has_options():
     assert GROUPS["batching"] == ["item", "memory", "token"]
     assert "probe_gen" in GROUPS["function"] and "tiny_llama" in GROUPS["model"]
     assert {"auto", "cpu", "sim2"} <= set(GROUPS["devices"])
+    assert "local" in GROUPS["runtime"]
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -50,7 +54,7 @@ def test_bad_choices_name_the_valid_ones():
         compose("batching=bogus")
     with pytest.raises(ForgeError, match="function/nope.*probe_gen"):
         compose("function=nope")
-    with pytest.raises(ForgeError, match="pooling='max'; choose one of: last, mean"):
+    with pytest.raises(ForgeError, match="^config pooling='max': choose one of: last, mean$"):
         spec_for("pooling=max")
     with pytest.raises(ForgeError, match=r"layers=\[9\]: the model has 4 layers"):
         spec_for("layers=[9]")
@@ -59,8 +63,10 @@ def test_bad_choices_name_the_valid_ones():
 def test_bad_device_limits_say_which_limit():
     with pytest.raises(ForgeError, match="max_batch_tokens=512 is below max_seq_len=2048"):
         spec_for("devices.limits.max_batch_tokens=512", "budget.tokens_per_step=null")
-    with pytest.raises(ForgeError, match="max_rows must be a positive integer"):
+    with pytest.raises(ForgeError, match="devices.limits.max_rows=0: must be a positive integer"):
         spec_for("devices.limits.max_rows=0")
+    with pytest.raises(ForgeError, match=r"inventory\[0\] \(cpu\).limits: limits.max_rows must be a positive integer"):
+        spec_for("devices=cpu", "devices.inventory.0.limits.max_rows=0")  # entries: forge.devices checks them
 
 
 def test_inventory_from_a_user_config_dir(tmp_path: Path):
@@ -97,3 +103,90 @@ def test_memory_mode_checks_budgets_before_any_work(pm):
     spec = spec_for("batching=memory", "devices=cpu", "devices.inventory.0.memory_gb=0.001")
     with pytest.raises(ForgeError, match="device cpu has 0.001 GB, not more than the model's"):
         prepare(spec, pm, dry_run=True)
+
+
+# -- the typed schema at the edge (forge.schema) -------------------------------------
+
+BAD = {
+    # wrong types
+    "budget.tokens_per_step=abc": "config budget.tokens_per_step='abc': expected an integer",
+    "batching.window=1.5": "config batching.window=1.5: expected an integer",
+    "layers=[1,x]": "config layers[1]='x': expected an integer",
+    "layers=5": "config layers=5: expected a list",
+    "resume=maybe": "config resume='maybe': expected true or false",
+    "fail_fast=null": "config fail_fast=null: expected true or false (null is not allowed here)",
+    "plugins=my.plugin": "config plugins='my.plugin': expected a list",
+    "runtime.timeout_factor=fast": "config runtime.timeout_factor='fast': expected a number",
+    "budget=5": "config budget=5: expected a mapping with keys tokens_per_step, max_tokens",
+    # values
+    "batching.window=-5": "config batching.window=-5: must be a positive integer",
+    "batching.window=0": "config batching.window=0: must be a positive integer",
+    "batching.cache_tokens=0": "config batching.cache_tokens=0: must be a positive integer",
+    "budget.max_tokens=-1": "config budget.max_tokens=-1: must be a positive integer",
+    "devices.limits.max_rows=0": "config devices.limits.max_rows=0: must be a positive integer",
+    "devices.memory_fraction=1.5": "config devices.memory_fraction=1.5: must be a share in (0, 1]",
+    "input.limit=0": "config input.limit=0: must be a positive integer",
+    "shard_size=-1": "config shard_size=-1: must be a positive integer",
+    "runtime.max_in_flight=0": "config runtime.max_in_flight=0: must be a positive integer",
+    "runtime.max_failure_share=0": "config runtime.max_failure_share=0.0: must be a share in (0, 1]",
+    "runtime.kill_grace_s=-1": "config runtime.kill_grace_s=-1.0: must be 0 or more",
+    "runtime.executor=thread": "config runtime.executor='thread': choose one of: process, inprocess",
+    "too_long=drop": "config too_long='drop': choose one of: skip, truncate, error",
+    "model.torch_dtype=int8": "config model.torch_dtype='int8': choose one of: float32, float16, bfloat16",
+    # unknown keys
+    "+foo=1": "config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
+              "batching, devices, runtime, resume, fail_fast, plugins, model, input, layers, pooling, shard_size",
+    "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
+                          "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
+                          "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share",
+    "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
+                                    "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
+    "+model.revision=main": "config: unknown key 'revision' in model; valid keys: name, torch_dtype, "
+                            "attn_implementation",
+}
+
+
+@pytest.mark.parametrize("override", list(BAD))
+def test_bad_config_is_one_line_naming_key_value_and_fix(override):
+    from forge.config import to_plain
+
+    with pytest.raises(ForgeError) as info:
+        to_plain(compose(override))
+    assert str(info.value) == BAD[override]
+    with pytest.raises(ForgeError, match=re.escape(BAD[override])):  # build_spec checks the same way
+        spec_for(override)
+
+
+def test_schema_types_values_and_keeps_interpolations(pm):
+    from forge.config import to_plain
+    from forge.engine import prepare
+
+    plain = to_plain(compose("budget.tokens_per_step='4096'", "batching=item", "batching.batch_size=8"))
+    assert plain["budget"]["tokens_per_step"] == 4096  # a quoted number becomes the declared int
+    assert plain["batching"]["batch_size"] == 8  # mode options are extra keys, left to the packer
+    assert plain["batching"]["prefix_cache"] is None  # not set: the mode's default
+    assert plain["runtime"]["executor"] == "process" and plain["plugins"] == [] and plain["resume"] is False
+    assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", plain["output_dir"])  # ${now:...} resolved
+    with pytest.raises(ForgeError, match="batching=item: bad option .*bogus"):  # still the packer's check
+        prepare(spec_for("batching=item", "+batching.bogus=1"), pm, dry_run=True)
+
+
+def test_a_function_declares_its_own_root_keys():
+    from forge.schema import schema_for
+    from functions.probe_gen import ProbeGen
+
+    keys = {f.name for f in dataclasses.fields(schema_for(ProbeGen.config_schema))}
+    assert {"input", "layers", "pooling", "shard_size", "model"} <= keys
+    assert {"layers", "pooling"}.isdisjoint(f.name for f in dataclasses.fields(schema_for(None)))
+
+
+def test_sweep_combinations_expand_like_the_basic_sweeper():
+    from forge.cli import MAX_SWEEP_CHECKS, sweep_combinations
+
+    assert sweep_combinations(["batching=item,token", "layers=[1]", "input.limit=range(1,3)"]) == [
+        ["batching=item", "layers=[1]", "input.limit=1"], ["batching=item", "layers=[1]", "input.limit=2"],
+        ["batching=token", "layers=[1]", "input.limit=1"], ["batching=token", "layers=[1]", "input.limit=2"]]
+    assert sweep_combinations(["batching=glob(*)"]) == [["batching=item"], ["batching=memory"], ["batching=token"]]
+    big = sweep_combinations(["a=range(0,10)", "b=range(0,10)"])  # 100 > MAX_SWEEP_CHECKS: each value once
+    assert 100 > MAX_SWEEP_CHECKS and len(big) == 20
+    assert {c[0] for c in big} == {f"a={i}" for i in range(10)} and {c[1] for c in big} == {f"b={i}" for i in range(10)}

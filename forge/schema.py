@@ -1,0 +1,325 @@
+"""The typed schema of Forge's config, and the one check every entry point runs.
+
+`validate(cfg)` merges a composed config onto `OmegaConf.structured(schema)`, so OmegaConf
+itself refuses wrong types and unknown keys, then checks values (positive sizes, shares,
+choices) from each field's metadata. Every failure is one ForgeError line that names the full
+key, the bad value and what is valid. The function picked by `function._target_` declares its
+own root keys (`Function.config_schema`, a dataclass); the core declares the rest here.
+
+Hydra's own node (`hydra`) is never validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from omegaconf import MISSING, DictConfig, ListConfig, Node, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+
+from forge.errors import ForgeError
+
+CHECK = "forge_check"  # field metadata key: a callable value -> problem (str) or None
+
+
+# -- value checks: field helpers ---------------------------------------------------
+
+
+def _positive(value) -> str | None:
+    if value > 0:
+        return None
+    return "must be a positive integer" if isinstance(value, int) else "must be a positive number"
+
+
+def _non_negative(value) -> str | None:
+    if value >= 0:
+        return None
+    return "must be 0 or more"
+
+
+def _share(value) -> str | None:
+    return None if 0 < value <= 1 else "must be a share in (0, 1]"
+
+
+def positive(default: Any = MISSING) -> Any:
+    """A field whose value (when not null) must be > 0."""
+    return field(default=default, metadata={CHECK: _positive})
+
+
+def non_negative(default: Any = MISSING) -> Any:
+    return field(default=default, metadata={CHECK: _non_negative})
+
+
+def share(default: Any = MISSING) -> Any:
+    """A fraction in (0, 1]."""
+    return field(default=default, metadata={CHECK: _share})
+
+
+def one_of(default: Any, *choices: str) -> Any:
+    """A string field limited to `choices`."""
+
+    def check(value) -> str | None:
+        return None if value in choices else f"choose one of: {', '.join(choices)}"
+
+    return field(default=default, metadata={CHECK: check})
+
+
+# -- the core's keys -----------------------------------------------------------------
+
+
+@dataclass
+class FunctionRef:
+    name: str = MISSING
+    _target_: str = MISSING
+
+
+@dataclass
+class Budget:
+    tokens_per_step: Optional[int] = positive(None)  # caps every device's max_batch_tokens
+    max_tokens: Optional[int] = positive(None)  # stop admitting after this many tokens
+
+
+@dataclass
+class Batching:
+    """Keys every mode shares. Mode-specific options (batch_size, packing, ...) are extra keys,
+    checked by the mode's packer constructor."""
+
+    mode: str = MISSING
+    window: int = positive(65536)
+    prefix_cache: Optional[bool] = None  # null: the mode's own default
+    cache_tokens: Optional[int] = positive(None)
+
+
+@dataclass
+class DeviceLimits:
+    max_batch_tokens: Optional[int] = positive(None)
+    max_rows: Optional[int] = positive(None)
+    max_seq_len: Optional[int] = positive(None)
+    pad_multiple: Optional[int] = positive(None)
+
+
+@dataclass
+class Devices:
+    discover: bool = True
+    limits: Optional[DeviceLimits] = None  # defaults for discovered and inventory devices
+    memory_fraction: float = share(0.9)
+    cpu_memory_gb: Optional[float] = positive(None)
+    inventory: List[Any] = field(default_factory=list)  # entries checked by forge.devices
+
+
+@dataclass
+class Runtime:
+    """conf/runtime/local.yaml: one worker per device on this machine."""
+
+    executor: str = one_of("process", "process", "inprocess")
+    max_in_flight: int = positive(2)
+    batch_timeout_s: Optional[float] = positive(None)
+    timeout_floor_s: float = positive(60.0)
+    timeout_factor: float = positive(10.0)
+    startup_timeout_s: float = positive(600.0)
+    kill_grace_s: float = non_negative(5.0)
+    max_restarts: int = non_negative(3)
+    max_attempts: int = positive(3)
+    commit_interval_s: float = positive(30.0)
+    failure_window: int = positive(200)
+    max_failure_share: float = share(0.5)
+
+
+@dataclass
+class CoreConfig:
+    """Root keys the core reads. The function's own keys come from its `config_schema`."""
+
+    function: FunctionRef = field(default_factory=FunctionRef)
+    budget: Budget = field(default_factory=Budget)
+    too_long: str = one_of("skip", "skip", "truncate", "error")
+    output_dir: str = MISSING  # conf/config.yaml: a fresh directory under outputs/
+    batching: Batching = field(default_factory=Batching)
+    devices: Devices = field(default_factory=Devices)
+    runtime: Runtime = field(default_factory=Runtime)
+    resume: bool = False
+    fail_fast: bool = False
+    plugins: List[str] = field(default_factory=list)
+
+
+OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
+
+
+def schema_for(function_schema: type | None) -> type:
+    """The root schema: the core's keys plus the function's (a dataclass of root keys)."""
+    if function_schema is None:
+        return CoreConfig
+    clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(CoreConfig)}
+    if clash:
+        raise ForgeError(f"{function_schema.__qualname__} declares core key(s) {sorted(clash)}; rename them")
+    return dataclass(type("Config", (function_schema, CoreConfig), {}))
+
+
+def function_schema(cfg: DictConfig) -> type | None:
+    """The dataclass of root keys that the configured function declares, if any."""
+    target = OmegaConf.select(cfg, "function._target_", default=None, throw_on_missing=False)
+    if not target or not isinstance(target, str):
+        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ForgeError(f"config function._target_={target!r}: cannot import it ({first}); "
+                         "pick a function with function=<name> (see `forge ls`)") from None
+    return getattr(cls, "config_schema", None)
+
+
+# -- validation ---------------------------------------------------------------------
+
+
+def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
+    """The config as plain typed containers, or one ForgeError line naming what is wrong.
+
+    `resolve=False` checks without resolving interpolations (values that are interpolations
+    are then checked only for their type once resolved, by a later `validate`)."""
+    cfg = _without_hydra(cfg)
+    fn_schema = function_schema(cfg)
+    schema_cls = schema_for(fn_schema)
+    schema = OmegaConf.structured(schema_cls)
+    if fn_schema is None:  # a function without a schema: its root keys pass untyped
+        for name in schema:
+            if isinstance(schema._get_node(name), DictConfig):
+                OmegaConf.set_struct(schema[name], True)
+        OmegaConf.set_struct(schema, False)
+    for name in OPEN_NODES:
+        OmegaConf.set_struct(schema[name], False)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        plain = OmegaConf.to_container(merged, resolve=resolve, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
+    except OmegaConfBaseException as exc:
+        raise ForgeError(_explain(exc, schema_cls, cfg)) from None
+    _check_values(schema_cls, plain, "")
+    return plain
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    if "hydra" not in cfg:
+        return cfg
+    return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+
+
+def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(schema_cls)
+    for f in dataclasses.fields(schema_cls):
+        value = plain.get(f.name)
+        key = f"{prefix}{f.name}"
+        if value is None or (isinstance(value, str) and "${" in value):
+            continue
+        check: Callable | None = f.metadata.get(CHECK)
+        problem = check(value) if check else None
+        if problem:
+            raise ForgeError(f"config {key}={_show(value)}: {problem}")
+        inner = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            _check_values(inner, value, f"{key}.")
+
+
+def _unwrap_optional(tp):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and type(None) in typing.get_args(tp):
+        return args[0]
+    return tp
+
+
+def _show(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+NODE_TYPES = {IntegerNode: "an integer", FloatNode: "a number", BooleanNode: "true or false",
+              StringNode: "a string", ListConfig: "a list"}
+PLAIN_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> str:
+    """One line for an OmegaConf error: the full key, the bad value and what is valid."""
+    key = exc.full_key or ""
+    if not key:  # a merge error at a node's root names no key: find the root key that fails
+        key = _failing_root_key(schema_cls, cfg) or ""
+        value = cfg.get(key) if key else None
+        expected = _expected(_field_type(schema_cls, key)) if key else None
+        if expected:
+            return f"config {key}={_show(_raw(value))}: expected {expected}"
+        return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
+    if isinstance(exc, ConfigKeyError):
+        parent, _, name = key.rpartition(".")
+        owner = _field_type(schema_cls, parent) if parent else schema_cls
+        valid = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        where = f"in {parent}" if parent else "at the root"
+        return f"config: unknown key {name!r} {where}; valid keys: {', '.join(valid)}"
+    value = _raw(getattr(exc, "value", None))
+    if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
+        expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
+        expected = expected or _expected(_field_type(schema_cls, key))
+        if expected:
+            null_ok = "" if value is not None else " (null is not allowed here)"
+            return f"config {key}={_show(value)}: expected {expected}{null_ok}"
+    return f"config {key}: {str(exc).splitlines()[0]}"
+
+
+def _raw(value):
+    if isinstance(value, (DictConfig, ListConfig)):
+        return None if value._is_none() else OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, Node):
+        return value._value()
+    return value
+
+
+def _failing_root_key(schema_cls: type, cfg: DictConfig) -> str | None:
+    for key in cfg:
+        schema = OmegaConf.structured(schema_cls)
+        try:
+            OmegaConf.merge(schema, {key: cfg._get_node(key)})
+        except OmegaConfBaseException:
+            return str(key)
+    return None
+
+
+def _field_type(schema_cls: type, key: str):
+    """The declared type at a dotted key like `devices.limits.max_rows` or `layers[1]`."""
+    tp: Any = schema_cls
+    for part in re.findall(r"[^.\[\]]+", key):
+        tp = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                return None
+            tp = hints[part]
+        elif typing.get_origin(tp) in (list, List) and part.isdigit():
+            tp = typing.get_args(tp)[0] if typing.get_args(tp) else Any
+        else:
+            return None
+    return _unwrap_optional(tp)
+
+
+def _expected(tp) -> str | None:
+    if tp is None:
+        return None
+    tp = _unwrap_optional(tp)
+    if tp in PLAIN_TYPES:
+        return PLAIN_TYPES[tp]
+    if typing.get_origin(tp) in (list, List):
+        return "a list"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return None
