@@ -10,8 +10,9 @@ failure stops the run instead.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from forge.errors import ForgeError
 from forge.geometry import Item
@@ -38,29 +39,59 @@ class AdmissionRules:
             raise ForgeError(f"too_long={self.too_long!r}; choose one of: {', '.join(TOO_LONG_POLICIES)}")
 
 
+class Admission:
+    """An iterator over the items that may run, reporting every record to the hooks.
+
+    Records are read a chunk at a time; `pending` holds the items of the current chunk that
+    were received (counted) and not yet handed on, so a run that stops early can account
+    for them."""
+
+    def __init__(self, records: Iterable[Item | Rejected], *, run: RunContext, hook, rules: AdmissionRules,
+                 committed: set[int] | frozenset = frozenset(), chunk: int = 512):
+        self.records = iter(records)
+        self.run, self.hook, self.rules, self.committed, self.chunk = run, hook, rules, committed, chunk
+        self.pending: deque[Item] = deque()
+        self.state = {"received_tokens": 0, "ordinal": 0}
+        self.exhausted = False
+
+    def __iter__(self) -> "Admission":
+        return self
+
+    def __next__(self) -> Item:
+        while not self.pending:
+            if self.exhausted:
+                raise StopIteration
+            self._read_chunk()
+        return self.pending.popleft()
+
+    def _read_chunk(self) -> None:
+        hook, run, rules, state = self.hook, self.run, self.rules, self.state
+        buf: list[Item] = []
+        for record in self.records:
+            state["ordinal"] += 1
+            if isinstance(record, Rejected):
+                _fail_record(hook, run, rules, record.record_id, record.reason)
+                continue
+            if record.index < 0:
+                record.index = state["ordinal"] - 1
+            if record.num_tokens <= (record.prefix_len if record.prefix_key is not None else 0):
+                _fail_record(hook, run, rules, record.id, (
+                    f"item {record.id!r} has {record.num_tokens} tokens and a {record.prefix_len}-token prefix: "
+                    "it needs at least one token of its own after the prefix"))
+                continue
+            buf.append(record)
+            if len(buf) >= self.chunk:
+                break
+        else:
+            self.exhausted = True
+        if buf:
+            self.pending.extend(_admit_chunk(buf, run, hook, rules, self.committed, state))
+
+
 def admit(records: Iterable[Item | Rejected], *, run: RunContext, hook, rules: AdmissionRules,
-          committed: set[int] | frozenset = frozenset(), chunk: int = 512) -> Iterator[Item]:
-    """Yield the items that may run; report every record to the hooks."""
-    state = {"received_tokens": 0, "ordinal": 0}
-    buf: list[Item] = []
-    for record in records:
-        state["ordinal"] += 1
-        if isinstance(record, Rejected):
-            _fail_record(hook, run, rules, record.record_id, record.reason)
-            continue
-        if record.index < 0:
-            record.index = state["ordinal"] - 1
-        if record.num_tokens <= (record.prefix_len if record.prefix_key is not None else 0):
-            _fail_record(hook, run, rules, record.id, (
-                f"item {record.id!r} has {record.num_tokens} tokens and a {record.prefix_len}-token prefix: "
-                "it needs at least one token of its own after the prefix"))
-            continue
-        buf.append(record)
-        if len(buf) >= chunk:
-            yield from _admit_chunk(buf, run, hook, rules, committed, state)
-            buf = []
-    if buf:
-        yield from _admit_chunk(buf, run, hook, rules, committed, state)
+          committed: set[int] | frozenset = frozenset(), chunk: int = 512) -> Admission:
+    """The items that may run, as an iterator; every record is reported to the hooks."""
+    return Admission(records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk)
 
 
 def _fail_record(hook, run, rules: AdmissionRules, record_id: str, reason: str) -> None:

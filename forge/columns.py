@@ -51,8 +51,10 @@ class ItemFeed:
         return self._codes[key]
 
     def waiting(self) -> list[Item]:
-        """Every Item held (admitted and not yet taken by a cut)."""
-        return [it for it in self._slots.tolist() if it is not None]
+        """Every Item held (admitted and not yet taken by a cut), and those the source
+        received but has not handed over yet (`pending`, as `forge.admission.Admission` has)."""
+        held = [it for it in self._slots.tolist() if it is not None]
+        return held + list(getattr(self._items, "pending", ()))
 
     def admit(self, n: int) -> Chunk:
         """Up to `n` more items (fewer only when the input ends), stored under free ids."""

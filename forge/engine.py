@@ -133,10 +133,10 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
     return run, scheduler
 
 
-def make_executor(spec: RunSpec, cache_tokens: int) -> Executor:
+def make_executor(spec: RunSpec, cache_tokens: int, hook) -> Executor:
     rt = spec.runtime
     if rt.executor == "inprocess":
-        return InProcessExecutor(spec.function, cache_tokens)
+        return InProcessExecutor(spec.function, cache_tokens, hook)
     from forge.executors.process import ProcessExecutor
 
     return ProcessExecutor(spec.function, cache_tokens, plugins=spec.plugins, max_in_flight=rt.max_in_flight,
@@ -161,7 +161,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     sink = spec.function.open_sink(store)
     policy = spec.runtime.policy
     committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
-    executor = make_executor(spec, scheduler.cache_tokens)
+    executor = make_executor(spec, scheduler.cache_tokens, pm.hook)
     loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
     status, error = "finished", None
     try:
@@ -179,7 +179,8 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         wall_s=time.perf_counter() - started,
         extra={"status": status, "error": error, "outputs": outputs,
                "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
-               "attempts": {**dict(loop.counts), "oom_splits": scheduler.oom_splits},
+               "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
+                            **dict(loop.counts), "oom_splits": scheduler.oom_splits},
                "restarts": dict(executor.restarts), "retired": dict(executor.retired),
                "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
                                     if d.limits != next(x for x in spec.devices if x.name == name).limits}},

@@ -14,8 +14,9 @@ from forge.geometry import Batch, Device
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, function, cache_tokens: int):
+    def __init__(self, function, cache_tokens: int, hook=None):
         super().__init__()
+        self.hook = hook  # fault points fire here too (a test plugin may raise; killing would kill the run)
         self.function = function
         self.cache_tokens = cache_tokens
         self.workers: dict = {}
@@ -40,6 +41,8 @@ class InProcessExecutor(Executor):
         ticket, device, batch = self._queue.popleft()
         t0 = time.perf_counter()
         try:
+            if self.hook is not None:
+                self.hook.forge_fault(point="before_forward", device=device, batch=batch)
             output = self.workers[device.name].run(batch)
         except Exception as exc:  # noqa: BLE001 - every error becomes an outcome
             return [Outcome(ticket, device.name, classify_error(exc), None, one_line(exc), time.perf_counter() - t0)]

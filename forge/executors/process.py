@@ -223,10 +223,11 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
         if msg is None:
             break
         ticket, batch = msg
-        hook.forge_fault(point="before_forward", device=device, batch=batch)
         t0 = time.perf_counter()
         try:
+            hook.forge_fault(point="before_forward", device=device, batch=batch)
             output = worker.run(batch)
+            hook.forge_fault(point="after_forward", device=device, batch=batch)
         except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
             status = classify_error(exc)
             conn.send((status.value, ticket, one_line(exc), time.perf_counter() - t0))
@@ -235,7 +236,6 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
             elif "CUDA error" in str(exc) or "device-side assert" in str(exc):
                 break  # a sticky device error: this process is done; the driver starts another
             continue
-        hook.forge_fault(point="after_forward", device=device, batch=batch)
         conn.send((Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
     worker.close()
 
