@@ -42,6 +42,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict()),
     "gpt_neox": ("GPTNeoXConfig", dict()),  # Pythia
     "falcon": ("FalconConfig", dict()),
+    "falcon-alibi": ("FalconConfig", dict(alibi=True)),
     "stablelm": ("StableLmConfig", dict()),
     "granite": ("GraniteConfig", dict()),
     "starcoder2": ("Starcoder2Config", dict(sliding_window=None)),
@@ -67,7 +68,7 @@ MODES = {
 CASES = [("item", "last"), ("item", "mean"), ("token-cache", "last"), ("token-cache", "mean"),
          ("token-nocache", "mean"), ("token-packed", "last"), ("token-packed", "mean"), ("memory", "last")]
 # refused before work, with the reason the message must name
-REFUSED = {("bloom", "token-packed"): "ALiBi"}
+REFUSED = {("bloom", "token-packed"): "ALiBi", ("falcon-alibi", "token-packed"): "ALiBi"}
 SMALL = ["devices=auto", "devices.limits.max_batch_tokens=256", "devices.limits.max_seq_len=128",
          "budget.tokens_per_step=256", f"layers=[{','.join(map(str, LAYERS))}]"]
 

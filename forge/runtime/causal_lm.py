@@ -3,23 +3,28 @@
 Three row layouts (see `Batch`):
 
 a. ``split_prefix=False, packed=False``: one item per row, whole sequence, right padded,
-   2D attention mask, positions 0..len-1.
+   2D attention mask, positions 0..len-1 (transformers applies any sliding window itself).
 b. ``split_prefix=True, packed=False``: the shared prefix runs once (1 row) or comes from
    the per-device `PrefixCache`; rows hold suffixes, on a fresh KV cache expanded to B rows;
-   2D mask over prefix + suffix, positions P..P+len-1.
+   positions P..P+len-1; a 2D mask over prefix + suffix, or, for models with sliding
+   windows, 4D masks per layer type (`forge.runtime.masks`).
 c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``): several
-   suffixes end to end in a row; 4D additive mask (each token sees the prefix and earlier
-   tokens of its own item; padding sees the prefix and earlier padding), positions restart
-   at P for each item.
+   suffixes end to end in a row; 4D additive masks (each token sees the prefix and earlier
+   tokens of its own item, within its layer's window; padding sees the prefix and earlier
+   padding), positions restart at P for each item.
 
 Only the base decoder runs (no LM head). Results equal a plain one-prompt-at-a-time
-forward pass (`reference_pooled`) up to float rounding.
+forward pass (`forge.runtime.reference`) up to float rounding; layouts that cannot
+(`forge.runtime.capabilities`) are refused.
 
-Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py):
+Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and tests/test_fidelity.py):
 - the cache keyword is ``cache=`` (``past_key_values=`` on 4.x) and a stored KV must never be
   reused in place: the forward pass grows the cache object it is given;
+- a cache built with the model's config trims sliding layers to their last window-1 keys, so
+  prefixes use a config-less cache that keeps every key, and the masks apply the windows;
 - the 2D mask of a cached forward pass must cover prefix + suffix, (B, P+S);
-- a 4D mask is passed through unchanged by `create_causal_mask` and honoured by sdpa/eager;
+- a 4D mask (or, for hybrid models, {layer type: 4D mask}) is passed through unchanged by
+  `create_causal_mask` and honoured by sdpa/eager;
 - ``output_hidden_states=[i, j]`` keeps only those indices (others are None).
 """
 
