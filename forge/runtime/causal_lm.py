@@ -30,7 +30,7 @@ Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -125,6 +125,8 @@ class CausalLMRunner:
         self._cache_kw = cache_kwarg(self.base)
         if caps is None:
             caps = capabilities(self.config, type(model), self.attn_implementation or "eager")
+        elif self.attn_implementation and caps.attn != self.attn_implementation:
+            caps = replace(caps, attn=self.attn_implementation, attn_note="as loaded")  # what runs decides
         self.caps = caps
         self.causal = caps.causal and self._is_causal()  # the architecture says so; a probe confirms
 
