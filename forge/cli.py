@@ -324,6 +324,8 @@ def print_summary(report: dict[str, Any]) -> None:
     table.add_row("batches", f"{report.get('batches', 0):,}")
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
     table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
+    if report.get("path"):
+        table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
     if not report.get("dry_run"):
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")

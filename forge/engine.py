@@ -118,6 +118,8 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
     )
     packer = build_packer(spec, pm)
     splits = getattr(packer, "split_prefix", False)
+    # refuse, before any work, a layout the function cannot run exactly
+    spec.function.check_mode(splits, getattr(packer, "packing", "rows") == "packed", spec.cache_tokens > 0)
     if splits and not spec.function.causal:
         raise ForgeError(
             f"batching={spec.mode} shares prefixes, but {spec.function.name}'s model is not causal; "

@@ -74,8 +74,12 @@ class Function(ABC):
         """Bytes per step from the model's shape (for batching=memory); no weights loaded."""
         return None
 
+    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
+        """Raise a one-line ForgeError, before any work, when this layout cannot give the results
+        of one-item-at-a-time runs (say why, and which setting works). Default: every layout can."""
+
     def describe(self) -> dict[str, Any]:
-        """Paths used, for the report: at least `model` and `input`."""
+        """Paths used, for the report: at least `model` and `input` (and `path`: how it runs)."""
         return {}
 
     def expected_items(self) -> int | None:

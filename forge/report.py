@@ -14,6 +14,7 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
         "dry_run": run.dry_run,
         "model": described.get("model"),
         "input": described.get("input"),
+        "path": described.get("path"),
         "config": spec.config,
         "devices": [
             {

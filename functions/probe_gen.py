@@ -38,7 +38,15 @@ COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds
 class ModelSpec:
     name: str = MISSING  # hub id, local path, or "embedded:tiny-llama"
     torch_dtype: str = one_of("float32", *DTYPES)
-    attn_implementation: Optional[str] = "sdpa"  # sdpa | eager | flash_attention_2 | ...
+    attn_implementation: Optional[str] = "auto"  # auto: SDPA where the model supports it, else eager
+    revision: Optional[str] = None  # hub branch, tag or commit
+    trust_remote_code: bool = False  # run the model repository's own Python code
+
+    def hub_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"trust_remote_code": bool(self.trust_remote_code)}
+        if self.revision:
+            kwargs["revision"] = str(self.revision)
+        return kwargs
 
 
 @dataclass
@@ -101,10 +109,30 @@ class ProbeGen(Function):
         self._config = None
         self._tokenizer = None
         self._check_layers()
-        c = self.config
+        self.caps = self._capabilities()
         # only a causal decoder may share a prefix's KV; encoders see the whole sequence
-        self.causal = not getattr(c, "is_encoder_decoder", False) and (
-            getattr(c, "is_decoder", False) or any(a.endswith("ForCausalLM") for a in c.architectures or []))
+        self.causal = self.caps.causal
+        self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
+
+    def _capabilities(self):
+        from forge.runtime.capabilities import capabilities, causal_lm_class
+
+        cls = causal_lm_class(self.config)
+        auto_map = getattr(self.config, "auto_map", None) or {}
+        if cls is None and "AutoModelForCausalLM" in auto_map and self.model.trust_remote_code:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], self.source, **self.model.hub_kwargs())
+        return capabilities(self.config, cls, self.model.attn_implementation)
+
+    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
+        """Refuse, before any work, a layout that cannot equal a one-prompt forward pass."""
+        self.caps.check(split_prefix, packed)
+        self._mode = (split_prefix, packed, cache and split_prefix)
+
+    def path(self) -> str:
+        """The path taken, in one line (attention, prefix cache, packed rows, and why)."""
+        return self.caps.path(*self._mode)
 
     # -- model description (no weights) -----------------------------------------
     @property
@@ -113,9 +141,15 @@ class ProbeGen(Function):
             from transformers import AutoConfig
 
             try:
-                self._config = AutoConfig.from_pretrained(self.source)
+                self._config = AutoConfig.from_pretrained(self.source, **self.model.hub_kwargs())
             except OSError as exc:
-                raise ForgeError(f"model.name={self.model.name}: cannot load its config ({exc})") from None
+                raise ForgeError(f"model.name={self.model.name}: cannot load its config ({_line(exc)})") from None
+            except ValueError as exc:
+                if "trust_remote_code" in str(exc):
+                    raise ForgeError(
+                        f"model.name={self.model.name} needs its repository's own code; if you trust it, "
+                        "set model.trust_remote_code=true") from None
+                raise ForgeError(f"model.name={self.model.name}: cannot load its config ({_line(exc)})") from None
         return self._config
 
     @property
@@ -124,20 +158,26 @@ class ProbeGen(Function):
             from transformers import AutoTokenizer
 
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.source)
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source, **self.model.hub_kwargs())
             except (OSError, ValueError) as exc:
-                raise ForgeError(f"model.name={self.model.name}: cannot load its tokenizer ({exc})") from None
+                raise ForgeError(f"model.name={self.model.name}: cannot load its tokenizer ({_line(exc)})") from None
         return self._tokenizer
 
     def _check_layers(self) -> None:
-        n = self.config.num_hidden_layers
+        from forge.runtime.hf_compat import num_layers
+
+        n = num_layers(self.config)
         bad = [layer for layer in self.layers if not isinstance(layer, int) or not 0 <= layer <= n]
         if bad or not self.layers:
             raise ForgeError(f"layers={self.layers}: the model has {n} layers; choose layers in 0..{n} (0 = embeddings)")
 
     def cost_model(self) -> CostModel:
-        c = self.config
-        hidden, layers, inter = c.hidden_size, c.num_hidden_layers, c.intermediate_size
+        from forge.runtime.hf_compat import num_layers, text_config
+
+        c = text_config(self.config)
+        hidden, layers = c.hidden_size, num_layers(c)
+        inter = next((v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim",
+                                                                   "ffn_hidden_size")) if v), 4 * hidden)
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or hidden // heads
@@ -174,7 +214,7 @@ class ProbeGen(Function):
         return state
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self._model_path or self.source, "input": str(self.input_path)}
+        return {"model": self._model_path or self.source, "input": str(self.input_path), "path": self.path()}
 
     def expected_items(self) -> int | None:
         rows = count_rows(self.input_path)
@@ -243,7 +283,7 @@ class ProbeGen(Function):
         """(prefix key, token ids) of a prefix, tokenized once."""
         hit = self._prefixes.get(prefix)
         if hit is None:
-            ids = self.tokenizer(prefix, add_special_tokens=True)["input_ids"]
+            ids = self._strip_eos(prefix, self.tokenizer(prefix, add_special_tokens=True)["input_ids"])
             key = hashlib.sha1(prefix.encode()).hexdigest()[:12]
             hit = self._prefixes[prefix] = (key, ids)
             if prefix != prefix.rstrip(" \t\r\f\v"):
@@ -253,6 +293,20 @@ class ProbeGen(Function):
                     "newline or start texts with the space"
                 )
         return hit
+
+    def _strip_eos(self, prefix: str, ids: list[int]) -> list[int]:
+        """Drop an EOS the tokenizer appended to a prefix: it would sit inside the prompt."""
+        eos = self.tokenizer.eos_token_id
+        if eos is None or not ids or ids[-1] != eos:
+            return ids
+        plain = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        if not plain or ids[-1 - len(plain):-1] != plain:
+            return ids  # the EOS is the prefix's own text (or a BOS that doubles as EOS)
+        note = ("the tokenizer appends EOS to every text: Forge drops it from prefixes (it would sit "
+                "between prefix and text) and keeps it at the end of rows without a prefix")
+        if note not in self._warnings:
+            self._warnings.append(note)
+        return ids[:-1]
 
     # -- running ------------------------------------------------------------------
     def open_worker(self, device: Device, cache_tokens: int) -> "ProbeWorker":
@@ -264,17 +318,16 @@ class ProbeGen(Function):
 
         path = str(materialize_model(Path(self.source))) if Path(self.source).is_dir() else self.source
         self._model_path = path
-        kwargs: dict[str, Any] = {"dtype": getattr(torch, self.model.torch_dtype)}
-        if self.model.attn_implementation:
-            kwargs["attn_implementation"] = self.model.attn_implementation
+        kwargs: dict[str, Any] = {"dtype": getattr(torch, self.model.torch_dtype),
+                                  "attn_implementation": self.caps.attn, **self.model.hub_kwargs()}
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except OSError as exc:
-            raise ForgeError(f"model.name={self.model.name}: cannot load weights from {path} ({exc})") from None
+            raise ForgeError(f"model.name={self.model.name}: cannot load weights from {path} ({_line(exc)})") from None
         model.to(device.torch_device).eval()
         pad = self.tokenizer.pad_token_id
         runner = CausalLMRunner(model, layers=self.layers, pooling=self.pooling, cache_tokens=cache_tokens,
-                                pad_token_id=pad if pad is not None else 0)
+                                pad_token_id=pad if pad is not None else 0, caps=self.caps)
         return ProbeWorker(runner)
 
     def open_sink(self, store: RunStore) -> "ProbeSink":
@@ -306,6 +359,11 @@ def _unencodable(text: str | None) -> int | None:
     except UnicodeEncodeError as exc:
         return exc.start
     return None
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class ProbeWorker:

@@ -3,39 +3,45 @@
 Three row layouts (see `Batch`):
 
 a. ``split_prefix=False, packed=False``: one item per row, whole sequence, right padded,
-   2D attention mask, positions 0..len-1.
+   2D attention mask, positions 0..len-1 (transformers applies any sliding window itself).
 b. ``split_prefix=True, packed=False``: the shared prefix runs once (1 row) or comes from
    the per-device `PrefixCache`; rows hold suffixes, on a fresh KV cache expanded to B rows;
-   2D mask over prefix + suffix, positions P..P+len-1.
+   positions P..P+len-1; a 2D mask over prefix + suffix, or, for models with sliding
+   windows, 4D masks per layer type (`forge.runtime.masks`).
 c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``): several
-   suffixes end to end in a row; 4D additive mask (each token sees the prefix and earlier
-   tokens of its own item; padding sees the prefix and earlier padding), positions restart
-   at P for each item.
+   suffixes end to end in a row; 4D additive masks (each token sees the prefix and earlier
+   tokens of its own item, within its layer's window; padding sees the prefix and earlier
+   padding), positions restart at P for each item.
 
 Only the base decoder runs (no LM head). Results equal a plain one-prompt-at-a-time
-forward pass (`reference_pooled`) up to float rounding.
+forward pass (`forge.runtime.reference`) up to float rounding; layouts that cannot
+(`forge.runtime.capabilities`) are refused.
 
-Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py):
+Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and tests/test_fidelity.py):
 - the cache keyword is ``cache=`` (``past_key_values=`` on 4.x) and a stored KV must never be
   reused in place: the forward pass grows the cache object it is given;
+- a cache built with the model's config trims sliding layers to their last window-1 keys, so
+  prefixes use a config-less cache that keeps every key, and the masks apply the windows;
 - the 2D mask of a cached forward pass must cover prefix + suffix, (B, P+S);
-- a 4D mask is passed through unchanged by `create_causal_mask` and honoured by sdpa/eager;
+- a 4D mask (or, for hybrid models, {layer type: 4D mask}) is passed through unchanged by
+  `create_causal_mask` and honoured by sdpa/eager;
 - ``output_hidden_states=[i, j]`` keeps only those indices (others are None).
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
 from forge.geometry import Batch, Item
+from forge.runtime.capabilities import Capabilities, capabilities
+from forge.runtime.hf_compat import cache_kwarg, cache_key_values, num_layers, output_cache, plain_cache, text_config
+from forge.runtime.masks import additive_masks
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
-
-_POOLINGS = ("last", "mean")
-_MASK_4D_IMPLS = ("sdpa", "eager")
+from forge.runtime.reference import POOLINGS as _POOLINGS
+from forge.runtime.reference import reference_pooled  # noqa: F401  (tests import it from here)
 
 
 @dataclass
@@ -46,25 +52,6 @@ class BatchOutput:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    if get is None:
-        return config
-    try:
-        return get(decoder=True)
-    except TypeError:
-        return get()
-
-
-def _num_layers(config: Any) -> int:
-    cfg = _text_config(config)
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
 
 
 def _check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
@@ -97,66 +84,6 @@ def _token_tensor(item: Item) -> torch.Tensor:
     return t
 
 
-def _cache_kwarg(module: torch.nn.Module) -> str:
-    params = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _new_dynamic_cache(config: Any, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
-    from transformers import DynamicCache
-
-    try:
-        if kv is None:
-            return DynamicCache(config=config)
-        return DynamicCache(ddp_cache_data=kv, config=config)
-    except TypeError:  # transformers 4.x
-        if kv is None:
-            return DynamicCache()
-        return DynamicCache.from_legacy_cache(tuple(kv))
-
-
-def _cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    layers = getattr(cache, "layers", None)
-    if layers is not None:  # transformers 5.x
-        return [(layer.keys, layer.values) for layer in layers]
-    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
-
-
-def _output_cache(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-def reference_pooled(
-    model: Any,
-    tokens: Sequence[int],
-    prefix_len: int,
-    layers: Sequence[int],
-    pooling: str,
-) -> dict[int, torch.Tensor]:
-    """Ground truth: one prompt, one row, no padding, no cache, the full model forward.
-
-    Returns {layer: float32 CPU tensor [hidden]}. Pooling `last` is the last token's hidden
-    state; `mean` the mean over tokens[prefix_len:] (all tokens when prefix_len == 0).
-    """
-    if pooling not in _POOLINGS:
-        raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
-    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
-    n = ids.shape[1]
-    if pooling == "mean" and prefix_len >= n:
-        raise ValueError("mean pooling needs at least one token after the prefix")
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states
-    result = {}
-    for layer in layers:
-        h = hs[layer][0]
-        v = h[-1] if pooling == "last" else h[prefix_len:].float().mean(dim=0)
-        result[layer] = v.float().cpu()
-    return result
-
-
 # ----------------------------------------------------------------------------- runner
 
 
@@ -176,6 +103,7 @@ class CausalLMRunner:
         pooling: str = "last",
         cache_tokens: int = 0,
         pad_token_id: int = 0,
+        caps: Capabilities | None = None,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -183,7 +111,7 @@ class CausalLMRunner:
         self.config = model.config
         self.pooling = pooling
         self.pad_token_id = int(pad_token_id)
-        self.num_layers = _num_layers(self.config)
+        self.num_layers = num_layers(self.config)
         self.layers = list(layers)
         self._layer_idx = _check_layers(self.layers, self.num_layers)
         self._hs_select = sorted(set(self._layer_idx))
@@ -192,11 +120,15 @@ class CausalLMRunner:
         self.base = self._base_decoder(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.hidden_size = int(getattr(_text_config(self.config), "hidden_size", 0)) or None
+        self.hidden_size = int(getattr(text_config(self.config), "hidden_size", 0)) or None
         self.attn_implementation = getattr(self.config, "_attn_implementation", None)
-        self._cache_kw = _cache_kwarg(self.base)
-        self._sliding_window, self._kv_supported = self._kv_layout()
-        self.causal = self._is_causal()
+        self._cache_kw = cache_kwarg(self.base)
+        if caps is None:
+            caps = capabilities(self.config, type(model), self.attn_implementation or "eager")
+        elif self.attn_implementation and caps.attn != self.attn_implementation:
+            caps = replace(caps, attn=self.attn_implementation, attn_note="as loaded")  # what runs decides
+        self.caps = caps
+        self.causal = caps.causal and self._is_causal()  # the architecture says so; a probe confirms
 
     # -- construction helpers
 
@@ -215,30 +147,11 @@ class CausalLMRunner:
         base = getattr(model, prefix, None) if prefix else None
         return base if base is not None else model
 
-    def _kv_layout(self) -> tuple[int | None, bool]:
-        """(smallest sliding window or None, whether every layer keeps a plain KV cache)."""
-        if self.encoder_decoder:
-            return None, False
-        try:
-            from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-        except ImportError:  # transformers 4.x: plain per-layer tensors
-            window = getattr(_text_config(self.config), "sliding_window", None)
-            return (window if isinstance(window, int) else None), True
-        cache = _new_dynamic_cache(self.config)
-        window = None
-        for layer in getattr(cache, "layers", []):
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                w = int(layer.sliding_window)
-                window = w if window is None else min(window, w)
-            elif type(layer) is not DynamicLayer:
-                return window, False
-        return window, True
-
     def _is_causal(self) -> bool:
         """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""
         if self.encoder_decoder or getattr(self.config, "is_causal", True) is False:
             return False
-        vocab = int(getattr(_text_config(self.config), "vocab_size", 8) or 8)
+        vocab = int(getattr(text_config(self.config), "vocab_size", 8) or 8)
         a, b, c, d = (i % vocab for i in (1, 2, 3, 4))
         ids = torch.tensor([[a, b, c], [a, b, d]], device=self.device)
         try:
@@ -267,24 +180,10 @@ class CausalLMRunner:
                 f"{what} needs a causal decoder, but {type(self.model).__name__} is not one "
                 "(encoder-only, encoder-decoder or bidirectional); use split_prefix=False, packed=False"
             )
-        if (batch.split_prefix or batch.packed) and not self._kv_supported:
-            raise ValueError(
-                f"{type(self.model).__name__} has layers without a plain key/value cache "
-                "(linear attention or similar); split_prefix and packed rows are not supported"
-            )
-        if batch.packed and self.attn_implementation not in _MASK_4D_IMPLS:
-            raise ValueError(
-                f"packed rows need a 4D attention mask, which attn_implementation="
-                f"{self.attn_implementation!r} does not take; load the model with "
-                "attn_implementation='sdpa' or 'eager'"
-            )
-        off = batch.prefix_len if batch.split_prefix else 0
-        if (batch.split_prefix or batch.packed) and self._sliding_window is not None:
-            if off + batch.padded_len > self._sliding_window:
-                raise ValueError(
-                    f"prefix_len + padded_len = {off + batch.padded_len} exceeds the model's sliding "
-                    f"window ({self._sliding_window}); split_prefix/packed rows are exact only within it"
-                )
+        reason = self.caps.refusal(batch.split_prefix, batch.packed)
+        if reason is not None:
+            what = "packed rows" if batch.packed else "split_prefix"
+            raise ValueError(f"{what} are not exact for {self.caps.family}: {reason}")
         if not batch.packed:
             for r, row in enumerate(batch.rows):
                 if len(row) > 1:
@@ -326,7 +225,7 @@ class CausalLMRunner:
                 self.cache.hits -= 1
                 self.cache.misses += 1
         P = prefix.numel()
-        kv_cache = _new_dynamic_cache(self.config)
+        kv_cache = plain_cache()  # every layer keeps all prefix keys; masks apply the windows
         out = self.base(
             input_ids=prefix.view(1, P).to(self.device),
             position_ids=torch.arange(P, device=self.device).view(1, P),
@@ -334,8 +233,8 @@ class CausalLMRunner:
             output_hidden_states=self._hs_select,
             **{self._cache_kw: kv_cache},
         )
-        produced = _output_cache(out)
-        kv = _cache_key_values(produced if produced is not None else kv_cache)
+        produced = output_cache(out)
+        kv = cache_key_values(produced if produced is not None else kv_cache)
         last = {i: out.hidden_states[i][0, -1].float().cpu() for i in self._hs_select}
         entry = PrefixEntry(key_values=kv, length=P, tokens=prefix.clone(), last_hidden=last)
         if use_cache:
@@ -410,14 +309,12 @@ class CausalLMRunner:
             position_ids[tok_row, tok_col] = off + tok_within
         P = entry.length if entry is not None else 0
 
-        if packed:
+        if packed or (P and self.caps.windows):
+            # Per-item 4D masks: packed rows keep items apart; sliding windows cut off far prefix keys.
             seg = torch.full((B, S), -1, dtype=torch.long)
             seg[tok_row, tok_col] = tok_item
-            seg = seg.to(dev)
-            causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril_()
-            allowed = (seg[:, :, None] == seg[:, None, :]) & causal  # (B, S, S); padding sees earlier padding
-            mask = torch.zeros(B, 1, S, P + S, dtype=self.dtype, device=dev)
-            mask[:, 0, :, P:].masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            window = self.caps.windows[0] if self.caps.windows else None
+            mask = additive_masks(seg, position_ids, P, self.caps.layer_types, window, self.dtype, dev)
         else:
             used_t = torch.tensor([used[r] for r in keep_rows], dtype=torch.long)
             suffix = (torch.arange(S)[None, :] < used_t[:, None]).long()
@@ -428,7 +325,7 @@ class CausalLMRunner:
             # A NEW cache each call, built from the stored tensors: the forward pass grows the
             # cache it is given, so the stored entry must never be handed over itself.
             kv = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in entry.key_values]
-            kwargs[self._cache_kw] = _new_dynamic_cache(self.config, kv)
+            kwargs[self._cache_kw] = plain_cache(kv)
             kwargs["use_cache"] = True
         else:
             kwargs["use_cache"] = False

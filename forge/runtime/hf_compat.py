@@ -1,0 +1,63 @@
+"""Small shims over transformers versions (4.x and 5.x): config, cache and output access."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs nest it)."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def num_layers(config: Any) -> int:
+    cfg = text_config(config)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """`cache` on transformers 5.x, `past_key_values` before."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def plain_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A DynamicCache whose every layer keeps all its keys (no sliding-window trimming).
+
+    Built without the model's config on purpose: a config makes sliding layers keep only
+    their last window-1 tokens, and a shared prefix must keep every key so that Forge's own
+    per-layer masks decide what each query sees.
+    """
+    from transformers import DynamicCache
+
+    if kv is None:
+        return DynamicCache()
+    try:
+        return DynamicCache(ddp_cache_data=kv)
+    except TypeError:  # transformers 4.x
+        return DynamicCache.from_legacy_cache(tuple(kv))
+
+
+def cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # transformers 5.x
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers 4.x
+
+
+def output_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)

@@ -1,0 +1,304 @@
+"""The fidelity matrix: model families x batching modes, through the normal `forge run` path.
+
+Each family is a tiny random-weight model built from its transformers config class (2 layers,
+hidden 32, the embedded tokenizer's 2,048-token vocabulary), saved with the embedded tokenizer
+and run with `model=hf model.name=DIR`. Every mode must give what a plain one-prompt-at-a-time
+forward pass gives (float32: within 1e-4), or be refused before any work with a one-line
+ForgeError naming the reason and the mode that works.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import compose  # noqa: E402
+from forge import load_activations  # noqa: E402
+from forge.errors import ForgeError  # noqa: E402
+
+LAYERS = [1, 2]
+TOL = 1e-4
+WINDOW = 16  # sliding windows smaller than prefix + text (prefixes are 24 and 58 tokens)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=2048,
+            max_position_embeddings=256, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=3, initializer_range=0.2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", dict()),
+    "llama3-rope": ("LlamaConfig", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", dict()),
+    "gpt_neox": ("GPTNeoXConfig", dict()),  # Pythia
+    "falcon": ("FalconConfig", dict()),
+    "falcon-alibi": ("FalconConfig", dict(alibi=True)),
+    "stablelm": ("StableLmConfig", dict()),
+    "granite": ("GraniteConfig", dict()),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=None)),
+    "gemma": ("GemmaConfig", dict(head_dim=8)),
+    "olmo2": ("Olmo2Config", dict()),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32)),
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+    "bloom": ("BloomConfig", dict(n_layer=2, n_head=4)),
+    "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma2": ("Gemma2Config", dict(head_dim=8, sliding_window=WINDOW)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=8, sliding_window=WINDOW,
+                                        layer_types=["sliding_attention", "full_attention"])),
+}
+
+MODES = {
+    "item": ["batching=item", "batching.batch_size=6"],
+    "token-cache": ["batching=token"],
+    "token-nocache": ["batching=token", "batching.prefix_cache=false"],
+    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
+    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
+}
+# (mode, pooling) pairs run for every family: every mode once, both poolings on the prefix paths
+CASES = [("item", "last"), ("item", "mean"), ("token-cache", "last"), ("token-cache", "mean"),
+         ("token-nocache", "mean"), ("token-packed", "last"), ("token-packed", "mean"), ("memory", "last")]
+# refused before work, with the reason the message must name
+REFUSED = {("bloom", "token-packed"): "ALiBi", ("falcon-alibi", "token-packed"): "ALiBi"}
+SMALL = ["devices=auto", "devices.limits.max_batch_tokens=256", "devices.limits.max_seq_len=128",
+         "budget.tokens_per_step=256", f"layers=[{','.join(map(str, LAYERS))}]"]
+
+
+def _rows() -> list[dict]:
+    """18 rows: two prefixes (24 and 58 tokens) x 8 texts of 6..25 tokens, and 2 rows without one."""
+    from functions.assets import embedded_dataset_path
+
+    rows = [json.loads(line) for line in open(embedded_dataset_path())]
+    prefixes = [p for p in dict.fromkeys(r.get("prefix") for r in rows) if p]
+    short, mid = sorted(prefixes, key=len)[:2]
+    texts = [r["text"] for r in rows[:40]]
+    out = []
+    for j in range(16):
+        text = " ".join(texts[j: j + 1 + j % 3])  # 1..3 statements
+        out.append({"id": f"r{j}", "text": text, "prefix": short if j % 2 else mid, "label": j % 2})
+    out += [{"id": "np0", "text": texts[30], "label": 0}, {"id": "np1", "text": " ".join(texts[31:33]), "label": 1}]
+    return out
+
+
+def _build(name: str, root: Path) -> Path:
+    cls_name, kwargs = FAMILIES[name]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **kwargs})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    path = root / name
+    model.save_pretrained(path)
+    from functions.assets import embedded_model_source
+
+    for f in TOKENIZER_FILES:
+        shutil.copy(embedded_model_source() / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one torch thread is ~10x faster than two contending."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fidelity")
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    return root, path
+
+
+_FAMILY_CACHE: dict[tuple[str, str], tuple[Path, dict]] = {}
+
+
+def family(name: str, data, dtype: str = "float32"):
+    """(model dir, {item id: {pooling: {layer: reference vector}}}), built once per module."""
+    key = (name, dtype)
+    if key not in _FAMILY_CACHE:
+        root, rows = data
+        path = _FAMILY_CACHE[(name, "float32")][0] if (name, "float32") in _FAMILY_CACHE else _build(name, root)
+        from forge.runtime.reference import pool, reference_hidden
+        from functions.probe_gen import ProbeGen
+
+        fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        refs = {}
+        for item in fn.records():
+            hidden = reference_hidden(model, item.tokens, LAYERS)
+            refs[item.id] = {p: {L: pool(h, item.prefix_len, p) for L, h in hidden.items()} for p in ("last", "mean")}
+        _FAMILY_CACHE[key] = (path, refs)
+    return _FAMILY_CACHE[key]
+
+
+_COMPOSED: dict[tuple, object] = {}
+
+
+def _run(tmp_path, path, rows, mode, pooling, *extra):
+    """`forge run` in-process; Hydra composes each (mode, pooling, extra) once, the model name is set after."""
+    from forge.config import build_spec
+    from forge.engine import execute
+    from forge.plugins import make_plugin_manager
+
+    key = (mode, pooling, extra)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose(*SMALL, *MODES[mode], "model=hf", "model.name=DIR", f"input.path={rows}",
+                                 f"pooling={pooling}", "runtime.executor=inprocess", *extra)
+    cfg = copy.deepcopy(_COMPOSED[key])
+    cfg.model.name = str(path)
+    return execute(build_spec(cfg, tmp_path), make_plugin_manager())
+
+
+@pytest.mark.parametrize("mode,pooling", CASES, ids=[f"{m}-{p}" for m, p in CASES])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fidelity_float32(tmp_path, data, name, mode, pooling):
+    path, refs = family(name, data)
+    rows = data[1]
+    if (name, mode) in REFUSED:
+        with pytest.raises(ForgeError, match=REFUSED[name, mode]) as err:
+            _run(tmp_path, path, rows, mode, pooling)
+        message = str(err.value)
+        assert "\n" not in message and "use batching." in message
+        assert not (tmp_path / "report.json").exists()  # refused before any work
+        return
+    report = _run(tmp_path, path, rows, mode, pooling)
+    assert report["items"]["completed"] == len(refs) and report["items"]["failed"] == 0, report.get("failures")
+    assert report["balanced"], report["imbalance"]
+    assert report["path"].startswith(f"{_family_type(path)}: ")
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([refs[i][pooling][layer] for i in ids])
+        diff = (layers[layer] - want).abs().max().item()
+        assert diff < TOL, (name, mode, pooling, layer, diff, report["path"])
+
+
+def _family_type(path: Path) -> str:
+    return json.loads((path / "config.json").read_text())["model_type"]
+
+
+# -- reduced precision: against a one-prompt reference in the same dtype ------------------------
+COS_MIN = 0.999  # per vector
+REL_MAX = 0.01  # per vector: max |got - want| <= REL_MAX * ||want||
+LOW_CASES = [("llama", "bfloat16", "token-cache", "last"), ("llama", "float16", "token-packed", "mean"),
+             ("mistral-window", "bfloat16", "token-packed", "last"), ("gemma2", "bfloat16", "token-cache", "mean"),
+             ("gemma3", "bfloat16", "token-packed", "mean"), ("gpt2", "bfloat16", "token-packed", "last"),
+             ("bloom", "bfloat16", "token-cache", "last"), ("qwen2_moe", "bfloat16", "memory", "mean")]
+
+
+@pytest.mark.parametrize("name,dtype,mode,pooling", LOW_CASES, ids=["-".join(c) for c in LOW_CASES])
+def test_fidelity_reduced_precision(tmp_path, data, name, dtype, mode, pooling):
+    path, refs = family(name, data, dtype)
+    report = _run(tmp_path, path, data[1], mode, pooling, f"model.torch_dtype={dtype}")
+    assert report["items"]["completed"] == len(refs) and report["items"]["failed"] == 0
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([refs[i][pooling][layer] for i in ids])
+        got = layers[layer].float()
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        rel = ((got - want).abs().max(dim=-1).values / want.norm(dim=-1)).max().item()
+        assert cos >= COS_MIN and rel <= REL_MAX, (name, dtype, mode, pooling, layer, cos, rel)
+
+
+# -- capabilities, refusals and the stated path -------------------------------------------------
+def test_path_is_stated(tmp_path, data):
+    from forge.plan import plan
+    from forge.plugins import make_plugin_manager
+
+    path, _ = family("gemma2", data)
+    report = _run(tmp_path, path, data[1], "token-packed", "last")
+    assert report["path"].startswith("gemma2: eager attention (auto: no SDPA support); prefix run once")
+    assert "packed rows on" in report["path"] and "sliding window 16 masked per layer type" in report["path"]
+    from forge.config import build_spec
+
+    cfg = compose(*SMALL, "batching=token", "model=hf", f"model.name={family('llama', data)[0]}",
+                  f"input.path={data[1]}")
+    planned = plan(build_spec(cfg, None), make_plugin_manager())
+    assert planned["path"] == "llama: sdpa attention (auto: SDPA supported); prefix run once per batch; " \
+                              "prefix cache on; packed rows off"
+
+
+def test_attn_implementation_override(tmp_path, data):
+    path, refs = family("llama", data)
+    report = _run(tmp_path, path, data[1], "token-packed", "last", "model.attn_implementation=eager")
+    assert report["path"].startswith("llama: eager attention (set by model.attn_implementation)")
+    ids, _, layers = load_activations(tmp_path)
+    want = torch.stack([refs[i]["last"][2] for i in ids])
+    assert (layers[2] - want).abs().max() < TOL
+    with pytest.raises(ForgeError, match="attn_implementation=sdpa: gemma2 does not support it; use auto or eager"):
+        _run(tmp_path / "x", family("gemma2", data)[0], data[1], "item", "last", "model.attn_implementation=sdpa")
+
+
+def test_not_causal_refused_before_work(tmp_path, data):
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=2048)
+    path = tmp_path / "bert"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    with pytest.raises(ForgeError) as err:
+        _run(tmp_path / "run", path, data[1], "token-cache", "last")
+    message = str(err.value)
+    assert "not exact for bert: it is not causal (an encoder unless is_decoder=true)" in message
+    assert "use batching.prefix_cache=false batching.packing=rows" in message and "\n" not in message
+    assert not (tmp_path / "run" / "report.json").exists()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bloom", "gemma2", "gemma3", "mistral-window", "opt"])
+def test_capabilities_from_config_alone(name):
+    from forge.runtime.capabilities import capabilities
+
+    cls_name, kwargs = FAMILIES[name]
+    caps = capabilities(getattr(transformers, cls_name)(**{**BASE, **kwargs}))
+    assert caps.causal and caps.refusal(True, False) is None
+    assert caps.attn == ("eager" if name in ("bloom", "gemma2") else "sdpa")
+    assert (caps.refusal(True, True) is None) == (name != "bloom")
+    assert caps.windows == ((WINDOW,) if name in ("gemma2", "gemma3", "mistral-window") else ())
+    assert caps.mixed_layers == (name in ("gemma2", "gemma3"))
+    assert caps.learned_positions == (name in ("gpt2", "opt"))
+
+
+def test_remote_code_needs_consent(tmp_path):
+    from functions.probe_gen import ProbeGen
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "forge_custom_lm", "num_hidden_layers": 2,
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    with pytest.raises(ForgeError, match="needs its repository's own code; if you trust it, set model.trust_remote_code=true"):
+        ProbeGen(model={"name": str(tmp_path)}, input={"path": "embedded:statements"}, layers=[1])
+
+
+def test_eos_appending_tokenizer(tmp_path, data):
+    """A tokenizer that appends EOS: the prefix loses it (it would sit inside the prompt), once warned."""
+    from functions.probe_gen import ProbeGen
+
+    path, _ = family("llama", data)
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(path, eos_dir)
+    tok = json.loads((eos_dir / "tokenizer.json").read_text())
+    tok["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}},
+                                        {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                                                "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}}
+    (eos_dir / "tokenizer.json").write_text(json.dumps(tok))
+    fn = ProbeGen(model={"name": str(eos_dir)}, input={"path": str(data[1])}, layers=LAYERS)
+    items = list(fn.records())
+    assert fn.tokenizer("a b")["input_ids"][-1] == 2  # the tokenizer does append EOS
+    for item in items:
+        if item.prefix_len:
+            assert 2 not in item.tokens and item.tokens[0] == 1
+        else:
+            assert item.tokens[-1] == 2  # a row without a prefix keeps the tokenizer's own EOS
+    assert sum("appends EOS" in w for w in fn.warnings()) == 1
