@@ -70,6 +70,10 @@ class Function(ABC):
         """Everything that decides results (model identity, input content, options): a resume
         whose fingerprint differs is refused, naming what changed."""
 
+    def worker_modules(self) -> list[str]:
+        """Modules a worker process imports (preloaded once, so a replacement starts fast)."""
+        return [type(self).__module__]
+
     def cost_model(self) -> CostModel | None:
         """Bytes per step from the model's shape (for batching=memory); no weights loaded."""
         return None

@@ -207,6 +207,12 @@ class ProbeGen(Function):
             "token_rule": TOKEN_RULE,
         }
 
+    def worker_modules(self) -> list[str]:
+        from forge.runtime.capabilities import causal_lm_class
+
+        cls = causal_lm_class(self.config)
+        return ["torch", "transformers", __name__, "forge.runtime.causal_lm", *([cls.__module__] if cls else [])]
+
     def __getstate__(self) -> dict[str, Any]:
         """What a worker process needs: caches (tokenizer, prefixes) are rebuilt there on demand."""
         state = dict(self.__dict__)

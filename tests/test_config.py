@@ -141,8 +141,8 @@ BAD = {
                           "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share",
     "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
                                     "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
-    "+model.revision=main": "config: unknown key 'revision' in model; valid keys: name, torch_dtype, "
-                            "attn_implementation",
+    "+model.branch=main": "config: unknown key 'branch' in model; valid keys: name, torch_dtype, "
+                          "attn_implementation, revision, trust_remote_code",
 }
 
 

@@ -106,12 +106,12 @@ def test_kill9_of_the_whole_tree_then_resume(tmp_path, faults, clean):
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "report.json").exists()
     committed = sum(len(json.loads(line)["index"]) for line in (out / "commits.jsonl").read_text().splitlines())
-    assert committed == 16  # two shards of 8 rows; the third was being written
+    assert 16 <= committed < N  # two shards of at least 8 rows; the third was being written
     assert list((out / "activations").glob("*.tmp"))  # the torn shard, left as a temporary file
     faults()
     report = run_forge(out, *FAST, *PROC, "shard_size=8", "resume=true")
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
-    assert report["items"]["resumed"] == 16 and report["items"]["completed"] == N
+    assert report["items"]["resumed"] == committed and report["items"]["completed"] == N
     assert report["tokens"]["routed"] < report["tokens"]["received"]  # committed items were not recomputed
     assert not list((out / "activations").glob("*.tmp"))
     assert_same_output(out, clean)
@@ -258,3 +258,18 @@ def test_a_heavy_tail_never_stalls(tmp_path, packing):
     assert items["completed"] + items["failed"] + items["skipped"] == 600 and items["unfinished"] == 0
     assert items["completed"] > 400
     assert all("fits no device under batching=memory" in f["reason"] for f in report["failures"])
+
+
+def test_a_worker_that_cannot_load_retires_its_device_with_the_reason(tmp_path):
+    import shutil
+
+    from functions.assets import embedded_model_source, materialize_model
+
+    model = tmp_path / "broken-model"
+    shutil.copytree(materialize_model(embedded_model_source()), model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    report = run_forge(tmp_path / "run", *FAST, f"model.name={model}", "runtime.executor=process",
+                       "runtime.max_restarts=1")
+    assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
+    assert report["restarts"]["cpu"] == 1 and "cpu" in report["retired"]
+    assert "could not load the model" in report["error"] and report["items"]["unfinished"] == N

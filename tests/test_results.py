@@ -12,7 +12,7 @@ LAYERS = [0, 2, 4]
 N = 150
 
 MODES = {
-    "item": ["batching=item", "batching.batch_size=16"],
+    "item": ["batching=item", "batching.batch_size=16", "runtime.executor=process"],  # workers in processes
     "item-sorted": ["batching=item", "batching.order=length"],
     "token-rows-cache": ["batching=token"],
     "token-rows-nocache": ["batching=token", "batching.prefix_cache=false"],

@@ -23,7 +23,10 @@ from multiprocessing.connection import wait as wait_any
 from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
 from forge.geometry import Batch, Device
 
-_ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
+# Workers fork from a server process that imported torch and the function's module once, so a
+# replacement starts in well under a second; fork from the driver would copy its threads and
+# CUDA state.
+_ctx = mp.get_context("forkserver")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class _Slot:
     queue: deque = field(default_factory=deque)  # (ticket, deadline budget) in send order; head runs
     head_since: float | None = None  # when the head started running
     silent_since: float | None = None  # set when the head timed out: no more work until it answers
+    load_error: str | None = None  # why the worker could not load its model
 
 
 class ProcessExecutor(Executor):
@@ -55,6 +59,7 @@ class ProcessExecutor(Executor):
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
+        _ctx.set_forkserver_preload([__name__, *self.function.worker_modules()])
         cpu_workers = sum(1 for d in devices if d.torch_device == "cpu")
         self._threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
         for device in devices:
@@ -64,7 +69,8 @@ class ProcessExecutor(Executor):
     def _spawn(self, device: Device) -> None:
         parent, child = _ctx.Pipe()
         process = _ctx.Process(target=worker_main, name=f"forge-worker-{device.name}", daemon=True,
-                               args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads))
+                               args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads,
+                                     dict(os.environ)))
         process.start()
         child.close()
         self.slots[device.name] = _Slot(device, process, parent, time.monotonic())
@@ -164,6 +170,9 @@ class ProcessExecutor(Executor):
                     slot.ready = True
                     slot.head_since = time.monotonic() if slot.queue else None
                     continue
+                if msg[0] == "load_failed":
+                    slot.load_error = msg[1]
+                    continue
                 kind, ticket, payload, seconds = msg
                 if slot.queue and slot.queue[0][0] == ticket:
                     slot.queue.popleft()
@@ -177,7 +186,8 @@ class ProcessExecutor(Executor):
         if not slot.process.is_alive():
             code = slot.process.exitcode
             why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self._replace(slot, f"worker of {name} died ({why})")
+            self._replace(slot, f"worker of {name} could not load the model: {slot.load_error}" if slot.load_error
+                          else f"worker of {name} died ({why})")
 
     def _check_time(self, slot: _Slot, now: float) -> None:
         name = slot.device.name
@@ -202,18 +212,25 @@ class ProcessExecutor(Executor):
 # ----------------------------------------------------------------------------- the worker process
 
 
-def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int) -> None:
+def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int,
+                environ: dict[str, str]) -> None:
     """A worker process: load the model once, then run batches until told to stop or the
     driver goes away (its pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    os.environ.clear()  # the driver's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     from forge.plugins import make_plugin_manager
 
     if device.torch_device == "cpu":
         import torch
 
         torch.set_num_threads(threads)
-    hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
-    worker = function.open_worker(device, cache_tokens)
+    try:
+        hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
+        worker = function.open_worker(device, cache_tokens)
+    except Exception as exc:  # noqa: BLE001 - the driver says why the device cannot run
+        conn.send(("load_failed", one_line(exc)))
+        return
     conn.send(("ready",))
     while True:
         try:
