@@ -1,9 +1,10 @@
 """Batching strategies side by side on the reference workload, with the embedded model.
 
-    python -m benchmarks.bench_strategies [--rounds 3] [--n 3000]
+    python -m benchmarks.bench_strategies [--rounds 3] [--n 3000] [--only 3] [--executors process,inprocess]
 
-Every strategy runs through the real engine (scheduler, worker, hooks) on one CPU (or CUDA)
-device. Strategies are interleaved (A B C D E, A B C D E, ...) because this machine's speed
+Every strategy runs through the real engine (run loop, scheduler, executor, hooks) on one CPU
+(or CUDA) device; with several `--executors`, each strategy runs under each of them (the cost
+of process isolation is the ratio of the two). Strategies are interleaved (A B C D E, A B C D E, ...) because this machine's speed
 drifts by up to 1.4x; the table reports medians and ratios to the first strategy.
 
 The oracle: zero-padding batches of one uniform length (16,384 tokens), measured per length
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from benchmarks.workloads import items as workload_items
-from forge.engine import RunSpec, execute
+from forge.engine import RunSpec, RuntimeSpec, execute
 from forge.function import Function
 from forge.geometry import Batch, Device, Item, Limits
 from forge.plugins import make_plugin_manager
@@ -42,6 +43,7 @@ class Strategy:
     options: dict
     cache_tokens: int = 0
     limits: Limits = LIMITS
+    executor: str = "process"
 
 
 STRATEGIES = [
@@ -55,11 +57,31 @@ STRATEGIES = [
 
 
 class NullSink:
-    def write(self, batch, output):
+    """Activations are computed and returned to the driver, not saved."""
+
+    rows_per_shard = 1 << 62
+
+    def write(self, batch, output, keep):
+        pass
+
+    def flush(self):
         pass
 
     def close(self):
         return {}
+
+
+class BenchWorker:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, batch):
+        out = self.runner.run(batch)
+        # what a real function returns: plain arrays that cross a process boundary
+        return type(out)({k: v.numpy() for k, v in out.pooled.items()}, out.prefix_computed_tokens, out.cache_hit)
+
+    def close(self):
+        self.runner = None
 
 
 class BenchFunction(Function):
@@ -67,37 +89,40 @@ class BenchFunction(Function):
 
     name = "bench"
 
-    def __init__(self, model, items: list[Item]):
-        self.model = model
+    def __init__(self, items: list[Item]):
         self.items = items
 
     def records(self):
         return iter(self.items)
 
     def open_worker(self, device: Device, cache_tokens: int):
-        runner = CausalLMRunner(self.model, layers=LAYERS, pooling="last", cache_tokens=cache_tokens, pad_token_id=3)
-        runner.close = lambda: None
-        return runner
+        model = load_model(device.torch_device)
+        return BenchWorker(CausalLMRunner(model, layers=LAYERS, pooling="last", cache_tokens=cache_tokens,
+                                          pad_token_id=3))
 
-    def open_sink(self, run_dir: Path):
+    def __getstate__(self):
+        return {"items": []}  # workers get batches, not the workload
+
+    def worker_modules(self):
+        return ["torch", "transformers", __name__, "transformers.models.llama.modeling_llama"]
+
+    def open_sink(self, store):
         return NullSink()
 
-
-def load_model(device: str):
-    from transformers import AutoModelForCausalLM
-
-    from functions.assets import embedded_model_source, materialize_model
-
-    path = materialize_model(embedded_model_source())
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    def fingerprint(self):
+        return {"function": self.name}
 
 
-def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path) -> dict:
+def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, executor: str) -> dict:
+    import shutil
+
     device = Device(device.name, s.limits, torch_device=device.torch_device)
+    run_dir = tmp / f"{s.name}-{executor}".replace(" ", "_").replace(",", "")
+    shutil.rmtree(run_dir, ignore_errors=True)
     spec = RunSpec(function=fn, mode=s.mode, mode_options=dict(s.options), devices=[device],
-                   cache_tokens=s.cache_tokens, run_dir=tmp / s.name.replace(" ", "_").replace(",", ""))
+                   cache_tokens=s.cache_tokens, run_dir=run_dir, runtime=RuntimeSpec(executor=executor))
     report = execute(spec, make_plugin_manager())
-    assert report["balanced"], report["imbalance"]
+    assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return report
 
 
@@ -132,14 +157,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--only", default="", help="comma-separated strategy indexes (0-based) to run")
     ap.add_argument("--out", default="/tmp/forge-bench")
+    ap.add_argument("--executors", default="process", help="comma-separated: process, inprocess")
     args = ap.parse_args()
 
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     device = Device(dev, LIMITS, torch_device=dev)
     model = load_model(dev)
     items = workload_items(args.n, 12, vocab=model.config.vocab_size)
-    fn = BenchFunction(model, items)
-    strategies = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
+    fn = BenchFunction(items)
+    chosen = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
+    executors = args.executors.split(",")
+    strategies = [Strategy(f"{s.name} [{ex}]" if len(executors) > 1 else s.name, s.mode, s.options, s.cache_tokens,
+                           s.limits, ex) for s in chosen for ex in executors]
     tmp = Path(args.out)
     results: dict[str, list[dict]] = {s.name: [] for s in strategies}
     oracle: list[float] = []
@@ -153,7 +182,7 @@ def main() -> None:
         # the fastest rate seen per length, so the oracle stays a lower bound as speed drifts
         oracle.append(oracle_seconds(items, {n: max(v) for n, v in rates.items()}))
         for s in strategies:
-            rep = run_strategy(s, fn, device, tmp)
+            rep = run_strategy(s, fn, device, tmp, s.executor)
             results[s.name].append(rep)
             print(f"  round {r + 1}: {s.name}: {rep['wall_s']:.2f} s", flush=True)
 
