@@ -113,6 +113,15 @@ class BenchFunction(Function):
         return {"function": self.name}
 
 
+def load_model(device: str):
+    from transformers import AutoModelForCausalLM
+
+    from functions.assets import embedded_model_source, materialize_model
+
+    path = materialize_model(embedded_model_source())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
 def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, executor: str) -> dict:
     import shutil
 

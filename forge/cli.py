@@ -54,7 +54,8 @@ def run(ctx: typer.Context) -> None:
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
         if report.get("status", "finished") != "finished":
-            err.print(f"[bold red]{report['status']}:[/] {report.get('error')}", highlight=False)
+            err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
+                      soft_wrap=True)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
     try:
@@ -182,6 +183,10 @@ def plan(
         print_summary(report)
         if plot is not None:
             console.print(f"plot: {plot}")
+    if report.get("status", "finished") != "finished":
+        err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
+                  soft_wrap=True)
+        raise typer.Exit(2)
 
 
 def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
@@ -327,6 +332,12 @@ def print_summary(report: dict[str, Any]) -> None:
     if report.get("path"):
         table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
+    table.add_row("status", str(report.get("status", "finished")))
+    attempts = {k: v for k, v in (report.get("attempts") or {}).items() if v}
+    if attempts or report.get("items", {}).get("resumed"):
+        table.add_row("recovered", "  ".join([f"{k} {v:,}" for k, v in attempts.items()]
+                                             + [f"restarts {sum((report.get('restarts') or {}).values())}",
+                                                f"resumed {items.get('resumed', 0):,}"]))
     if not report.get("dry_run"):
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
@@ -347,6 +358,8 @@ def print_summary(report: dict[str, Any]) -> None:
         err.print(f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}")
     for warning in report.get("warnings") or []:
         err.print(f"[yellow]warning:[/] {warning}")
+    for why in (report.get("retired") or {}).values():
+        err.print(f"[yellow]retired:[/] {why}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point
