@@ -159,7 +159,11 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     started = time.perf_counter()
     store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
                      fault=lambda tmp: pm.hook.forge_fault(point="write_shard", device=None, batch=None))
-    run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+    try:
+        run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+    except ForgeError:
+        store.abandon()
+        raise
     sink = spec.function.open_sink(store)
     policy = spec.runtime.policy
     committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)

@@ -144,6 +144,11 @@ class RunStore:
         _write_json_atomic(self.dir / RUN_FILE, {"fingerprint": self.fingerprint, "status": self.status,
                                                  "sessions": self.session + 1})
 
+    def abandon(self) -> None:
+        """A first session refused before any work: the directory holds no run after all."""
+        if self.session == 0 and self._journal is None:
+            (self.dir / RUN_FILE).unlink(missing_ok=True)
+
     def close(self, status: str) -> None:
         """Record how this session ended (finished, interrupted, stopped: ...)."""
         if self._journal is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_forge, spec_for
+from conftest import run_forge
 from forge import load_activations
 from forge.errors import ForgeError
 
@@ -275,3 +275,13 @@ def test_a_worker_that_cannot_load_retires_its_device_with_the_reason(tmp_path):
     assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] == 1 and "cpu" in report["retired"]
     assert "could not load the model" in report["error"] and report["items"]["unfinished"] == N
+
+
+def test_a_failure_that_would_always_recur_is_refused_before_work(tmp_path):
+    """Packed rows under an attention implementation that cannot take their 4D mask would fail
+    every batch: refused at once, with one line, and nothing written."""
+    with pytest.raises(ForgeError, match="packed rows need a 4D mask, which flash_attention_2 attention does not "
+                                         "take") as err:
+        run_forge(tmp_path / "run", *FAST, "batching.packing=packed", "model.attn_implementation=flash_attention_2")
+    assert "\n" not in str(err.value) and not (tmp_path / "run" / "report.json").exists()
+    assert not (tmp_path / "run" / "run.json").exists()  # refused: the directory holds no run
