@@ -88,3 +88,28 @@ def test_max_rows_counts_the_prefix_once():
                      prefix_bytes_per_token=5)
     rows = cost.max_rows(10_000, 20, prefix_len=100)
     assert cost.step_bytes(rows, 20, 100) <= 10_000 < cost.step_bytes(rows + 1, 20, 100)
+
+
+def test_memory_plan_reports_each_devices_largest_predicted_peak_within_its_budget():
+    from conftest import plan_forge
+
+    report = plan_forge("devices=sim_16g_32g", "batching=memory", "input.limit=300", "layers=[1]")
+    assert report["status"] == "finished"
+    peaks = {d["name"]: (d["predicted_peak_bytes"], d["memory_budget_bytes"]) for d in report["devices"]}
+    assert set(peaks) == {"card16", "card32"}
+    for peak, budget in peaks.values():
+        assert 0 < peak <= budget
+    assert peaks["card32"][0] > peaks["card16"][0]  # the larger card got larger batches
+
+
+def test_cuda_budget_is_free_memory_times_the_fraction(monkeypatch):
+    import torch
+
+    from forge.devices import discover
+    from forge.geometry import Limits
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: ((10 + i) << 30, 80 << 30))
+    devices = discover(Limits(8192, 256, 2048), memory_fraction=0.5)
+    assert [d.memory_bytes for d in devices] == [5 << 30, int(5.5 * (1 << 30))]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
-from forge.geometry import Device
+from forge.geometry import Batch, Device
 
 GB = 1 << 30
 
@@ -87,6 +87,11 @@ class MemoryPacker(TokenPacker):
                 f"batching=memory: device {device.name} has {budget / GB:.3f} GB, not more than the "
                 f"model's {self.cost_model.weight_bytes / GB:.3f} GB of weights; raise its memory_gb"
             )
+
+    def predicted_bytes(self, batch: Batch) -> int:
+        """The cost model's peak for a batch as cut (for the report)."""
+        prefix = batch.prefix_len if batch.split_prefix else 0
+        return self.cost_model.step_bytes(batch.num_rows, batch.padded_len, prefix)
 
     def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
         rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
