@@ -35,7 +35,11 @@ def limits_from(spec: Mapping[str, Any], where: str) -> Limits:
 
 
 def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float | None = None) -> list[Device]:
-    """Every local CUDA device, each with `limits`; the CPU when there is none."""
+    """Every local CUDA device, each with `limits`; the CPU when there is none.
+
+    A CUDA device's memory budget is its free memory now x `memory_fraction` (what other
+    processes hold is not ours to plan for).
+    """
     try:
         import torch
 
@@ -48,7 +52,7 @@ def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float 
                 name=f"cuda:{i}",
                 limits=limits,
                 torch_device=f"cuda:{i}",
-                memory_bytes=int(torch.cuda.get_device_properties(i).total_memory * memory_fraction),
+                memory_bytes=int(torch.cuda.mem_get_info(i)[0] * memory_fraction),  # free now, not total
             )
             for i in range(n)
         ]

@@ -152,8 +152,18 @@ class RunLoop:
                 self.in_flight[ticket] = (batch, device)
                 self.hook.forge_batch_routed(run=self.run, batch=batch, device=device)
                 self.executor.submit(ticket, device, batch, self._timeout(batch, device))
+                self._note_memory(batch, device)
                 scheduled = True
         return scheduled
+
+    def _note_memory(self, batch: Batch, device: Device) -> None:
+        """batching=memory: the largest predicted peak routed to each device, and its budget (report)."""
+        packer = self.scheduler.packer
+        predict = getattr(packer, "predicted_bytes", None)
+        if predict is not None:
+            tally = self.tallies[device.name]
+            tally.peak_bytes = max(tally.peak_bytes, predict(batch))
+            tally.budget_bytes = packer.budget(device)
 
     def _timeout(self, batch: Batch, device: Device) -> float:
         p = self.policy
@@ -282,6 +292,8 @@ class DeviceTally:
     padded_slots: int = 0
     busy_s: float = 0.0
     cache_misses: int = 0  # prefix computed on this device because its cache lacked it
+    peak_bytes: int = 0  # batching=memory: largest predicted peak of a batch routed here
+    budget_bytes: int | None = None  # batching=memory: the budget it was planned against
 
     def add(self, batch: Batch, stats: BatchStats) -> None:
         self.batches += 1

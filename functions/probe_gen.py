@@ -172,6 +172,24 @@ class ProbeGen(Function):
             raise ForgeError(f"layers={self.layers}: the model has {n} layers; choose layers in 0..{n} (0 = embeddings)")
 
     def cost_model(self) -> CostModel:
+        """Measured on fake tensors and cached (`forge.runtime.memory_fit`); from the shape if that fails."""
+        from forge.runtime.memory_fit import Target, fitted_cost_model
+
+        target = Target(dtype=self.model.torch_dtype, attn=self.caps.attn or "eager",
+                        hidden_kept=len(set(self.layers)), pooling=self.pooling)
+        try:
+            return fitted_cost_model(self.config, target, bool(self.model.trust_remote_code))
+        except ForgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
+            note = (f"memory model: measuring {self.model.name} on fake tensors failed ({_line(exc)}); "
+                    "batching=memory plans from a first-principles estimate of its shape")
+            if note not in self._warnings:
+                self._warnings.append(note)
+            return self.shape_cost_model()
+
+    def shape_cost_model(self) -> CostModel:
+        """A first-principles estimate from the config's sizes (no measurement)."""
         from forge.runtime.hf_compat import num_layers, text_config
 
         c = text_config(self.config)

@@ -1,8 +1,9 @@
 """`memory` mode: token-mode grouping, with batch size bounded by a device's byte budget.
 
 Model: a step's memory is the resident weights plus, per row, what the forward pass
-holds for its padded tokens (hidden states kept for output, transient projections,
-the expanded prefix KV) and its attention scores (padded_len x (prefix + padded_len)).
+holds for its padded tokens (hidden states kept for output, transient projections),
+its attention scores (padded_len x (prefix + padded_len)) and, behind a shared prefix,
+its KV cache (the expanded prefix and its own tokens), plus the prefix's own entry once.
 `CostModel` turns a model's shape into those coefficients; the packer then allows
 as many rows as `device.memory_bytes` holds, within the four limits. A 16 GB and a
 32 GB card draining one backlog each get the largest batches they can hold.
@@ -14,32 +15,39 @@ from dataclasses import dataclass
 
 from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
-from forge.geometry import Device
+from forge.geometry import Batch, Device
 
 GB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Bytes one forward step needs, from a model's shape. Plain numbers; no torch."""
+    """Bytes one forward step needs, from a model's shape or measured. Plain numbers; no torch."""
 
-    weight_bytes: int  # resident parameters
-    bytes_per_token: int  # per padded row slot: kept hidden states + peak transient activations + KV
-    bytes_per_score: int  # per attention score (query x key pair), all heads
-    kv_bytes_per_token: int  # per prefix token expanded to one row
+    weight_bytes: int  # resident parameters (and any fixed overhead)
+    bytes_per_token: float  # per padded row slot: kept hidden states + peak transient activations + KV
+    bytes_per_score: float  # per attention score (query x key pair), all heads
+    kv_bytes_per_token: float  # per token a row's KV cache holds: the expanded prefix + its own, when it has a prefix
+    prefix_bytes_per_token: float = 0.0  # per prefix token, once per batch (its cached entry or its own pass)
 
     def step_bytes(self, rows: int, padded_len: int, prefix_len: int = 0) -> int:
-        per_row = (
-            padded_len * self.bytes_per_token
-            + padded_len * (prefix_len + padded_len) * self.bytes_per_score
-            + prefix_len * self.kv_bytes_per_token
-        )
-        return self.weight_bytes + rows * per_row
+        return int(self.weight_bytes + self._once(prefix_len) + rows * self._per_row(padded_len, prefix_len))
+
+    def _once(self, prefix_len: int) -> float:
+        return prefix_len * self.prefix_bytes_per_token
+
+    def _per_row(self, padded_len: int, prefix_len: int) -> float:
+        return (padded_len * self.bytes_per_token
+                + padded_len * (prefix_len + padded_len) * self.bytes_per_score
+                + (prefix_len + padded_len if prefix_len else 0) * self.kv_bytes_per_token)
 
     def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:
         """Rows of `padded_len` slots that fit `budget_bytes`."""
-        per_row = self.step_bytes(1, padded_len, prefix_len) - self.weight_bytes
-        return max(0, (budget_bytes - self.weight_bytes) // per_row)
+        room = budget_bytes - self.weight_bytes - self._once(prefix_len)
+        per_row = self._per_row(padded_len, prefix_len)
+        if per_row <= 0:
+            return 1 << 30 if room >= 0 else 0
+        return max(0, int(room // per_row))
 
     @classmethod
     def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
@@ -48,8 +56,8 @@ class CostModel:
         kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
         return cls(
             weight_bytes=num_params * dtype_bytes,
-            # hidden states of every layer (output_hidden_states) + peak MLP/attention transients + own KV
-            bytes_per_token=dtype_bytes * (hidden * (layers + 1) + 3 * intermediate + 4 * hidden) + kv_per_token,
+            # hidden states of every layer (output_hidden_states) + peak MLP/attention transients
+            bytes_per_token=dtype_bytes * (hidden * (layers + 1) + 3 * intermediate + 4 * hidden),
             bytes_per_score=2 * heads * dtype_bytes,  # scores and their softmax
             kv_bytes_per_token=kv_per_token,
         )
@@ -79,6 +87,11 @@ class MemoryPacker(TokenPacker):
                 f"batching=memory: device {device.name} has {budget / GB:.3f} GB, not more than the "
                 f"model's {self.cost_model.weight_bytes / GB:.3f} GB of weights; raise its memory_gb"
             )
+
+    def predicted_bytes(self, batch: Batch) -> int:
+        """The cost model's peak for a batch as cut (for the report)."""
+        prefix = batch.prefix_len if batch.split_prefix else 0
+        return self.cost_model.step_bytes(batch.num_rows, batch.padded_len, prefix)
 
     def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int:
         rows = self.cost_model.max_rows(self.budget(device), padded_len, prefix_len)
