@@ -182,7 +182,7 @@ class RayExecutor(Executor):
             if slot.load_ref not in done:
                 return
             try:
-                self.actors[name] = ray.get(slot.load_ref)
+                self.actors[name] = {**ray.get(slot.load_ref), "ready_s": round(time.monotonic() - slot.started, 2)}
             except ray.exceptions.RayActorError as exc:
                 return self._replace(slot, f"actor of {name} died while loading ({_cause(exc)})")
             except Exception as exc:  # noqa: BLE001 - the load's own error, raised in the actor
@@ -246,6 +246,7 @@ class DeviceActor:
         self.worker = self.hook = None
 
     def load(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
         from forge.plugins import make_plugin_manager
 
         if self.device.torch_device == "cpu":
@@ -254,7 +255,7 @@ class DeviceActor:
             torch.set_num_threads(self.threads)
         self.hook = make_plugin_manager(load_entry_points=False, modules=self.plugins).hook
         self.worker = self.function.open_worker(self.device, self.cache_tokens)
-        return self.describe()
+        return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2)}
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs and what it may use."""
