@@ -67,22 +67,25 @@ class RayExecutor(Executor):
         self.kill_grace_s = float(kill_grace_s)
         self.slots: dict[str, _Slot] = {}
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
-        self._owns_ray = False  # this executor started Ray, so it shuts it down
+        self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
         self._pending: list[Outcome] = []
         self._actor_cls = None
+        self._function_ref = None  # the function, put in the object store once for every actor
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
         ray = self.ray
         if not ray.is_initialized():
-            if self.address:
-                ray.init(address=self.address, include_dashboard=False)
-            else:  # a local instance: workers see this process's code (sys.path) and are stopped at close
-                path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+            if self.address:  # join a cluster: its nodes have Forge installed
+                ray.init(address=self.address)
+            else:  # a local instance: workers import what this process imports (its sys.path beyond the venv)
+                path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)
+                                       and not p.startswith((sys.prefix, sys.base_prefix)))
                 ray.init(num_cpus=self.num_cpus, include_dashboard=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": path}})
-                self._owns_ray = True
+                         runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
+            self._owns_ray = True
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(DeviceActor)
+        self._function_ref = ray.put(self.function)
         for device in devices:
             self.restarts[device.name] = 0
             self._spawn(device)
@@ -92,7 +95,7 @@ class RayExecutor(Executor):
         resources = {"num_gpus": 1 if gpu else 0, "num_cpus": self.cpus_per_actor}
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor = self._actor_cls.options(**resources).remote(
-            self.function, device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env)
+            [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env)
         self.slots[device.name] = _Slot(device, actor, actor.load.remote(), time.monotonic())
 
     def _replace(self, slot: _Slot, reason: str) -> None:
@@ -119,6 +122,7 @@ class RayExecutor(Executor):
         for slot in self.slots.values():
             self._kill(slot)
         self.slots.clear()
+        self._function_ref = None
         if self._owns_ray and self.ray.is_initialized():
             self.ray.shutdown()
         self._owns_ray = False
@@ -153,7 +157,9 @@ class RayExecutor(Executor):
             if not slot.ready:
                 refs.append(slot.load_ref)
             refs.extend(ref for _, _, ref in slot.queue)
-        if refs:
+        if not refs:  # nothing to wait on: do not spin
+            time.sleep(max(0.0, deadline - now))
+        else:
             ready, _ = self.ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - now))
             if ready:  # sweep whatever else finished too
                 ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -236,9 +242,12 @@ def _cause(exc: BaseException) -> str:
 class DeviceActor:
     """Runs batches on one device; the model is loaded once by `load`."""
 
-    def __init__(self, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int,
-                 env: dict[str, str]):
-        os.environ.update(env)
+    def __init__(self, function_ref: list, device: Device, cache_tokens: int, plugins: tuple[str, ...],
+                 threads: int, env: dict[str, str]):
+        import ray
+
+        os.environ.update(env)  # before the function's modules are imported (HF_HUB_OFFLINE is read then)
+        function = ray.get(function_ref[0])  # a ref in a list is not resolved before __init__ runs
         if device.torch_device.startswith("cuda"):
             device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
