@@ -46,7 +46,9 @@ def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:
     assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return {"wall_s": report["wall_s"], "useful_tokens_per_s": report["useful_tokens_per_s"],
             "padding_waste": report["padding_waste"], "cache_hit_rate": report["cache_hit_rate"],
-            "batches": report["batches"]}
+            "batches": report["batches"],
+            "actor_ready_s": max((a["ready_s"] for a in report.get("ray", {}).get("actors", {}).values()),
+                                 default=None)}  # when the last actor had loaded its model
 
 
 class RowBatchForward:
@@ -86,7 +88,7 @@ def ray_data_run(items: list[Item], actors: int) -> dict:
     wall = time.perf_counter() - t0
     assert n == len(items), (n, len(items))
     return {"wall_s": wall, "useful_tokens_per_s": tokens / wall, "padding_waste": 1 - tokens / slots,
-            "cache_hit_rate": 0.0, "batches": None}
+            "cache_hit_rate": 0.0, "batches": None, "actor_ready_s": None}
 
 
 def main() -> None:
@@ -125,14 +127,15 @@ def main() -> None:
     med = {name: {k: statistics.median(x[k] for x in reps) if reps[0][k] is not None else None for k in reps[0]}
            for name, reps in results.items()}
     names = list(variants)
-    print("\n| variant | wall s (median) | useful tok/s | padding waste | cache hit rate | batches |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| variant | wall s (median) | useful tok/s | padding waste | cache hit rate | batches | actors ready after |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         m = med[name]
         hit = f"{100 * m['cache_hit_rate']:.2f}%" if m["cache_hit_rate"] else "-"
-        batches = "-" if m["batches"] is None else m["batches"]
+        batches = "-" if m["batches"] is None else f"{m['batches']:.0f}"
+        ready = "-" if m["actor_ready_s"] is None else f"{m['actor_ready_s']:.1f} s"
         print(f"| {name} | {m['wall_s']:.2f} | {m['useful_tokens_per_s']:,.0f} | {100 * m['padding_waste']:.2f}% | "
-              f"{hit} | {batches} |")
+              f"{hit} | {batches} | {ready} |")
     ray_, data, local = (med[n] for n in names)
     print(f"\nForge on Ray / Ray Data, useful tok/s: {ray_['useful_tokens_per_s'] / data['useful_tokens_per_s']:.2f}x")
     print(f"runtime=ray / runtime=local, wall: {ray_['wall_s'] / local['wall_s']:.2f}x")
