@@ -7,6 +7,7 @@ when a test fails; no Ray process outlives the module. Skipped where Ray is not 
 
 import json
 import os
+import re
 import sys
 import time
 from importlib.util import find_spec
@@ -27,17 +28,20 @@ TESTS = Path(__file__).resolve().parent
 needs_ray = pytest.mark.skipif(find_spec("ray") is None, reason="Ray is not installed: pip install -e '.[ray]'")
 
 
-def _ray_children() -> list[str]:
-    """Live processes started by this one whose command line names Ray (raylet, gcs_server, workers)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|default_worker\.py|/ray/(_private|dashboard|autoscaler)")
+
+
+def _ray_processes() -> set[int]:
+    """Live processes that are Ray's (GCS, raylet, workers, monitors), by command line."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[1]) == os.getpid() and "ray" in cmd.lower():
-            found.append(cmd[:80])
+        if state != "Z" and RAY_PROCESS.search(cmd):
+            found.add(int(proc.name))
     return found
 
 
@@ -46,16 +50,17 @@ def ray_local():
     """A local Ray instance for this module; its workers import this checkout and tests/ (faults)."""
     import ray
 
+    before = _ray_processes()  # not ours
     path = os.pathsep.join([str(TESTS.parent), str(TESTS)])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         yield ray
     finally:
         ray.shutdown()
-        deadline = time.monotonic() + 10
-        while _ray_children() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 15
+        while _ray_processes() - before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _ray_children(), f"Ray processes left behind: {_ray_children()}"
+        assert not _ray_processes() - before, f"Ray processes left behind: {_ray_processes() - before}"
 
 
 @pytest.fixture
