@@ -33,19 +33,22 @@ from forge.run import RunContext
 from forge.scheduler import Scheduler
 from forge.store import RunStore
 
-EXECUTORS = ("process", "inprocess")
+EXECUTORS = ("process", "inprocess", "ray")
 
 
 @dataclass(frozen=True)
 class RuntimeSpec:
     """Where and how batches run (the `runtime` config group), as plain values."""
 
-    executor: str = "process"  # process | inprocess
+    executor: str = "process"  # process | inprocess | ray
     max_in_flight: int = 2  # batches queued per worker
     startup_timeout_s: float = 600.0  # a worker that has not loaded by then is replaced
     kill_grace_s: float = 5.0  # a timed-out worker may still answer this long before it is killed
     max_restarts: int = 3  # worker restarts per device before the device is retired
     max_attempts: int = 3  # runs of an item lost with its worker before it fails
+    address: str | None = None  # ray: a cluster to join ("auto", "ray://host:10001"); None: start a local one
+    num_cpus: int | None = None  # ray: CPUs of the local instance (None: all)
+    cpus_per_actor: float = 1.0  # ray: CPUs each device's actor reserves (and torch threads of a CPU actor)
     policy: RunPolicy = RunPolicy()  # timeouts, recurring failures, commit interval
 
     def __post_init__(self) -> None:
@@ -139,6 +142,13 @@ def make_executor(spec: RunSpec, cache_tokens: int, hook) -> Executor:
     rt = spec.runtime
     if rt.executor == "inprocess":
         return InProcessExecutor(spec.function, cache_tokens, hook)
+    if rt.executor == "ray":
+        from forge.executors.ray import RayExecutor
+
+        return RayExecutor(spec.function, cache_tokens, plugins=spec.plugins, address=rt.address,
+                           num_cpus=rt.num_cpus, cpus_per_actor=rt.cpus_per_actor, max_in_flight=rt.max_in_flight,
+                           max_restarts=rt.max_restarts, startup_timeout_s=rt.startup_timeout_s,
+                           kill_grace_s=rt.kill_grace_s)
     from forge.executors.process import ProcessExecutor
 
     return ProcessExecutor(spec.function, cache_tokens, plugins=spec.plugins, max_in_flight=rt.max_in_flight,
@@ -187,7 +197,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
                "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
                             **dict(loop.counts), "oom_splits": scheduler.oom_splits},
-               "restarts": dict(executor.restarts), "retired": dict(executor.retired),
+               **executor.info(), "restarts": dict(executor.restarts), "retired": dict(executor.retired),
                "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
                                     if d.limits != next(x for x in spec.devices if x.name == name).limits}},
     )

@@ -136,6 +136,19 @@ class Runtime:
 
 
 @dataclass
+class RayRuntime(Runtime):
+    """conf/runtime/ray.yaml: one Ray actor per device, on a cluster or a local Ray instance."""
+
+    executor: str = one_of("ray", "ray")
+    address: Optional[str] = None  # null: start a local instance; "auto" or an address: join a cluster
+    num_cpus: Optional[int] = positive(None)  # CPUs of a local instance (null: all)
+    cpus_per_actor: float = positive(1.0)
+
+
+RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other value: Runtime (local)
+
+
+@dataclass
 class CoreConfig:
     """Root keys the core reads. The function's own keys come from its `config_schema`."""
 
@@ -154,14 +167,23 @@ class CoreConfig:
 OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
 
 
-def schema_for(function_schema: type | None) -> type:
-    """The root schema: the core's keys plus the function's (a dataclass of root keys)."""
+def schema_for(function_schema: type | None, runtime_schema: type = Runtime) -> type:
+    """The root schema: the core's keys (with the chosen runtime's) plus the function's (a
+    dataclass of root keys)."""
+    core = CoreConfig if runtime_schema is Runtime else dataclass(type("CoreConfig", (CoreConfig,), {
+        "__annotations__": {"runtime": runtime_schema}, "runtime": field(default_factory=runtime_schema)}))
     if function_schema is None:
-        return CoreConfig
-    clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(CoreConfig)}
+        return core
+    clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(core)}
     if clash:
         raise ForgeError(f"{function_schema.__qualname__} declares core key(s) {sorted(clash)}; rename them")
-    return dataclass(type("Config", (function_schema, CoreConfig), {}))
+    return dataclass(type("Config", (function_schema, core), {}))
+
+
+def runtime_schema(cfg: DictConfig) -> type:
+    """The runtime group's schema, chosen by its `executor` key."""
+    executor = OmegaConf.select(cfg, "runtime.executor", default=None, throw_on_missing=False)
+    return RUNTIMES.get(executor, Runtime) if isinstance(executor, str) else Runtime
 
 
 def function_schema(cfg: DictConfig) -> type | None:
@@ -189,7 +211,7 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     are then checked only for their type once resolved, by a later `validate`)."""
     cfg = _without_hydra(cfg)
     fn_schema = function_schema(cfg)
-    schema_cls = schema_for(fn_schema)
+    schema_cls = schema_for(fn_schema, runtime_schema(cfg))
     schema = OmegaConf.structured(schema_cls)
     if fn_schema is None:  # a function without a schema: its root keys pass untyped
         for name in schema:

@@ -39,7 +39,7 @@ def spec_for(*overrides, run_dir: Path | None = None):
 
 def run_forge(tmp_path: Path, *overrides, pm=None):
     """A run, in this process unless the overrides pick an executor (tests of isolation do)."""
-    if not any(o.startswith("runtime.executor=") for o in overrides):
+    if not any(o.startswith(("runtime.executor=", "runtime=")) for o in overrides):
         overrides = ("runtime.executor=inprocess", *overrides)
     from forge.engine import execute
     from forge.plugins import make_plugin_manager

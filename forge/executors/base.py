@@ -83,3 +83,7 @@ class Executor(ABC):
 
     def close(self) -> None:
         """Stop every worker; nothing is left running."""
+
+    def info(self) -> dict[str, Any]:
+        """Executor-specific report entries (where its workers run); none by default."""
+        return {}

@@ -1,0 +1,298 @@
+"""One Ray actor per device: the same run, on a Ray cluster (or a local Ray instance).
+
+Scheduling stays in the driver (packer, prefix-affinity routing, the ledger, commits); actors
+only run batches. Each actor loads the function's worker once (`function.open_worker`),
+receives batches (token ids included) and returns the function's output through the object
+store. Same model as the process executor: per device a FIFO of at most `max_in_flight`
+batches (the head runs; an actor runs its calls in order), outcomes collected in completion
+order with `ray.wait`; a dead actor's batches come back LOST and a replacement is started, up
+to `max_restarts` per device, then the device is retired; a head past its deadline comes
+back TIMEOUT and the actor is killed unless it answers within `kill_grace_s`.
+
+Ray is an optional extra (`pip install -e '.[ray]'`); it is imported only when this
+executor is built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from forge.errors import ForgeError
+from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.geometry import Batch, Device
+
+ENV_PREFIXES = ("FORGE_", "HF_")  # driver variables actors get (cache, offline mode, test faults)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ForgeError("runtime=ray needs Ray, an optional extra: pip install -e '.[ray]'") from None
+    return ray
+
+
+@dataclass
+class _Slot:
+    device: Device
+    actor: Any
+    load_ref: Any  # the actor's load() call: its description once the model is loaded
+    started: float
+    ready: bool = False
+    queue: deque = field(default_factory=deque)  # (ticket, timeout_s, ref) in send order; head runs
+    head_since: float | None = None
+    silent_since: float | None = None  # the head timed out: no more work until it answers
+
+
+class RayExecutor(Executor):
+    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), address: str | None = None,
+                 num_cpus: int | None = None, cpus_per_actor: float = 1.0, max_in_flight: int = 2,
+                 max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
+        super().__init__()
+        self.ray = import_ray()
+        self.function = function
+        self.cache_tokens = cache_tokens
+        self.plugins = tuple(plugins)
+        self.address = address
+        self.num_cpus = num_cpus
+        self.cpus_per_actor = float(cpus_per_actor)
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.max_restarts = int(max_restarts)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.kill_grace_s = float(kill_grace_s)
+        self.slots: dict[str, _Slot] = {}
+        self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
+        self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
+        self._pending: list[Outcome] = []
+        self._actor_cls = None
+        self._function_ref = None  # the function, put in the object store once for every actor
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self, devices: list[Device]) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            if self.address:  # join a cluster: its nodes have Forge installed
+                ray.init(address=self.address)
+            else:  # a local instance: workers import what this process imports (its sys.path beyond the venv)
+                path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)
+                                       and not p.startswith((sys.prefix, sys.base_prefix)))
+                ray.init(num_cpus=self.num_cpus, include_dashboard=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
+            self._owns_ray = True
+        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(DeviceActor)
+        self._function_ref = ray.put(self.function)
+        for device in devices:
+            self.restarts[device.name] = 0
+            self._spawn(device)
+
+    def _spawn(self, device: Device) -> None:
+        gpu = device.torch_device.startswith("cuda")
+        resources = {"num_gpus": 1 if gpu else 0, "num_cpus": self.cpus_per_actor}
+        env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+        actor = self._actor_cls.options(**resources).remote(
+            [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env)
+        self.slots[device.name] = _Slot(device, actor, actor.load.remote(), time.monotonic())
+
+    def _replace(self, slot: _Slot, reason: str) -> None:
+        """Kill the slot's actor, hand its batches back as LOST, start another (or retire)."""
+        name = slot.device.name
+        self._kill(slot)
+        for i, (ticket, _, _) in enumerate(slot.queue):  # the head was running; the rest only waited
+            self._pending.append(Outcome(ticket, name, Status.LOST, reason=reason, charged=i == 0 and slot.ready))
+        slot.queue.clear()
+        if self.restarts[name] >= self.max_restarts:
+            self.retired[name] = f"device {name} retired after {self.restarts[name]} restarts; last: {reason}"
+            del self.slots[name]
+            return
+        self.restarts[name] += 1
+        self._spawn(slot.device)
+
+    def _kill(self, slot: _Slot) -> None:
+        try:
+            self.ray.kill(slot.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            self._kill(slot)
+        self.slots.clear()
+        self._function_ref = None
+        if self._owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
+        self._owns_ray = False
+
+    def info(self) -> dict[str, Any]:
+        return {"ray": {"address": self.address or "local", "actors": dict(self.actors)}}
+
+    # -- work -------------------------------------------------------------------
+    def free_slots(self, device: str) -> int:
+        slot = self.slots.get(device)
+        if slot is None or slot.silent_since is not None:
+            return 0
+        return self.max_in_flight - len(slot.queue)
+
+    def in_flight(self) -> int:
+        return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
+
+    def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
+        slot = self.slots[device.name]
+        if not slot.queue and slot.ready:
+            slot.head_since = time.monotonic()
+        slot.queue.append((ticket, timeout_s, slot.actor.run.remote(batch)))
+
+    def collect(self, wait_s: float) -> list[Outcome]:
+        now = time.monotonic()
+        deadline = now + (0.0 if self._pending else wait_s)
+        refs = []
+        for slot in self.slots.values():
+            due = self._due(slot)
+            if due is not None:
+                deadline = min(deadline, due)
+            if not slot.ready:
+                refs.append(slot.load_ref)
+            refs.extend(ref for _, _, ref in slot.queue)
+        if not refs:  # nothing to wait on: do not spin
+            time.sleep(max(0.0, deadline - now))
+        else:
+            ready, _ = self.ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - now))
+            if ready:  # sweep whatever else finished too
+                ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+            done = set(ready)
+            for slot in list(self.slots.values()):
+                self._read(slot, done)
+        now = time.monotonic()
+        for slot in list(self.slots.values()):
+            self._check_time(slot, now)
+        out, self._pending = self._pending, []
+        return out
+
+    def _due(self, slot: _Slot) -> float | None:
+        """The next moment this slot needs attention without a result."""
+        if not slot.ready:
+            return slot.started + self.startup_timeout_s
+        if slot.silent_since is not None:
+            return slot.silent_since + self.kill_grace_s
+        if slot.queue and slot.head_since is not None and slot.queue[0][1] is not None:
+            return slot.head_since + slot.queue[0][1]
+        return None
+
+    def _read(self, slot: _Slot, done: set) -> None:
+        ray, name = self.ray, slot.device.name
+        if not slot.ready:
+            if slot.load_ref not in done:
+                return
+            try:
+                self.actors[name] = {**ray.get(slot.load_ref), "ready_s": round(time.monotonic() - slot.started, 2)}
+            except ray.exceptions.RayActorError as exc:
+                return self._replace(slot, f"actor of {name} died while loading ({_cause(exc)})")
+            except Exception as exc:  # noqa: BLE001 - the load's own error, raised in the actor
+                return self._replace(slot, f"actor of {name} could not load the model: {_cause(exc)}")
+            slot.ready = True
+            slot.head_since = time.monotonic() if slot.queue else None
+        while slot.queue and slot.queue[0][2] in done:  # an actor answers in order
+            ticket, _, ref = slot.queue[0]
+            try:
+                kind, payload, seconds = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the actor died (killed, crashed, node lost)
+                return self._replace(slot, f"actor of {name} died ({_cause(exc)})")
+            slot.queue.popleft()
+            slot.silent_since = None  # it answered: slow, not hung
+            slot.head_since = time.monotonic() if slot.queue else None
+            status = Status(kind)
+            ok = status == Status.COMPLETED
+            self._pending.append(Outcome(ticket, name, status, payload if ok else None, "" if ok else payload,
+                                         seconds))
+            if not ok and ("CUDA error" in payload or "device-side assert" in payload):
+                return self._replace(slot, f"actor of {name}: sticky device error: {payload}")
+
+    def _check_time(self, slot: _Slot, now: float) -> None:
+        name = slot.device.name
+        if self.slots.get(name) is not slot:
+            return
+        if not slot.ready and now > slot.started + self.startup_timeout_s:
+            self._replace(slot, f"actor of {name} did not load within {self.startup_timeout_s:.0f} s")
+        elif slot.silent_since is not None and now > slot.silent_since + self.kill_grace_s:
+            self._replace(slot, f"actor of {name} hung: no answer {self.kill_grace_s:.0f} s after a timeout")
+        elif slot.silent_since is None and slot.queue and slot.head_since is not None:
+            ticket, timeout_s, _ = slot.queue[0]
+            if timeout_s is not None and now > slot.head_since + timeout_s:
+                for t, _, _ in slot.queue:  # the head timed out; what waits behind it is re-routed too
+                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
+                        f"re-routed: queued behind a batch that timed out on {name}"
+                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
+                                                 charged=t == ticket))
+                slot.silent_since = now
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for a Ray error: the original error of a task, else Ray's own first line."""
+    cause = getattr(exc, "cause", None)
+    return one_line(cause) if isinstance(cause, BaseException) else one_line(exc)
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class DeviceActor:
+    """Runs batches on one device; the model is loaded once by `load`."""
+
+    def __init__(self, function_ref: list, device: Device, cache_tokens: int, plugins: tuple[str, ...],
+                 threads: int, env: dict[str, str]):
+        import ray
+
+        os.environ.update(env)  # before the function's modules are imported (HF_HUB_OFFLINE is read then)
+        function = ray.get(function_ref[0])  # a ref in a list is not resolved before __init__ runs
+        if device.torch_device.startswith("cuda"):
+            device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
+        self.function, self.device, self.cache_tokens = function, device, cache_tokens
+        self.plugins, self.threads = plugins, threads
+        self.worker = self.hook = None
+
+    def load(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        from forge.plugins import make_plugin_manager
+
+        if self.device.torch_device == "cpu":
+            import torch
+
+            torch.set_num_threads(self.threads)
+        self.hook = make_plugin_manager(load_entry_points=False, modules=self.plugins).hook
+        self.worker = self.function.open_worker(self.device, self.cache_tokens)
+        return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2)}
+
+    def describe(self) -> dict[str, Any]:
+        """Where this actor runs and what it may use."""
+        import ray
+
+        info: dict[str, Any] = {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                                "torch_device": self.device.torch_device, "limits": self.device.limits.as_dict(),
+                                "memory_budget_bytes": self.device.memory_bytes}
+        if self.device.torch_device.startswith("cuda"):
+            import torch
+
+            info["gpu_ids"] = ray.get_gpu_ids()
+            info["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        else:
+            info["threads"] = self.threads
+        return info
+
+    def run(self, batch: Batch) -> tuple[str, Any, float]:
+        t0 = time.perf_counter()
+        try:
+            self.hook.forge_fault(point="before_forward", device=self.device, batch=batch)
+            output = self.worker.run(batch)
+            self.hook.forge_fault(point="after_forward", device=self.device, batch=batch)
+        except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
+            status = classify_error(exc)
+            if status == Status.OOM and self.device.torch_device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()
+            return status.value, one_line(exc), time.perf_counter() - t0
+        return Status.COMPLETED.value, output, time.perf_counter() - t0

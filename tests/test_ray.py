@@ -1,0 +1,145 @@
+"""runtime=ray: the same run on one Ray actor per device (a local Ray instance here).
+
+The module starts its own local Ray instance (2 CPUs) and shuts it down at the end, even
+when a test fails; no Ray process outlives the module. Skipped where Ray is not installed
+(`pip install -e '.[ray]'`; CI installs it).
+"""
+
+import json
+import os
+import re
+import sys
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_forge, spec_for
+from forge import load_activations
+from forge.errors import ForgeError
+
+N = 48
+FAST = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
+        "budget.tokens_per_step=1024", "layers=[1,4]", f"input.limit={N}", "batching.window=16"]
+RAY = ["runtime=ray", "runtime.cpus_per_actor=1"]
+TESTS = Path(__file__).resolve().parent
+needs_ray = pytest.mark.skipif(find_spec("ray") is None, reason="Ray is not installed: pip install -e '.[ray]'")
+
+
+RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|default_worker\.py|/ray/(_private|dashboard|autoscaler)")
+
+
+def _ray_processes() -> set[int]:
+    """Live processes that are Ray's (GCS, raylet, workers, monitors), by command line."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z" and RAY_PROCESS.search(cmd):
+            found.add(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for this module; its workers import this checkout and tests/ (faults)."""
+    import ray
+
+    before = _ray_processes()  # not ours
+    path = os.pathsep.join([str(TESTS.parent), str(TESTS)])
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        deadline = time.monotonic() + 15
+        while _ray_processes() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _ray_processes() - before, f"Ray processes left behind: {_ray_processes() - before}"
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """The fault plan for this test (tests/faults.py); actors get FORGE_* variables from the driver."""
+    folder = tmp_path / "fault-markers"
+    folder.mkdir()
+
+    def set_plan(**plan):
+        monkeypatch.setenv("FORGE_FAULTS", json.dumps({"dir": str(folder), **plan}))
+
+    set_plan()
+    return set_plan
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """ids -> activations of a clean in-process run: what every Ray run must equal."""
+    out = tmp_path_factory.mktemp("clean")
+    report = run_forge(out, *FAST, "runtime.executor=inprocess")
+    assert report["balanced"] and report["items"]["completed"] == N
+    ids, _, layers = load_activations(out)
+    return {i: {layer: layers[layer][k] for layer in layers} for k, i in enumerate(ids)}
+
+
+def assert_same_output(run_dir, clean):
+    ids, _, layers = load_activations(run_dir)
+    assert len(ids) == len(set(ids)) == len(clean), "every id once"
+    assert set(ids) == set(clean)
+    for layer, got in layers.items():
+        want = torch.stack([clean[i][layer] for i in ids])
+        assert torch.allclose(got, want, atol=1e-4, rtol=0), (layer, (got - want).abs().max())
+
+
+def test_runtime_ray_without_ray_is_one_line(monkeypatch):
+    from forge.engine import make_executor
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
+    spec = spec_for(*FAST, *RAY)
+    with pytest.raises(ForgeError, match=r"^runtime=ray needs Ray, an optional extra: pip install -e '\.\[ray\]'$"):
+        make_executor(spec, 0, hook=None)
+
+
+def test_ray_schema_is_its_own():
+    assert spec_for(*RAY, "runtime.address=auto").runtime.address == "auto"
+    with pytest.raises(ForgeError, match="runtime.cpus_per_actor=0.0: must be a positive number"):
+        spec_for(*RAY, "runtime.cpus_per_actor=0")
+    with pytest.raises(ForgeError, match="Could not override 'runtime.address'"):
+        spec_for("runtime=local", "runtime.address=auto")  # local's keys stay local's
+
+
+@needs_ray
+def test_same_results_as_in_process(tmp_path, ray_local, clean):
+    report = run_forge(tmp_path, *FAST, *RAY)
+    assert report["status"] == "finished" and report["balanced"], report["imbalance"]
+    assert report["items"]["completed"] == N and report["items"]["failed"] == 0
+    actor = report["ray"]["actors"]["cpu"]
+    assert actor["torch_device"] == "cpu" and actor["limits"]["max_batch_tokens"] == 1024 and actor["threads"] == 1
+    assert report["restarts"] == {"cpu": 0}
+    assert_same_output(tmp_path, clean)
+
+
+@needs_ray
+def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean):
+    # one actor SIGKILLed inside its forward pass, a later one hangs past its timeout
+    faults(kill={"point": "during_forward", "every": 3, "times": 1}, hang={"seconds": 120, "nth": 5})
+    report = run_forge(tmp_path, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=4",
+                       "runtime.batch_timeout_s=4", "runtime.kill_grace_s=1")
+    assert report["status"] == "finished" and report["balanced"], report["imbalance"]
+    assert report["restarts"]["cpu"] == 2, "one replacement after the kill, one after the hang"
+    assert report["attempts"]["lost"] >= 1 and report["attempts"]["timeout"] == 1
+    assert report["items"]["completed"] == N and report["items"]["failed"] == 0
+    assert report["tokens"]["retried"] > 0
+    assert_same_output(tmp_path, clean)
+
+
+@needs_ray
+def test_retired_after_max_restarts(tmp_path, ray_local, faults):
+    faults(kill={"point": "before_forward", "every": 1, "times": 10})
+    report = run_forge(tmp_path, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=0")
+    assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
+    assert report["restarts"]["cpu"] == 0 and "retired after 0 restarts" in report["retired"]["cpu"]
