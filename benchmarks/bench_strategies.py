@@ -190,7 +190,7 @@ def main() -> None:
             rates.setdefault(n, []).append(v)
         # the fastest rate seen per length, so the oracle stays a lower bound as speed drifts
         oracle.append(oracle_seconds(items, {n: max(v) for n, v in rates.items()}))
-        for s in strategies:
+        for s in (strategies if r % 2 == 0 else strategies[::-1]):  # A B, B A, ...: drift cancels
             rep = run_strategy(s, fn, device, tmp, s.executor)
             results[s.name].append(rep)
             print(f"  round {r + 1}: {s.name}: {rep['wall_s']:.2f} s", flush=True)
