@@ -286,3 +286,17 @@ def test_a_failure_that_would_always_recur_is_refused_before_work(tmp_path):
         run_forge(tmp_path / "run", *FAST, "batching.packing=packed", "model.attn_implementation=flash_attention_2")
     assert "\n" not in str(err.value) and not (tmp_path / "run" / "report.json").exists()
     assert not (tmp_path / "run" / "run.json").exists()  # refused: the directory holds no run
+
+
+def test_large_batches_and_results_cross_the_pipes(tmp_path):
+    """Batches and results far larger than a pipe's buffer: the driver's sends never wait on a
+    worker that is itself waiting to send (a deadlock before the worker drained its pipe)."""
+    out = tmp_path / "run"
+    # the whole embedded input at the default limits (8,192-token batches; it hung before the fix)
+    proc = _forge("layers=[0,1,2,3,4]", "runtime.executor=process", f"output_dir={out}", env=dict(os.environ))
+    text = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 0, text
+    report = json.loads((out / "report.json").read_text())
+    assert report["balanced"] and report["items"]["completed"] == 2500
+    ids, _, layers = load_activations(out)
+    assert len(set(ids)) == 2500 and layers[4].shape == (2500, 256)

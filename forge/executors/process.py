@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -225,6 +227,8 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
         import torch
 
         torch.set_num_threads(threads)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()  # filled from the start: the driver may send while we load
+    threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
     try:
         hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
         worker = function.open_worker(device, cache_tokens)
@@ -233,10 +237,7 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
         return
     conn.send(("ready",))
     while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            break
+        msg = inbox.get()
         if msg is None:
             break
         ticket, batch = msg
@@ -255,6 +256,19 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
             continue
         conn.send((Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
     worker.close()
+
+
+def _read_into(conn, inbox: queue.SimpleQueue) -> None:
+    """Drain the pipe while the worker computes, so the driver's sends never wait on a worker
+    that is itself waiting to send a result (both pipe buffers full: a deadlock)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = None  # the driver is gone
+        inbox.put(msg)
+        if msg is None:
+            return
 
 
 def _free_device_memory(device: Device) -> None:
