@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -53,3 +54,41 @@ def plan_forge(*overrides, pm=None, keep_batches=False):
     from forge.plugins import make_plugin_manager
 
     return plan(spec_for(*overrides), pm or make_plugin_manager(), keep_batches=keep_batches)
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """Set the fault plan of tests/faults.py for this test (worker processes and Ray actors
+    inherit FORGE_FAULTS from the driver)."""
+    folder = tmp_path / "fault-markers"
+    folder.mkdir()
+
+    def set_plan(**plan):
+        monkeypatch.setenv("FORGE_FAULTS", json.dumps({"dir": str(folder), **plan}))
+
+    set_plan()
+    return set_plan
+
+
+def clean_activations(out: Path, *overrides, n: int) -> dict:
+    """ids -> {layer: activation} of a clean in-process run: what every faulty run must equal."""
+    from forge import load_activations
+
+    report = run_forge(out, *overrides, "runtime.executor=inprocess")
+    assert report["balanced"] and report["items"]["completed"] == n
+    ids, _, layers = load_activations(out)
+    return {i: {layer: layers[layer][k] for layer in layers} for k, i in enumerate(ids)}
+
+
+def assert_same_output(run_dir: Path, clean: dict, atol: float) -> None:
+    """Every id of `clean` committed exactly once, with the same activations."""
+    import torch
+
+    from forge import load_activations
+
+    ids, _, layers = load_activations(run_dir)
+    assert len(ids) == len(set(ids)) == len(clean), "every id once"
+    assert set(ids) == set(clean)
+    for layer, got in layers.items():
+        want = torch.stack([clean[i][layer] for i in ids])
+        assert torch.allclose(got, want, atol=atol, rtol=0), (layer, (got - want).abs().max())

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import run_forge
+from conftest import assert_same_output, clean_activations, run_forge
 from forge import load_activations
 from forge.errors import ForgeError
 
@@ -40,36 +39,14 @@ def no_workers_left():
     assert not left, f"worker processes left behind: {left}"
 
 
-@pytest.fixture
-def faults(tmp_path, monkeypatch):
-    """Set the fault plan for this test (inherited by worker processes)."""
-    folder = tmp_path / "fault-markers"
-    folder.mkdir()
-
-    def set_plan(**plan):
-        monkeypatch.setenv("FORGE_FAULTS", json.dumps({"dir": str(folder), **plan}))
-
-    set_plan()
-    return set_plan
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """ids -> activations of a clean in-process run, the reference every faulty run must equal."""
-    out = tmp_path_factory.mktemp("clean")
-    report = run_forge(out, *FAST, "runtime.executor=inprocess")
-    assert report["balanced"] and report["items"]["completed"] == N
-    ids, _, layers = load_activations(out)
-    return {i: {layer: layers[layer][k] for layer in layers} for k, i in enumerate(ids)}
+    return clean_activations(tmp_path_factory.mktemp("clean"), *FAST, n=N)
 
 
-def assert_same_output(run_dir, clean):
-    ids, _, layers = load_activations(run_dir)
-    assert len(ids) == len(set(ids)) == len(clean), "every id once"
-    assert set(ids) == set(clean)
-    for layer, got in layers.items():
-        want = torch.stack([clean[i][layer] for i in ids])
-        assert torch.allclose(got, want, atol=1e-5, rtol=0), (layer, (got - want).abs().max())
+def same_output(run_dir, clean):
+    assert_same_output(run_dir, clean, atol=1e-5)
 
 
 @pytest.mark.parametrize("point", ["before_forward", "during_forward", "after_forward"])
@@ -80,7 +57,7 @@ def test_killed_workers_lose_nothing(tmp_path, faults, clean, point):
     assert report["restarts"]["cpu"] == 3 and report["attempts"]["lost"] >= 3
     assert report["items"]["completed"] == N and report["items"]["failed"] == 0
     assert report["tokens"]["retried"] > 0
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def test_chaos(tmp_path, faults, clean):
@@ -88,7 +65,7 @@ def test_chaos(tmp_path, faults, clean):
     report = run_forge(tmp_path, *FAST, *PROC, "runtime.max_in_flight=2")
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] >= 1
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def _forge(*args, env=None, **kw):
@@ -114,7 +91,7 @@ def test_kill9_of_the_whole_tree_then_resume(tmp_path, faults, clean):
     assert report["items"]["resumed"] == committed and report["items"]["completed"] == N
     assert report["tokens"]["routed"] < report["tokens"]["received"]  # committed items were not recomputed
     assert not list((out / "activations").glob("*.tmp"))
-    assert_same_output(out, clean)
+    same_output(out, clean)
 
 
 def test_resume_is_refused_when_results_would_differ(tmp_path):
@@ -137,7 +114,7 @@ def test_out_of_memory_splits_and_lowers_the_budget(tmp_path, faults, clean):
     assert report["items"]["completed"] == N
     assert report["attempts"]["oom"] >= 1 and report["attempts"]["oom_splits"] >= 1
     assert report["effective_limits"]["cpu"]["max_batch_tokens"] < 1024
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def test_an_item_out_of_memory_alone_fails_with_its_reason(tmp_path, faults):
@@ -158,7 +135,7 @@ def test_a_hung_worker_is_replaced_and_its_batch_rerouted(tmp_path, faults, clea
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
     # (a loaded machine may time out a slow batch too; the hung one always does)
     assert report["attempts"]["timeout"] >= 1 and report["restarts"]["cpu"] >= 1
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def test_a_late_result_is_committed_once_and_the_duplicate_discarded(tmp_path, faults, clean):
@@ -168,7 +145,7 @@ def test_a_late_result_is_committed_once_and_the_duplicate_discarded(tmp_path, f
     assert report["attempts"]["timeout"] >= 1 and report["attempts"]["late_results"] >= 1
     assert report["attempts"]["discarded"] >= 1 and report["tokens"]["discarded"] > 0
     assert report["restarts"]["cpu"] == 0
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def test_a_recurring_failure_stops_the_run_with_its_reason(tmp_path, faults):
@@ -190,7 +167,7 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clea
     faults()
     report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "shard_size=16", "resume=true")
     assert report["status"] == "finished" and report["balanced"]
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
@@ -213,7 +190,7 @@ def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
     faults()
     report = run_forge(out, *FAST, *PROC, "shard_size=4", "resume=true")
     assert report["status"] == "finished" and report["balanced"] and report["items"]["resumed"] > 0
-    assert_same_output(out, clean)
+    same_output(out, clean)
 
 
 def test_one_percent_bad_rows_are_recorded_and_the_rest_complete(tmp_path):

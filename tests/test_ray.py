@@ -5,7 +5,6 @@ when a test fails; no Ray process outlives the module. Skipped where Ray is not 
 (`pip install -e '.[ray]'`; CI installs it).
 """
 
-import json
 import os
 import re
 import sys
@@ -14,10 +13,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import run_forge, spec_for
-from forge import load_activations
+from conftest import assert_same_output, clean_activations, run_forge, spec_for
 from forge.errors import ForgeError
 
 N = 48
@@ -63,36 +60,14 @@ def ray_local():
         assert not _ray_processes() - before, f"Ray processes left behind: {_ray_processes() - before}"
 
 
-@pytest.fixture
-def faults(tmp_path, monkeypatch):
-    """The fault plan for this test (tests/faults.py); actors get FORGE_* variables from the driver."""
-    folder = tmp_path / "fault-markers"
-    folder.mkdir()
-
-    def set_plan(**plan):
-        monkeypatch.setenv("FORGE_FAULTS", json.dumps({"dir": str(folder), **plan}))
-
-    set_plan()
-    return set_plan
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """ids -> activations of a clean in-process run: what every Ray run must equal."""
-    out = tmp_path_factory.mktemp("clean")
-    report = run_forge(out, *FAST, "runtime.executor=inprocess")
-    assert report["balanced"] and report["items"]["completed"] == N
-    ids, _, layers = load_activations(out)
-    return {i: {layer: layers[layer][k] for layer in layers} for k, i in enumerate(ids)}
+    return clean_activations(tmp_path_factory.mktemp("clean"), *FAST, n=N)
 
 
-def assert_same_output(run_dir, clean):
-    ids, _, layers = load_activations(run_dir)
-    assert len(ids) == len(set(ids)) == len(clean), "every id once"
-    assert set(ids) == set(clean)
-    for layer, got in layers.items():
-        want = torch.stack([clean[i][layer] for i in ids])
-        assert torch.allclose(got, want, atol=1e-4, rtol=0), (layer, (got - want).abs().max())
+def same_output(run_dir, clean):
+    assert_same_output(run_dir, clean, atol=1e-4)
 
 
 def test_runtime_ray_without_ray_is_one_line(monkeypatch):
@@ -120,7 +95,7 @@ def test_same_results_as_in_process(tmp_path, ray_local, clean):
     actor = report["ray"]["actors"]["cpu"]
     assert actor["torch_device"] == "cpu" and actor["limits"]["max_batch_tokens"] == 1024 and actor["threads"] == 1
     assert report["restarts"] == {"cpu": 0}
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 @needs_ray
@@ -134,7 +109,7 @@ def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean)
     assert report["attempts"]["lost"] >= 1 and report["attempts"]["timeout"] == 1
     assert report["items"]["completed"] == N and report["items"]["failed"] == 0
     assert report["tokens"]["retried"] > 0
-    assert_same_output(tmp_path, clean)
+    same_output(tmp_path, clean)
 
 
 @needs_ray
