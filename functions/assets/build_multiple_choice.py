@@ -57,23 +57,29 @@ def _block(question: str, choices: list[str]) -> str:
     return f"Question: {question}\n" + "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(choices)) + "Answer:"
 
 
-def build(out: Path = OUT_FILE) -> int:
-    rng = random.Random(SEED)
+def questions(n: int = N_QUESTIONS, shots: int = SHOTS, seed: int = SEED) -> list[dict]:
+    """`n` rows, each with `shots` solved questions of its kind before it (benchmarks use more)."""
+    rng = random.Random(seed)
     kinds = _kinds()
     names = sorted(kinds)
     rows = []
-    for n in range(N_QUESTIONS):
-        kind = names[n % len(names)]
+    for k in range(n):
+        kind = names[k % len(names)]
         pool = kinds[kind]
-        picked = rng.sample(range(len(pool)), SHOTS + 1)
+        picked = rng.sample(range(len(pool)), min(shots, len(pool) - 1) + 1)
         context = INSTRUCTION
-        for i in picked[:SHOTS]:
+        for i in picked[:-1]:
             q, a, wrong = pool[i]
             choices, _ = _options(rng, a, wrong)
             context += _block(q, choices) + f" {a}\n\n"
-        q, a, wrong = pool[picked[SHOTS]]
+        q, a, wrong = pool[picked[-1]]
         choices, gold = _options(rng, a, wrong)
-        rows.append({"id": f"q{n:04d}", "context": context + _block(q, choices), "choices": choices, "gold": gold})
+        rows.append({"id": f"q{k:04d}", "context": context + _block(q, choices), "choices": choices, "gold": gold})
+    return rows
+
+
+def build(out: Path = OUT_FILE) -> int:
+    rows = questions()
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return len(rows)
 
