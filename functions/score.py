@@ -163,6 +163,9 @@ class Score(ProbeGen):
     def expected_items(self) -> int | None:
         return None  # multiple-choice rows expand to several items: unknown until read
 
+    def worker_modules(self) -> list[str]:
+        return [*super().worker_modules(), __name__, "forge.runtime.scoring"]
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_encoder"] = None
