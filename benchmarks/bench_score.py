@@ -1,6 +1,6 @@
 """`score` against an lm-evaluation-harness-style loglikelihood loop, on one multiple-choice workload.
 
-    python -m benchmarks.bench_score [--questions 2000] [--shots 10] [--batch-size 32] [--rounds 1]
+    python -m benchmarks.bench_score [--questions 2000] [--shots 10] [--batch-size 32] [--rounds 1] [--threads N]
 
 Workload: questions built like the embedded multiple-choice set (`functions/assets/
 build_multiple_choice.py`), each with a few-shot context of `--shots` solved questions (10: ~440
@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--shots", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1, help="A B, then B A, ... (medians reported)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from functions.assets import embedded_model_source, materialize_model
     from transformers import AutoModelForCausalLM
