@@ -40,7 +40,8 @@ from forge.run import Rejected
 from forge.schema import positive
 from forge.store import RunStore
 from forge.tables import TableWriter, load_table
-from functions.probe_gen import DTYPES, InputSpec, ModelSpec, ProbeGen, _short, _unencodable, resolve_input
+from functions.probe_gen import (DTYPES, InputSpec, ModelSpec, ProbeGen, _short, _unencodable, resolve_input,
+                                 resolve_model_source)
 
 SUBDIR = "scores"
 QUESTIONS = "questions.parquet"
@@ -108,7 +109,7 @@ class Score(ProbeGen):
         self.shard_size = int(shard_size)
         self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
         self.input_limit = input.get("limit")
-        self.source = self._resolve_source()
+        self.source = resolve_model_source(self.model.name)
         self._model_path: str | None = None
         self._warnings: list[str] = []
         self._prefixes: dict = {}
@@ -121,11 +122,6 @@ class Score(ProbeGen):
         self.caps = self._capabilities()
         self.causal = self.caps.causal
         self._mode = (True, False, True)
-
-    def _resolve_source(self) -> str:
-        from functions.probe_gen import resolve_model_source
-
-        return resolve_model_source(self.model.name)
 
     def _model_max_length(self) -> int:
         """lm-eval's rule: the config's maximum positions, else the tokenizer's, else 2048."""
@@ -210,9 +206,10 @@ class Score(ProbeGen):
                 counter += 1
                 truncated += item.meta.truncated > 0
                 yield item
-        if truncated:
-            self._warnings.append(f"{truncated} item(s) read more than max_length={self.max_length} tokens: "
-                                  "their contexts were cut from the left (column 'truncated' counts the tokens)")
+        note = (f"{truncated} item(s) read more than max_length={self.max_length} tokens: their contexts were "
+                "cut from the left (column 'truncated' counts the tokens)")
+        if truncated and note not in self._warnings:
+            self._warnings.append(note)
 
     def _parse_row(self, index: int, row: dict):
         """(id, context, continuations, gold, texts acc_norm measures) or a Rejected naming the fix."""

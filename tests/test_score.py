@@ -361,3 +361,20 @@ def test_embedded_default_plan_and_refusals(tmp_path):
         shutil.copy(embedded_model_source() / f, path / f)
     with pytest.raises(ForgeError, match="ALiBi"):
         plan_forge("function=score", "model=hf", f"model.name={path}", "batching.packing=packed")
+
+
+def test_parquet_rows(tmp_path):
+    """Parquet input: choices as a list column; a file without 'context' is refused before work."""
+    import pyarrow.parquet as pq
+
+    rows = [{"id": "q1", "context": "Pick a colour:", "choices": ["red", "green", "blue"], "gold": 2,
+             "continuation": None},
+            {"id": "p1", "context": "The sky is", "choices": None, "gold": None, "continuation": " blue"}]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    report = plan_forge("function=score", f"input.path={path}")
+    assert report["items"]["received"] == 4 and report["items"]["failed"] == 0
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": ["x"]}), bad)
+    with pytest.raises(ForgeError, match="no 'context' column"):
+        plan_forge("function=score", f"input.path={bad}")
