@@ -86,8 +86,10 @@ class Function(ABC):
     def result_schema(self) -> "ResultSchema":
         """What each item yields (`forge.results.ResultSchema`: fields, format, folder). The
         worker's outputs then carry `columns` (`ItemColumns`) with those fields."""
-        raise NotImplementedError(f"{type(self).__name__} declares no result_schema(); declare one, "
-                                  "or override open_sink() with a sink of its own")
+        from forge.errors import ForgeError
+
+        raise ForgeError(f"function {self.name or type(self).__name__} declares no result_schema(); its author "
+                         "must declare one, or override open_sink() with a sink of its own")
 
     def open_sink(self, store: "RunStore") -> Sink:
         """The sink committing results: by default the generic one for `result_schema()`."""

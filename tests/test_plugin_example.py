@@ -68,10 +68,11 @@ def test_forge_ls_lists_their_function_and_mode(tmp_path):
 
 
 def test_sorted_mode_cuts_fixed_batches_shortest_first():
-    report = plan_forge("batching=sorted", "batching.batch_size=8", "input.limit=100", "devices=cpu",
-                        keep_batches=True)
+    report = plan_forge("function=token_norms", "batching=sorted", "batching.batch_size=8", "input.limit=100",
+                        "devices=cpu", keep_batches=True)
     batches = report["_batches"]
-    assert report["balanced"] and [len(b.items) for b in batches] == [8] * 12 + [4]
+    assert report["function"] == "token_norms" and report["balanced"]
+    assert [len(b.items) for b in batches] == [8] * 12 + [4]
     lengths = [it.num_tokens for b in batches for it in b.items]
     assert lengths == sorted(lengths)  # one window: the whole input, shortest first
     longest_first = plan_forge("batching=sorted", "batching.descending=true", "input.limit=100", "devices=cpu",

@@ -193,3 +193,12 @@ def test_wheel_installs_everything_under_forge(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "forge.builtin.batching" in text and "forge.builtin.functions" in text and "plugins." not in text
+
+
+def test_group_options_include_a_user_config_dir(tmp_path):
+    from forge.cli import group_options
+
+    (tmp_path / "batching").mkdir()
+    (tmp_path / "batching" / "mine.yaml").write_text("mode: item\n")
+    assert {"item", "token", "memory", "mine"} <= set(group_options("batching", tmp_path))
+    assert "mine" not in group_options("batching")
