@@ -175,8 +175,19 @@ def test_source_checkout_maps_the_subpackages_to_its_own_folders(tmp_path):
 def test_wheel_installs_everything_under_forge(tmp_path):
     """The wheel holds forge/functions (with its assets), forge/builtin, forge/conf (every
     YAML) and Forge's Hydra plugin, and no top-level functions/, plugins/ or conf/."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+    import importlib.util
+    import shutil
+
+    # the environment's setuptools when it has one (offline); else pip fetches the build backend
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    src = tmp_path / "src"  # a copy of what the build reads: no build/ left in the checkout, none reused
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("forge", "functions", "plugins", "conf", "hydra_plugins"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = tmp_path.glob("forge_tokens-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
