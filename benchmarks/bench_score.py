@@ -32,7 +32,7 @@ import torch
 
 
 def workload(path: Path, n: int, shots: int) -> None:
-    from functions.assets.build_multiple_choice import questions
+    from forge.functions.assets.build_multiple_choice import questions
 
     rows = questions(n, shots=shots, seed=7)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -44,7 +44,7 @@ def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     from forge.config import build_spec
     from forge.engine import execute
     from forge.plugins import make_plugin_manager
-    from functions.score import load_scores
+    from forge.functions.score import load_scores
 
     cfg = compose(["function=score", f"input.path={rows}", "batching=token", "runtime.executor=inprocess",
                    f"devices={device}", "shard_size=100000"])
@@ -58,7 +58,7 @@ def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
 def requests(rows: Path) -> list[tuple[str, list[int], list[int]]]:
     """(id, context ids, continuation ids) as lm-eval's encode_pair makes them (Forge's tokenizer
     rule is tested equal to it in tests/test_score.py)."""
-    from functions.score import Score
+    from forge.functions.score import Score
 
     fn = Score(model={"name": "embedded:tiny-llama"}, input={"path": str(rows)})
     out = []
@@ -102,7 +102,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from functions.assets import embedded_model_source, materialize_model
+    from forge.functions.assets import embedded_model_source, materialize_model
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -42,6 +42,9 @@ def run(ctx: typer.Context) -> None:
     import hydra
 
     from forge.config import conf_dir
+    from forge.searchpath import register
+
+    register()
 
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
     def task(cfg) -> None:
@@ -112,8 +115,6 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
-    from forge.config import conf_dir
-
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
@@ -124,8 +125,7 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
         if not o.is_sweep_override():
             choices.append([o.input_line])
         elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:
-            dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-            options = sorted({p.stem for d in dirs for p in (Path(d) / o.key_or_group).glob("*.yaml")})
+            options = group_options(o.key_or_group, config_dir)
             choices.append([f"{key}={v}" for v in o.value().filter(options)])
         elif o.is_discrete_sweep():
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
@@ -191,15 +191,13 @@ def plan(
 
 def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
     """One plan per batching mode with a config file, side by side."""
-    from forge.config import build_spec, conf_dir
+    from forge.config import build_spec
     from forge.plan import plan as make_plan
     from forge.plugins import make_plugin_manager
 
-    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-    modes = sorted({p.stem for d in dirs for p in (Path(d) / "batching").glob("*.yaml")})
     plans = {}
     try:
-        for mode in modes:
+        for mode in group_options("batching", config_dir):
             spec = build_spec(compose([*overrides, f"batching={mode}"], config_dir), None)
             plans[mode] = make_plan(spec, make_plugin_manager())
     except ForgeError as exc:
@@ -260,28 +258,29 @@ def ls(
     ctx: typer.Context,
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
 ) -> None:
-    """List functions, batching modes (with the plugin providing each) and devices found."""
-    from forge.config import conf_dir, to_plain
+    """List functions and batching modes (with the plugin providing each, and whether a config
+    selects it) and the devices found."""
+    from forge.config import to_plain
     from forge.devices import resolve_devices
-    from forge.plugins import batching_modes, make_plugin_manager
+    from forge.plugins import batching_modes, functions, make_plugin_manager
 
     try:
         cfg = to_plain(compose(ctx.args, config_dir))
         devices = resolve_devices(cfg.get("devices") or {})
+        pm = make_plugin_manager()
+        listed = (("functions", "function", functions(pm)), ("batching modes", "batching", batching_modes(pm)))
+        configs = {group: set(group_options(group, config_dir)) for _, group, _ in listed}
     except ForgeError as exc:
         _fail(exc)
-    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-    functions = sorted({p.stem for d in dirs for p in (Path(d) / "function").glob("*.yaml")})
-    table = Table(title="functions", show_header=False)
-    for name in functions:
-        table.add_row(name)
-    console.print(table)
-    table = Table(title="batching modes")
-    table.add_column("mode")
-    table.add_column("plugin")
-    for name, (factory, plugin) in sorted(batching_modes(make_plugin_manager()).items()):
-        table.add_row(name, f"{plugin} ({factory.__module__}.{factory.__qualname__})")
-    console.print(table)
+    for title, group, offered in listed:
+        table = Table(title=title)
+        for col in (group if group == "function" else "mode", "plugin", "config"):
+            table.add_column(col)
+        for name in sorted(set(offered) | configs[group]):
+            ref, plugin = offered.get(name, (None, None))
+            where = "-" if ref is None else f"{plugin} ({_ref_name(ref)})"
+            table.add_row(name, where, f"{group}={name}" if name in configs[group] else "- (no config)")
+        console.print(table)
     table = Table(title="devices")
     for col in ("name", "torch device", "max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple", "memory"):
         table.add_column(col)
@@ -293,6 +292,31 @@ def ls(
     console.print(table)
 
 
+def _ref_name(ref: object) -> str:
+    """A registered class or import path, as text."""
+    if isinstance(ref, str):
+        return ref
+    return f"{getattr(ref, '__module__', '?')}.{getattr(ref, '__qualname__', ref)}"
+
+
+def group_options(group: str, config_dir: Path | None = None) -> list[str]:
+    """The options of a config group on Hydra's whole search path: Forge's conf/, installed
+    plugins' config modules (forge.searchpath) and `--config-dir`."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from forge.config import conf_dir
+    from forge.searchpath import register
+
+    register()
+    overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        options = GlobalHydra.instance().config_loader().get_group_options(group, config_name="config",
+                                                                            overrides=overrides)
+    return sorted(options)
+
+
 def compose(overrides: list[str], config_dir: Path | None = None):
     """Compose the config as `forge run` would, with clear errors for bad choices."""
     from hydra import compose as hydra_compose
@@ -301,7 +325,9 @@ def compose(overrides: list[str], config_dir: Path | None = None):
     from hydra.errors import HydraException
 
     from forge.config import conf_dir
+    from forge.searchpath import register
 
+    register()
     flags = [o for o in overrides if o.startswith("-")]
     if flags:
         raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
@@ -342,7 +368,7 @@ def print_summary(report: dict[str, Any]) -> None:
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("activations") or out.get("table") or "-"))
+        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table") or "-"))
         acc = out.get("accuracy")
         if acc and acc.get("questions"):
             table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "

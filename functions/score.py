@@ -40,7 +40,7 @@ from forge.run import Rejected
 from forge.schema import positive
 from forge.store import RunStore
 from forge.tables import TableWriter, load_table
-from functions.probe_gen import (DTYPES, InputSpec, ModelSpec, ProbeGen, _short, _unencodable, resolve_input,
+from forge.functions.probe_gen import (DTYPES, InputSpec, ModelSpec, ProbeGen, _short, _unencodable, resolve_input,
                                  resolve_model_source)
 
 SUBDIR = "scores"

@@ -106,7 +106,7 @@ def _rows() -> list[dict]:
     """6 multiple-choice questions from the embedded set (contexts cut to their last question),
     and plain rows with tricky boundaries: trailing spaces, tabs and newlines, an empty context,
     a whitespace-only context, non-ASCII text, and two rows sharing one context."""
-    from functions.assets import ASSETS_DIR
+    from forge.functions.assets import ASSETS_DIR
 
     mc = [json.loads(line) for line in open(ASSETS_DIR / "multiple_choice.jsonl")][:6]
     rows = []
@@ -144,7 +144,7 @@ def _build(name: str, root: Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     path = root / name
     model.save_pretrained(path)
-    from functions.assets import embedded_model_source
+    from forge.functions.assets import embedded_model_source
 
     for f in TOKENIZER_FILES:
         shutil.copy(embedded_model_source() / f, path / f)
@@ -158,7 +158,7 @@ def _model(name: str, root: Path):
     """(model.name for Forge, loaded model) built once per module."""
     if name not in _MODELS:
         if name == "embedded":
-            from functions.assets import embedded_model_source, materialize_model
+            from forge.functions.assets import embedded_model_source, materialize_model
 
             source, path = "embedded:tiny-llama", materialize_model(embedded_model_source())
         else:
@@ -169,7 +169,7 @@ def _model(name: str, root: Path):
 
 
 def _tok():
-    from functions.assets import embedded_model_source
+    from forge.functions.assets import embedded_model_source
 
     return transformers.AutoTokenizer.from_pretrained(embedded_model_source())
 
@@ -192,7 +192,7 @@ def _run(tmp_path, source, rows_path, mode, *extra):
 
 
 def _scores(run_dir) -> dict:
-    from functions.score import load_scores
+    from forge.functions.score import load_scores
 
     t = load_scores(run_dir).to_pylist()
     return {r["id"]: r for r in t}
@@ -225,7 +225,7 @@ def test_loglik_equals_one_prompt_forward(tmp_path, data, name, mode, extra):
 
 
 def test_boundary_tokenization_follows_lm_eval():
-    from functions.score import _Encoder
+    from forge.functions.score import _Encoder
 
     tok = _tok()
     enc = _Encoder(tok, add_special_tokens=True)
@@ -241,7 +241,7 @@ def test_boundary_tokenization_follows_lm_eval():
 
 
 def test_acc_and_acc_norm_by_hand():
-    from functions.score import accuracy, question_table
+    from forge.functions.score import accuracy, question_table
 
     rows = [  # (question, choice, num_choices, gold, loglik, num_bytes)
         ("a", 0, 2, 1, -4.0, 2), ("a", 1, 2, 1, -4.5, 9),  # acc: 0 (-4 > -4.5); acc_norm: 1 (-0.5 > -2)
@@ -260,7 +260,7 @@ def test_acc_and_acc_norm_by_hand():
 
 def test_greedy_flag(tmp_path):
     """A continuation made of the model's own argmax tokens is greedy; another one is not."""
-    from functions.score import _Encoder
+    from forge.functions.score import _Encoder
 
     tok = _tok()
     _, model = _model("embedded", tmp_path)
@@ -333,7 +333,7 @@ def test_resume_commits_each_item_once(tmp_path, data):
     resumed = run_forge(part, *args, "resume=true")
     assert resumed["items"]["resumed"] == len(json.loads(journal[0])["index"])
     assert resumed["items"]["completed"] == n and resumed["balanced"]
-    from functions.score import load_scores
+    from forge.functions.score import load_scores
 
     a, b = load_scores(full), load_scores(part)
     assert b.num_rows == n and len(set(b.column("id").to_pylist())) == n
@@ -355,7 +355,7 @@ def test_embedded_default_plan_and_refusals(tmp_path):
     path = tmp_path / "bloom"
     cls_name, kwargs = FAMILIES["bloom"]
     getattr(transformers, cls_name)(**{**BASE, **kwargs}).save_pretrained(path)
-    from functions.assets import embedded_model_source
+    from forge.functions.assets import embedded_model_source
 
     for f in TOKENIZER_FILES:
         shutil.copy(embedded_model_source() / f, path / f)

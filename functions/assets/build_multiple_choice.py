@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m functions.assets.build_multiple_choice
+    python -m forge.functions.assets.build_multiple_choice
 
 Each row is ``{"id", "context", "choices", "gold"}``: a few-shot context (an instruction and
 three solved questions of the same kind, then the question, ending in "Answer:") and four
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from functions.assets.build_assets import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
+from forge.functions.assets.build_assets import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
 
 ASSETS_DIR = Path(__file__).resolve().parent
 OUT_FILE = ASSETS_DIR / "multiple_choice.jsonl"
