@@ -2,14 +2,18 @@
 
 N items (default 10,000,000) stream as numpy column chunks (`forge.columns.ColumnFeed`; the
 reference workload's distribution, 50 prefixes, a fresh seed per chunk) through the real
-`Scheduler` and `RunLoop` with the simulated executor (`SimExecutor`), over eight devices
-of mixed limits, as `forge plan` drives them; the ledger plugin counts every item and token
-through the hooks and must balance. No Python object is made per item and no model runs.
+`Scheduler` and `RunLoop` with the simulated executor (`SimExecutor`), over eight cards of
+mixed memory (`conf/devices/mix8.yaml` when present), as `forge plan` drives them; the
+ledger plugin counts every item and token through the hooks and must balance. No Python
+object is made per item and no model runs. Beside it, as a reference, the `scheduler`
+variant asks the same scheduler for batches directly (no loop, executor or hooks), so the
+ratio of the two is the loop's own cost.
 
 Each configuration runs in its own subprocess, so its peak RSS (`ru_maxrss`) is its own;
 configurations are interleaved over rounds. Reported per run: items/s over the whole loop
-(generating the columns included, and without it), peak RSS, batches, and the spread of the
-devices' virtual finish times.
+(generating the columns included, and without it), items per CPU-second (this process's
+user + system time: the figure to read on a shared machine), peak RSS, batches, and the
+spread of the devices' virtual finish times.
 """
 
 from __future__ import annotations
