@@ -218,30 +218,31 @@ class _LazyRows(Sequence):
 class ColumnBatch(Batch):
     """A `Batch` whose items stay columns (`ColumnFeed`): counts are numpy sums taken once,
     rows and Items are made only if read (a retry, a failure). Splitting or selecting gives
-    a plain Batch of Items."""
+    a plain Batch of Items; given other rows (`dataclasses.replace(batch, rows=...)`), it
+    drops its columns and counts its rows as a plain Batch does."""
 
-    columns: ItemColumns | None = None  # the items, in row order
-    totals: tuple[int, int, int] = (0, 0, 0)  # (num_tokens, row_tokens, prefix_tokens)
+    columns: ItemColumns | None = None  # the items, in row order; None: `rows` holds Items
+    totals: tuple[int, int, int] = (0, 0, 0)  # (num_tokens, row_tokens, prefix_tokens) of `columns`
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rows, _LazyRows) and self.rows.columns is self.columns):
+            self.columns = None  # rows were replaced: they, not the columns, say what the batch holds
 
     @property
-    def items(self) -> ItemColumns:  # type: ignore[override]
-        return self.columns
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
+    def items(self):
+        return self.columns if self.columns is not None else Batch.items.fget(self)
 
     @property
     def num_tokens(self) -> int:
-        return self.totals[0]
+        return self.totals[0] if self.columns is not None else Batch.num_tokens.fget(self)
 
     @property
     def row_tokens(self) -> int:
-        return self.totals[1]
+        return self.totals[1] if self.columns is not None else Batch.row_tokens.fget(self)
 
     @property
     def prefix_tokens(self) -> int:
-        return self.totals[2]
+        return self.totals[2] if self.columns is not None else Batch.prefix_tokens.fget(self)
 
     def as_items(self) -> Batch:
         return Batch(rows=list(self.rows), padded_len=self.padded_len, prefix_key=self.prefix_key,

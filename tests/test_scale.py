@@ -143,3 +143,23 @@ def test_feed_refuses_an_item_without_a_suffix():
     feed = ColumnFeed([(np.array([10, 3]), np.array([0, 0]))], [3], capacity=4)
     with pytest.raises(ForgeError, match="item 1: 3 tokens, not more than its prefix"):
         feed.admit(2)
+
+
+def test_a_column_batch_given_other_rows_counts_those_rows():
+    from dataclasses import replace
+
+    from forge.batching.base import Cut
+
+    feed = ColumnFeed([(np.array([10, 12, 15]), np.array([0, 0, 0]))], [4], capacity=4)
+    chunk = feed.admit(3)
+    cut = Cut(chunk.ids, chunk.num_tokens - 4, None, 11, 25, 0, True)
+    batch = feed.batch(cut)
+    assert isinstance(batch.items, type(batch.columns)) and batch.num_tokens == 37 and batch.prefix_tokens == 12
+    assert batch.row_tokens == 25 and batch.num_rows == 3 and [it.num_tokens for it in batch.items] == [10, 12, 15]
+    retry = replace(batch, retry=True)  # same rows: still columns
+    assert retry.columns is batch.columns and retry.num_tokens == 37
+    single = replace(batch, rows=[[batch.items[1]]])  # one item, as a retry that fits no device makes
+    assert single.columns is None and single.num_tokens == 12 and len(single.items) == 1
+    assert single.prefix_tokens == 4 and single.row_tokens == 8
+    halves = batch.halves()
+    assert [len(h.items) for h in halves] == [1, 2] and sum(h.num_tokens for h in halves) == 37
