@@ -253,6 +253,33 @@ def calibrate(
                   "or in batching.batch_overhead_tokens.")
 
 
+@app.command()
+def probe(
+    run_dir: Path = typer.Argument(..., help="A probe_gen run directory (activations and labels)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the JSON (default: RUN_DIR/probe.json)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Where to draw the PNG (default: RUN_DIR/probe.png)."),
+    test_fraction: float = typer.Option(0.25, "--test-fraction", help="Share of items (by a hash of their id) held out."),
+    c: float = typer.Option(1.0, "--C", help="Inverse L2 strength of the logistic regression."),
+) -> None:
+    """Fit a linear probe per layer on a probe_gen run; accuracy with a 95% interval per layer."""
+    from forge.probe import probe_run
+
+    try:
+        result = probe_run(run_dir, out, plot, test_fraction, c)
+    except ForgeError as exc:
+        _fail(exc)
+    table = Table(title=f"linear probes: {result['split']['test_items']} test / "
+                        f"{result['labelled'] - result['split']['test_items']} train items, "
+                        f"chance {result['chance']:.3f}")
+    for col in ("layer", "test accuracy", "95% interval (Wilson)", "train accuracy"):
+        table.add_column(col)
+    for r in result["layers"]:
+        table.add_row(str(r["layer"]), f"{r['accuracy']:.3f}", f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
+                      f"{r['train_accuracy']:.3f}")
+    console.print(table)
+    console.print(f"wrote {out or run_dir / 'probe.json'} and {result['plot']}")
+
+
 @app.command(name="ls", context_settings=EXTRA)
 def ls(
     ctx: typer.Context,

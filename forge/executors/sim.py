@@ -28,12 +28,13 @@ class SimExecutor(Executor):
         self.overhead_tokens = overhead_tokens
         self.clocks: dict[str, float] = {}  # device -> virtual time its last batch ends
         self._heap: list[tuple[float, int, str, float, SimOutput]] = []  # (end, ticket, device, cost, output)
+        self._busy: set[str] = set()  # devices with a batch in the heap (free_slots without scanning it)
 
     def start(self, devices: list[Device]) -> None:
         self.clocks = {d.name: 0.0 for d in devices}
 
     def free_slots(self, device: str) -> int:
-        return 0 if any(entry[2] == device for entry in self._heap) else 1
+        return 0 if device in self._busy else 1
 
     def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
         computed = batch.prefix_len if (batch.split_prefix and not batch.cache_hit) else 0
@@ -41,6 +42,7 @@ class SimExecutor(Executor):
         end = self.clocks[device.name] + cost
         self.clocks[device.name] = end
         heapq.heappush(self._heap, (end, ticket, device.name, float(cost), SimOutput(computed, bool(batch.cache_hit))))
+        self._busy.add(device.name)
 
     def in_flight(self) -> int:
         return len(self._heap)
@@ -49,4 +51,5 @@ class SimExecutor(Executor):
         if not self._heap:
             return []
         _, ticket, name, cost, output = heapq.heappop(self._heap)
+        self._busy.discard(name)  # one batch per device at a time (free_slots), so it is free now
         return [Outcome(ticket, name, Status.COMPLETED, output, "", cost)]
