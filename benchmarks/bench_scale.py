@@ -75,10 +75,10 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from forge.plugins import make_plugin_manager
     from forge.run import RunContext
     from forge.scheduler import Scheduler
-    from plugins import ledger
+    from forge.builtin import ledger
 
     devs, source = devices()
-    pm = make_plugin_manager(load_entry_points=False, modules=("plugins.ledger",))
+    pm = make_plugin_manager(load_entry_points=False, modules=("forge.builtin.ledger",))
     run = RunContext(function="bench_scale", batching="token", devices=devs, run_dir=None, dry_run=True)
     pm.hook.forge_run_start(run=run)
     _, prefix_lens, _ = geometry(1, 50)

@@ -17,7 +17,7 @@ from forge.loop import Committer, RunLoop
 from forge.plugins import make_plugin_manager
 from forge.run import RunContext
 from forge.scheduler import Scheduler
-from plugins import ledger
+from forge.builtin import ledger
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]
 
@@ -42,7 +42,7 @@ def columns(n, chunk, seed=0):
 
 def drive(source, window, executor=None):
     seen = Seen()
-    pm = make_plugin_manager(load_entry_points=False, extra=(seen,), modules=("plugins.ledger",))
+    pm = make_plugin_manager(load_entry_points=False, extra=(seen,), modules=("forge.builtin.ledger",))
     run = RunContext(function="t", batching="token", devices=DEVICES, run_dir=None, dry_run=True)
     pm.hook.forge_run_start(run=run)
     if isinstance(source, ColumnFeed):
