@@ -342,7 +342,7 @@ def print_summary(report: dict[str, Any]) -> None:
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("activations", "-")))
+        table.add_row("outputs", str(out.get("activations") or out.get("embeddings") or "-"))
     console.print(table)
     dev = Table(title="devices")
     for col in ("device", "batches", "tokens", "padded slots", "cache misses", "busy s"):
