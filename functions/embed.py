@@ -2,8 +2,9 @@
 
 Token rule (every batching mode uses it): a text is tokenized alone, with the tokenizer's
 special tokens ([CLS] ... [SEP] for BERT), truncated to `max_seq_length` tokens, as
-sentence-transformers tokenizes it for the same model (its `max_seq_length` comes from the
-model's `sentence_bert_config.json` when there is one). Items have no shared prefix.
+sentence-transformers tokenizes it for the same model (its `max_seq_length` and `do_lower_case`
+come from the model's `sentence_bert_config.json` when there is one; sentence-transformers
+prompts are not added). Items have no shared prefix.
 
 Pooling over the text's tokens (special tokens included, as sentence-transformers does):
 `mean`, `cls` (the first token; encoders only) or `last`; `normalize: true` divides each
@@ -103,7 +104,10 @@ class Embed(Function):
         self._model_path: str | None = None
         self._mode = (False, False)  # (packed, prefix cache) until check_mode says
         self._read_capabilities()
-        self.max_seq_length = max_seq_length or self._model_max_length()
+        st = self._st_config()
+        # sentence-transformers' own settings for this model, when it ships them
+        self.max_seq_length = max_seq_length or st.get("max_seq_length") or self._tokenizer_max_length()
+        self.lowercase = bool(st.get("do_lower_case", False))  # texts lowercased before tokenizing
 
     # -- what the model is (no weights) ---------------------------------------------
     config = ProbeGen.config  # AutoConfig, loaded once, with one-line errors
@@ -124,16 +128,20 @@ class Embed(Function):
             raise ForgeError(f"pooling=cls is not meaningful for {caps.family}: a causal decoder computes its first "
                              "token without seeing the rest of the text; use pooling=mean or pooling=last")
 
-    def _model_max_length(self) -> int | None:
-        """sentence-transformers' max_seq_length for this model, else the tokenizer's model_max_length."""
-        st = Path(self.source) / "sentence_bert_config.json"
-        if st.is_file():
-            try:
-                value = json.loads(st.read_text()).get("max_seq_length")
-            except ValueError:
-                value = None
-            if isinstance(value, int) and value > 0:
-                return value
+    def _st_config(self) -> dict[str, Any]:
+        """The model directory's sentence_bert_config.json (max_seq_length, do_lower_case), or {}."""
+        path = Path(self.source) / "sentence_bert_config.json"
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            raise ForgeError(f"model.name={self.model.name}: {path} is not valid JSON; fix or remove it") from None
+        length = data.get("max_seq_length")
+        if length is not None and (not isinstance(length, int) or length < 1):
+            raise ForgeError(f"model.name={self.model.name}: {path} has max_seq_length={length!r}; "
+                             "set max_seq_length=N to override it")
+        return data
+
+    def _tokenizer_max_length(self) -> int | None:
         value = getattr(self.tokenizer, "model_max_length", None)
         return int(value) if isinstance(value, int) and 0 < value < UNBOUNDED else None
 
@@ -189,6 +197,7 @@ class Embed(Function):
             "pooling": self.pooling,
             "normalize": self.normalize,
             "max_seq_length": self.max_seq_length,
+            "lowercase": self.lowercase,
             "output_format": self.output_format,
             "token_rule": TOKEN_RULE,
         }
@@ -237,7 +246,7 @@ class Embed(Function):
 
     def _tokenize(self, chunk: list[tuple[int, dict]]) -> Iterator[Item]:
         limit = self.max_seq_length
-        texts = [row["text"] for _, row in chunk]
+        texts = [row["text"].lower() if self.lowercase else row["text"] for _, row in chunk]
         ids = self.tokenizer(texts, add_special_tokens=True, truncation=limit is not None,
                              max_length=limit)["input_ids"]
         if limit is not None:

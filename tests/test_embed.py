@@ -13,6 +13,7 @@ from forge.errors import ForgeError
 from functions.embed_sink import load_embeddings
 
 N_GOOD = 60
+N_DECODER = 30
 BAD_ROWS = [
     '{"id": "bad-no-text", "label": 1}',
     '{"id": "bad-empty", "text": "   "}',
@@ -27,20 +28,31 @@ def _statements():
     return [json.loads(line) for line in open(embedded_dataset_path())]
 
 
-@pytest.fixture(scope="module")
-def texts_file(tmp_path_factory):
-    """Texts of varied length (statements, and prefixes + statements, some longer than the
-    tiny BERT's max_seq_length), with bad rows among them."""
-    rows = _statements()[:N_GOOD]
-    lines = []
-    for i, row in enumerate(rows):
-        text = row["text"] if i % 3 else (row.get("prefix") or "") + row["text"]
+def _write_texts(path, n_good, long_every):
+    """Texts of varied length (statements; every `long_every`-th a few-shot prefix + statement,
+    longer than the tiny BERT's max_seq_length), with bad rows among them: (path, bad rows)."""
+    lines, bad = [], 0
+    for i, row in enumerate(_statements()[:n_good]):
+        text = row["text"] if i % long_every else (row.get("prefix") or "") + row["text"]
         lines.append(json.dumps({"id": row["id"], "text": text}))
         if i % 15 == 7:
-            lines.append(BAD_ROWS[(i // 15) % len(BAD_ROWS)])
-    path = tmp_path_factory.mktemp("embed-input") / "texts.jsonl"
+            lines.append(BAD_ROWS[bad % len(BAD_ROWS)])
+            bad += 1
     path.write_text("\n".join(lines) + "\n")
+    return path, bad
+
+
+@pytest.fixture(scope="module")
+def texts_file(tmp_path_factory):
+    path, bad = _write_texts(tmp_path_factory.mktemp("embed-input") / "texts.jsonl", N_GOOD, 3)
+    assert bad == len(BAD_ROWS)
     return path
+
+
+@pytest.fixture(scope="module")
+def short_texts_file(tmp_path_factory):
+    """Fewer and mostly short texts for the tiny Llama (10x the tiny BERT's compute per token)."""
+    return _write_texts(tmp_path_factory.mktemp("embed-input") / "short.jsonl", N_DECODER, 6)
 
 
 @pytest.fixture(scope="module")
@@ -92,21 +104,21 @@ def bert_reference(tiny_bert, texts_file):
 
 
 @pytest.fixture(scope="module")
-def llama_reference(texts_file):
+def llama_reference(short_texts_file):
     from transformers import AutoModelForCausalLM
 
     from functions.assets import embedded_model_source, materialize_model
     from functions.embed import Embed
 
     model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source())).eval()
-    fn = Embed(model={"name": "embedded:tiny-llama"}, input={"path": str(texts_file)}, normalize=False)
+    fn = Embed(model={"name": "embedded:tiny-llama"}, input={"path": str(short_texts_file[0])}, normalize=False)
     assert fn.causal
     return _references(fn, model.model, ("mean", "last"), normalize=False)
 
 
-def _check_run(tmp_path, report, reference, atol):
+def _check_run(tmp_path, report, reference, atol, n_bad=len(BAD_ROWS)):
     assert report["balanced"], report["imbalance"]
-    assert report["items"]["completed"] == N_GOOD and report["items"]["failed"] == len(BAD_ROWS)
+    assert report["items"]["completed"] == len(reference) and report["items"]["failed"] == n_bad
     assert report["batches"] > 2  # really batched
     got = load_embeddings(tmp_path)
     assert sorted(got.ids) == sorted(reference)
@@ -115,7 +127,7 @@ def _check_run(tmp_path, report, reference, atol):
     diff = float(np.abs(got.vectors - want).max())
     assert diff < atol, diff
     failures = [json.loads(line) for line in open(tmp_path / "failures.jsonl")]
-    assert len(failures) == len(BAD_ROWS) and all(f.get("reason") for f in failures)
+    assert len(failures) == n_bad and all(f.get("reason") for f in failures)
     return got
 
 
@@ -150,11 +162,12 @@ DECODER_MODES = {
 
 
 @pytest.mark.parametrize("mode", list(DECODER_MODES))
-def test_decoder_modes_equal_one_text_forward(tmp_path, texts_file, llama_reference, mode):
+def test_decoder_modes_equal_one_text_forward(tmp_path, short_texts_file, llama_reference, mode):
+    path, bad = short_texts_file
     pooling = "last" if mode == "token-packed" else "mean"
-    report = run_forge(tmp_path, "function=embed", f"input.path={texts_file}", f"pooling={pooling}",
+    report = run_forge(tmp_path, "function=embed", f"input.path={path}", f"pooling={pooling}",
                        "normalize=false", *DEVICE, *DECODER_MODES[mode])
-    _check_run(tmp_path, report, llama_reference[pooling], atol=1e-4)
+    _check_run(tmp_path, report, llama_reference[pooling], atol=1e-4, n_bad=bad)
 
 
 def test_packed_encoder_rows_restart_positions(tiny_bert):
@@ -247,24 +260,31 @@ def _varied_texts(n):
     return out
 
 
-@pytest.mark.parametrize("layout", [["batching.packing=packed", "batching.packed_row_tokens=512"],
-                                    ["batching.packing=rows"]])
-def test_minilm_equals_sentence_transformers_encode(tmp_path, layout):
+@pytest.fixture(scope="module")
+def minilm_expected(tmp_path_factory):
+    """36 texts of varied length (some past max_seq_length=256) and sentence-transformers' `encode` of them."""
     package = _minilm_or_skip()
     from sentence_transformers import SentenceTransformer
 
     texts = _varied_texts(36)
-    path = tmp_path / "texts.jsonl"
+    path = tmp_path_factory.mktemp("minilm") / "texts.jsonl"
     path.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
-    report = run_forge(tmp_path / "run", "function=embed", "model=minilm", f"input.path={path}",
+    st = SentenceTransformer(str(package.get_model_path()), device="cpu")
+    assert max(len(t) for t in st.tokenizer(texts)["input_ids"]) > 256  # some texts are truncated
+    return path, st.encode(texts, convert_to_numpy=True)
+
+
+def test_minilm_equals_sentence_transformers_encode(tmp_path, minilm_expected):
+    """Packed rows (Forge's fastest encoder layout); rows are held to the one-text forward above."""
+    layout = ["batching.packing=packed", "batching.packed_row_tokens=512"]
+    path, want = minilm_expected
+    report = run_forge(tmp_path, "function=embed", "model=minilm", f"input.path={path}",
                        "batching=token", "batching.prefix_cache=false", *layout,
                        "devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
                        "budget.tokens_per_step=1024")
-    assert report["balanced"] and report["items"]["completed"] == len(texts)
-    got = load_embeddings(tmp_path / "run")
-    st = SentenceTransformer(str(package.get_model_path()), device="cpu")
-    want = st.encode(texts, convert_to_numpy=True)
-    assert got.ids == [f"t{i}" for i in range(len(texts))]
-    assert max(len(t) for t in st.tokenizer(texts)["input_ids"]) > 256  # some texts are truncated
+    assert report["balanced"] and report["items"]["completed"] == len(want) and report["batches"] > 1
+    got = load_embeddings(tmp_path)
+    assert got.ids == [f"t{i}" for i in range(len(want))]
     diff = float(np.abs(got.vectors - want).max())
+    print(f"MiniLM {layout[0]}: max abs difference to sentence-transformers encode {diff:.2e}")
     assert diff < 1e-5, diff

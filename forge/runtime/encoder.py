@@ -233,10 +233,12 @@ class FakeEncoder:
         tracker.track_external(self.model)
         with self.mode, tracker, torch.inference_mode():
             tracker.reset_mod_stats()
-            mask = torch.zeros(R, 1, S, S, dtype=self.dtype)
-            out = self.model(input_ids=torch.zeros(R, S, dtype=torch.long), attention_mask=mask,
-                             token_type_ids=torch.zeros(R, S, dtype=torch.long),
-                             position_ids=torch.arange(S).repeat(R, 1), use_cache=False)
+            takes = set(inspect.signature(self.model.forward).parameters)
+            extra = {"token_type_ids": torch.zeros(R, S, dtype=torch.long),
+                     "position_ids": torch.arange(S).repeat(R, 1), "use_cache": False}
+            out = self.model(input_ids=torch.zeros(R, S, dtype=torch.long),
+                             attention_mask=torch.zeros(R, 1, S, S, dtype=self.dtype),
+                             **{k: v for k, v in extra.items() if k in takes})
             h = out.last_hidden_state
             torch.zeros(R, h.shape[-1]).index_add_(0, torch.arange(R).repeat_interleave(S), h.reshape(R * S, -1).float())
         peaks = tracker.get_tracker_snapshot("peak")
