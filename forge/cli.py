@@ -395,7 +395,7 @@ def print_summary(report: dict[str, Any]) -> None:
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table") or "-"))
+        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"))
         acc = out.get("accuracy")
         if acc and acc.get("questions"):
             table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "

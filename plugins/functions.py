@@ -8,4 +8,5 @@ def forge_functions():
     return {
         "probe_gen": "forge.functions.probe_gen:ProbeGen",
         "score": "forge.functions.score:Score",
+        "embed": "forge.functions.embed:Embed",
     }

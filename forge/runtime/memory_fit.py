@@ -234,21 +234,26 @@ def cache_dir() -> Path:
 
 
 def fitted_cost_model(config: Any, target: Target, trust_remote_code: bool = False, margin: float = DEFAULT_MARGIN,
-                      directory: Path | None = None) -> CostModel:
-    """The measured `CostModel` of this model and forward pass: from the disk cache, else fitted now."""
+                      directory: Path | None = None, fake: Any = None, shapes: tuple[Shape, ...] = FIT_SHAPES,
+                      kind: str = "") -> CostModel:
+    """The measured `CostModel` of this model and forward pass: from the disk cache, else fitted now.
+
+    `fake` builds what is measured (default `FakeModel`, the causal LM runner's forward; any class
+    with `weight_bytes` and `peak(shape)`), over `shapes`; `kind` names it in the cache key."""
     directory = directory or cache_dir()
     key = f"{config_hash(config)}-{target.dtype}-{target.attn}-h{target.hidden_kept}-{target.pooling}-m{margin}-v{FIT_VERSION}"
+    key += f"-{kind}" if kind else ""
     path = directory / f"{key}.json"
     if path.is_file():
         try:
             return CostModel(**json.loads(path.read_text())["cost_model"])
         except (ValueError, TypeError, KeyError):
             pass  # unreadable or stale: fit again
-    model = FakeModel(config, target, trust_remote_code)
-    peaks = [model.peak(s) for s in FIT_SHAPES]
-    cost = fit(FIT_SHAPES, peaks, model.weight_bytes, margin)
+    model = (fake or FakeModel)(config, target, trust_remote_code)
+    peaks = [model.peak(s) for s in shapes]
+    cost = fit(shapes, peaks, model.weight_bytes, margin)
     record = {"cost_model": asdict(cost), "target": asdict(target), "margin": margin,
-              "sweep": [{**asdict(s), "peak_bytes": p} for s, p in zip(FIT_SHAPES, peaks)]}
+              "sweep": [{**asdict(s), "peak_bytes": p} for s, p in zip(shapes, peaks)]}
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
