@@ -190,6 +190,7 @@ class RunLoop:
                 rate = batch.padded_slots / outcome.seconds
                 old = self._rates.get(device.name)
                 self._rates[device.name] = rate if old is None else 0.8 * old + 0.2 * rate
+                self.scheduler.note_rate(device.name, self._rates[device.name])
             self.scheduler.update_from_output(device.name, batch, outcome)
             self._commit(batch, device, outcome, late=False)
             return

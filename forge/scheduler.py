@@ -15,7 +15,17 @@ are the hits the device will see. Every outcome comes back through `update_from_
 error lowers the device's budget, and a failed batch goes back whole (worker lost or timed
 out) or split in halves (an error, out of memory, or an item lost with its worker
 `max_attempts` times), until a single item that still fails is failed with its reason.
-Batches that come back run first, on the first device they fit.
+Batches that come back run first, on the first device they fit (its four limits, and in
+`memory` mode its budget: a batch predicted over a device's budget is never routed to it).
+
+Unequal devices (`rates`: padded slots per second, declared by a simulated device, measured
+by the run loop for a real one) pull from one backlog. Affinity weighs them: a device passes
+over a free prefix group it could not drain before the whole backlog would be done at
+everyone's pace (a faster device takes it), and steals first from the group whose holders
+need longest to drain it. Once the input is exhausted, a batch larger than the device's
+fair share of what is left (the backlog plus the work in flight, divided in proportion to
+rates) is cut down to that share and the rest goes back to run first elsewhere, so the
+devices finish together.
 
 A step asks, in order: for a batch planned already (`Urgency.WAIT`); then, with the window
 topped up (in eighths: admitting a chunk has a fixed cost), for a plan from what the full
@@ -74,6 +84,10 @@ class Scheduler:
         self._seq = 0
         self._refill_chunk = max(1, self.window // 8)  # top the window up once this much room is free
         self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
+        # padded slots per second: declared (simulated devices), else measured (`note_rate`)
+        self.rates: dict[str, float] = {d.name: 1.0 / d.sim.seconds_per_slot for d in devices if d.sim is not None}
+        self.in_flight_slots: dict[str, int] = {d.name: 0 for d in devices}  # routed, outcome not heard yet
+        self.end_splits = 0  # batches cut down to a device's share near the end of the backlog
 
     # -- state ------------------------------------------------------------------
     @property
@@ -92,9 +106,45 @@ class Scheduler:
         if batch is not None:
             batch.seq = self._seq
             self._seq += 1
+        else:
+            cut = self.next_cut(device)
+            if cut is None:
+                return None
+            batch = self._batch(cut)
+        if self.exhausted:
+            batch = self._fair_share(batch, device)
+        self.in_flight_slots[device.name] = self.in_flight_slots.get(device.name, 0) + batch.padded_slots
+        return batch
+
+    def note_rate(self, device: str, slots_per_s: float) -> None:
+        """A device's measured speed (padded slots per second), for balancing."""
+        if slots_per_s > 0:
+            self.rates[device] = slots_per_s
+
+    def _rate(self, name: str) -> float:
+        rate = self.rates.get(name)
+        if rate is not None:
+            return rate
+        known = [r for r in self.rates.values()]
+        return sum(known) / len(known) if known else 1.0  # not measured yet: the average device
+
+    def _fair_share(self, batch: Batch, device: Device) -> Batch:
+        """Near the end of the backlog: `batch` cut down to this device's share of what is left
+        (backlog + in flight, in proportion to rates), the rest back to run first elsewhere."""
+        if batch.num_rows < 2:
             return batch
-        cut = self.next_cut(device)
-        return None if cut is None else self._batch(cut)
+        waiting = sum(g.tokens for g in self.packer.groups()) + sum(b.padded_slots for b in self._retries)
+        rates = {name: self._rate(name) for name in self.devices}
+        total = waiting + batch.padded_slots + sum(self.in_flight_slots.values())
+        share = total * rates[device.name] / sum(rates.values()) - self.in_flight_slots.get(device.name, 0)
+        rows = max(1, int(share // batch.padded_len))
+        if rows >= batch.num_rows:
+            return batch
+        self.end_splits += 1
+        keep, rest = replace(batch, rows=batch.rows[:rows]), replace(batch, rows=batch.rows[rows:], seq=-1)
+        rest.cache_hit = None
+        self._retries.appendleft(rest)
+        return keep
 
     def next_cut(self, device: Device) -> Cut | None:
         """The next batch's geometry for `device` (retries aside), cache hit predicted."""
@@ -110,6 +160,8 @@ class Scheduler:
         """Learn from what happened to `batch` on `device`. Returns the reason when its item
         fails for good (a single item that cannot succeed); None when it completed or went back."""
         status = outcome.status
+        left = self.in_flight_slots.get(device, 0) - batch.padded_slots
+        self.in_flight_slots[device] = max(0, left)
         if status == Status.COMPLETED:
             return None
         if status in (Status.LOST, Status.TIMEOUT):
@@ -221,7 +273,8 @@ class Scheduler:
         mine = self.caches[device.name].keys()
         theirs = set().union(*(c.keys() for name, c in self.caches.items() if name != device.name))
         held, free, stolen = [], [], []
-        for g in sorted(self.packer.groups(), key=_new_tokens, reverse=True):  # stable
+        groups = sorted(self.packer.groups(), key=_new_tokens, reverse=True)  # stable
+        for g in groups:
             if not g.cacheable:
                 free.append(g)
             elif g.key in mine:
@@ -230,23 +283,57 @@ class Scheduler:
                 stolen.append(g)
             else:
                 free.append(g)
+        if len(self.rates) and len(self.devices) > 1:
+            free, stolen = self._weigh(device, groups, free, stolen)
         return held + free, stolen
 
+    def _weigh(self, device: Device, groups: list[GroupInfo], free: list[GroupInfo],
+               stolen: list[GroupInfo]) -> tuple[list[GroupInfo], list[GroupInfo]]:
+        """Affinity weighed by rates: a free group this device could not drain before the whole
+        backlog would be done at everyone's pace goes last (a faster device takes it); a group
+        to steal is the one whose holders need longest to drain it."""
+        rates = {name: self._rate(name) for name in self.devices}
+        pace = sum(g.tokens for g in groups) / sum(rates.values())  # seconds until all is done
+        mine = rates[device.name]
+        fits = [g for g in free if g.tokens <= pace * mine or not g.cacheable]
+        if len(fits) < len(free):
+            free = fits + [g for g in free if g.tokens > pace * mine and g.cacheable]
+        if len(stolen) > 1:
+            holders = {g.key: sum(rates[n] for n, c in self.caches.items() if n != device.name and g.key in c.keys())
+                       for g in stolen}
+            stolen = sorted(stolen, key=lambda g: g.tokens / max(holders[g.key], 1e-12), reverse=True)
+        return free, stolen
+
     def _next_retry(self, device: Device) -> Batch | None:
-        """The first batch that came back and fits `device`; one that fits no device goes
-        back as single items."""
+        """The first batch that came back and fits `device` (limits and budget); one that fits
+        no device goes back as single items, and a single item that fits no device's budget
+        runs where its limits allow (out of memory alone, it fails with the reason)."""
         for i, batch in enumerate(self._retries):
-            fitted = _fit(batch, device.limits)
+            fitted = self._fit(batch, device)
             if fitted is not None:
                 del self._retries[i]
                 self._track_batch(fitted, device)
                 return fitted
         for i, batch in enumerate(self._retries):
-            if len(batch.items) > 1 and not any(_fit(batch, d.limits) for d in self.devices.values()):
+            if len(batch.items) > 1 and not any(self._fit(batch, d) for d in self.devices.values()):
                 del self._retries[i]
                 self._retries.extend(replace(batch, rows=[[it]]) for it in batch.items)
                 return self._next_retry(device)
+        for i, batch in enumerate(self._retries):
+            if len(batch.items) == 1 and not any(self._fit(batch, d) for d in self.devices.values()):
+                fitted = _fit(batch, device.limits)
+                if fitted is not None:
+                    del self._retries[i]
+                    self._track_batch(fitted, device)
+                    return fitted
         return None
+
+    def _fit(self, batch: Batch, device: Device) -> Batch | None:
+        """`batch` padded for `device`, or None when it breaks a limit or the packer's budget."""
+        fitted = _fit(batch, device.limits)
+        if fitted is None or not self.packer.batch_fits(fitted.num_rows, fitted.padded_len, fitted.row_offset, device):
+            return None
+        return fitted
 
     def _track_batch(self, batch: Batch, device: Device) -> None:
         code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX
