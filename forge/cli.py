@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -19,6 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 err = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+GIB = 1 << 30
 
 
 def _error_line(exc: Exception) -> None:
@@ -151,7 +153,7 @@ def _execute(cfg, run_dir: Path) -> dict[str, Any]:
 def plan(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) to a PNG."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) and each device's timeline to a PNG."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
     compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
@@ -172,7 +174,7 @@ def plan(
             base = make_plan(build_spec(compose([*ctx.args, f"batching={other}"], config_dir), None),
                              make_plugin_manager(), keep_batches=True)
             pair = (base, report) if other == "item" else (report, base)
-            plot_plans(pair, plot)
+            plot_plans(pair, plot, timeline=report)
     except ForgeError as exc:
         _fail(exc)
     report.pop("_batches", None)
@@ -344,12 +346,33 @@ def print_summary(report: dict[str, Any]) -> None:
         out = report.get("outputs") or {}
         table.add_row("outputs", str(out.get("activations", "-")))
     console.print(table)
-    dev = Table(title="devices")
-    for col in ("device", "batches", "tokens", "padded slots", "cache misses", "busy s"):
+    devices = report.get("devices", [])
+    virtual = report.get("virtual_time")
+    memory = any("memory_budget_bytes" in d for d in devices)
+    cols = ["device", "batches", "tokens", "padded slots", "cache misses"]
+    if memory:
+        cols.append("GiB peak/budget")
+    if virtual:
+        cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
+        cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
+    else:
+        cols.append("busy s")
+    title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
+    dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    for col in cols:
         dev.add_column(col)
-    for d in report.get("devices", []):
-        dev.add_row(d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}",
-                    str(d.get("cache_misses", 0)), f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+    for d in devices:
+        row = [d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}", str(d.get("cache_misses", 0))]
+        if memory:
+            row.append(f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
+                       if d.get("memory_budget_bytes") else "-")
+        if virtual:
+            fmt = "{:,.2f}" if virtual["unit"] == "s" else "{:,.0f}"
+            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}",
+                    str(d.get("oom", 0))]
+        else:
+            row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+        dev.add_row(*row)
     console.print(dev)
     for reason, count in (report.get("skipped_reasons") or {}).items():
         err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
