@@ -138,7 +138,7 @@ class RunLoop:
 
     def _schedule(self) -> bool:
         scheduled = False
-        for name in list(self.scheduler.devices):
+        for name in self.scheduler.by_speed():
             if not self.executor.live(name):
                 continue
             for _ in range(self.executor.free_slots(name)):

@@ -59,6 +59,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
         wall_s=time.perf_counter() - started,
         extra={"status": status, "error": error, "max_window_items": scheduler.max_window_seen,
                "attempts": {"oom": loop.counts.get("oom", 0), "oom_splits": scheduler.oom_splits},
+               "end_splits": scheduler.end_splits,
                "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
                                     if d.limits != next(x for x in spec.devices if x.name == name).limits}},
     )

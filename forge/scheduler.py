@@ -113,6 +113,8 @@ class Scheduler:
             batch = self._batch(cut)
         if self.exhausted:
             batch = self._fair_share(batch, device)
+            if batch is None:
+                return None
         self.in_flight_slots[device.name] = self.in_flight_slots.get(device.name, 0) + batch.padded_slots
         return batch
 
@@ -121,6 +123,12 @@ class Scheduler:
         if slots_per_s > 0:
             self.rates[device] = slots_per_s
 
+    def by_speed(self) -> list[str]:
+        """Device names, fastest first: when several are free at once, the fastest asks first."""
+        if not self.rates:
+            return list(self.devices)
+        return sorted(self.devices, key=self._rate, reverse=True)
+
     def _rate(self, name: str) -> float:
         rate = self.rates.get(name)
         if rate is not None:
@@ -128,23 +136,68 @@ class Scheduler:
         known = [r for r in self.rates.values()]
         return sum(known) / len(known) if known else 1.0  # not measured yet: the average device
 
-    def _fair_share(self, batch: Batch, device: Device) -> Batch:
-        """Near the end of the backlog: `batch` cut down to this device's share of what is left
-        (backlog + in flight, in proportion to rates), the rest back to run first elsewhere."""
-        if batch.num_rows < 2:
-            return batch
+    def _fair_share(self, batch: Batch, device: Device) -> Batch | None:
+        """Near the end of the backlog: `batch` cut down to this device's share of what is left,
+        the rest back to run first elsewhere; None (the device waits) when it is the last work
+        and another device, once free, would finish it sooner.
+
+        Model: each device is busy for its in-flight slots / its rate (an upper bound: as if
+        its batches had just started); the waiting slots and this batch are shared so that
+        every device finishes at the same time T (water-filling over the busy times). This
+        device keeps the rows its step time (declared, or slots / rate) fits before T."""
         waiting = sum(g.tokens for g in self.packer.groups()) + sum(b.padded_slots for b in self._retries)
         rates = {name: self._rate(name) for name in self.devices}
-        total = waiting + batch.padded_slots + sum(self.in_flight_slots.values())
-        share = total * rates[device.name] / sum(rates.values()) - self.in_flight_slots.get(device.name, 0)
-        rows = max(1, int(share // batch.padded_len))
-        if rows >= batch.num_rows:
-            return batch
+        busy = {name: self.in_flight_slots.get(name, 0) / rates[name] for name in self.devices}
+        work, pace, level = waiting + batch.padded_slots, 0.0, 0.0
+        for name in sorted(busy, key=busy.get):  # raise the level over the devices free soonest
+            if pace and level + work / pace <= busy[name]:
+                break
+            work -= pace * (busy[name] - level)
+            level, pace = busy[name], pace + rates[name]
+        finish = level + work / pace
+        room = finish - busy[device.name]  # seconds this device may still take
+        hit = bool(batch.cache_hit)
+        whole = self._seconds(device.name, batch, rates, hit)
+        if whole <= room or batch.num_rows < 2:
+            return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
+        one = self._seconds(device.name, replace(batch, rows=batch.rows[:1]), rates, hit)
+        rows = 1 + int((room - one) / ((whole - one) / (batch.num_rows - 1))) if room >= one else 0
+        if rows < 1:
+            return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         self.end_splits += 1
         keep, rest = replace(batch, rows=batch.rows[:rows]), replace(batch, rows=batch.rows[rows:], seq=-1)
         rest.cache_hit = None
         self._retries.appendleft(rest)
         return keep
+
+    def _seconds(self, name: str, batch: Batch, rates: dict[str, float], hit: bool | None = None) -> float:
+        """How long `batch` would take on a device (its prefix computed unless that device's cache
+        holds it): its declared step time, else slots / rate."""
+        context = batch.prefix_len if batch.split_prefix else 0
+        computed = 0
+        if context:
+            code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX
+            held = code in self.caches[name].keys() if hit is None else hit
+            computed = 0 if held else context
+        sim = self.devices[name].sim
+        if sim is None:
+            return (batch.padded_slots + computed) / rates[name]
+        scores = batch.num_rows * batch.padded_len * (context + batch.padded_len) + computed * computed
+        return sim.seconds(batch.padded_slots + computed, scores)
+
+    def _or_sooner_elsewhere(self, batch: Batch, device: Device, rates: dict[str, float],
+                             busy: dict[str, float], finish: float) -> Batch | None:
+        """`batch`, unless it would outlast the fair finish of everything left on this device
+        and a busy device, once free, would finish it sooner: then it waits for that one."""
+        mine = self._seconds(device.name, batch, rates, hit=bool(batch.cache_hit))
+        if mine <= finish or not any(busy[e] and busy[e] + self._seconds(e, batch, rates) < mine for e in self.devices
+                   if e != device.name):
+            return batch
+        if batch.cache_hit is False and batch.split_prefix and batch.prefix_len:
+            self.cache_misses[device.name] -= 1  # it does not run here after all
+        batch.cache_hit = None
+        self._retries.appendleft(batch)
+        return None
 
     def next_cut(self, device: Device) -> Cut | None:
         """The next batch's geometry for `device` (retries aside), cache hit predicted."""

@@ -77,7 +77,7 @@ class SimExecutor(Executor):
         self.ooms: dict[str, int] = {}  # device -> simulated out-of-memory errors
         self.timeline: list[Span] = []
         self.now = 0.0  # virtual time of the last outcome collected
-        self._heap: list[tuple[float, int, str, float, Status, SimOutput]] = []
+        self._heap: list[tuple] = []  # (end, ticket, device, cost, status, output, reason)
 
     def start(self, devices: list[Device]) -> None:
         time_unit(devices)
@@ -108,8 +108,13 @@ class SimExecutor(Executor):
         if oom:
             self.ooms[device.name] += 1
         self.timeline.append(Span(device.name, start, end, batch.num_rows, batch.padded_slots, status.value))
-        heapq.heappush(self._heap, (end, ticket, device.name, cost, status,
-                                    SimOutput(computed, bool(batch.cache_hit))))
+        reason = (f"simulated out of memory: the batch needs more than the device's {budget / (1 << 30):.2f} GiB"
+                  if oom else "")
+        self._push(end, ticket, device.name, cost, status, SimOutput(computed, bool(batch.cache_hit)), reason)
+
+    def _push(self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput,
+              reason: str) -> None:
+        heapq.heappush(self._heap, (end, ticket, device, cost, status, output, reason))
 
     def in_flight(self) -> int:
         return len(self._heap)
@@ -117,14 +122,9 @@ class SimExecutor(Executor):
     def collect(self, wait_s: float) -> list[Outcome]:
         if not self._heap:
             return []
-        end, ticket, name, cost, status, output = heapq.heappop(self._heap)
+        end, ticket, name, cost, status, output, reason = heapq.heappop(self._heap)
         self.now = max(self.now, end)
-        if status == Status.OOM:
-            budget = self.budgets[name]
-            return [Outcome(ticket, name, Status.OOM, None,
-                            f"simulated out of memory: the batch needs more than the device's "
-                            f"{budget / (1 << 30):.2f} GiB", cost)]
-        return [Outcome(ticket, name, Status.COMPLETED, output, "", cost)]
+        return [Outcome(ticket, name, status, output if status == Status.COMPLETED else None, reason, cost)]
 
     def balance(self) -> dict:
         """Per device: busy, idle and finish in virtual time; the finish skew and the least busy share."""
