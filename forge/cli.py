@@ -240,8 +240,9 @@ def calibrate(
         spec = build_spec(compose(ctx.args, config_dir), None)
         sample = [r for r in islice(spec.function.records(), items) if isinstance(r, Item)]
         table = Table(title="per-step overhead")
-        for col in ("device", "s per step", "us per slot", "batch_overhead_tokens"):
+        for col in ("device", "s per step", "us per slot", "ns per score", "batch_overhead_tokens"):
             table.add_column(col)
+        blocks = []
         for device in spec.devices:
             worker = spec.function.open_worker(device, 0)
             try:
@@ -249,12 +250,18 @@ def calibrate(
             finally:
                 worker.close()
             table.add_row(device.name, f"{c.seconds_per_step:.4f}", f"{1e6 * c.seconds_per_slot:.2f}",
-                          str(c.overhead_tokens))
+                          f"{1e9 * c.seconds_per_score:.3f}", str(c.overhead_tokens))
+            blocks.append((device, c))
     except ForgeError as exc:
         _fail(exc)
     console.print(table)
     console.print("Put the number in the device's inventory entry (batch_overhead_tokens) "
-                  "or in batching.batch_overhead_tokens.")
+                  "or in batching.batch_overhead_tokens. A simulated device that runs like each one "
+                  "(an inventory entry for `forge plan`):")
+    for device, c in blocks:
+        sim = ", ".join(f"{k}: {v:.4g}" for k, v in c.sim_block().items())
+        mem = f", memory_gb: {device.memory_bytes / GIB:.3g}" if device.memory_bytes else ""
+        console.print(f"  - {{name: sim-{device.name}{mem}, sim: {{{sim}}}}}", highlight=False, soft_wrap=True)
 
 
 @app.command(name="ls", context_settings=EXTRA)

@@ -73,6 +73,8 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
         d.pop("busy_s", None)  # wall time: a plan has only virtual time
         d.update(virtual_busy=round(b["busy"], 6), virtual_finish=round(b["finish"], 6),
                  busy_share=round(b["busy_share"], 6), oom=b["oom"])
+        if executor.true_bytes is not None:
+            d["simulated_peak_bytes"] = b["peak_bytes"]  # true peak (no margin) of its largest completed batch
     if unit == "token-equivalents":
         report["simulated_cost_tokens"] = {k: int(v) for k, v in executor.clocks.items()}
     if keep_batches:

@@ -120,6 +120,14 @@ def test_calibrate_command_runs(cli):
     result = cli.invoke(app, ["calibrate", "--items", "64", "input.limit=64", *SMALL])
     assert result.exit_code == 0, result.output
     assert "batch_overhead_tokens" in result.output and "cpu" in result.output
+    # the printed inventory entry declares a simulated device as fast as the one measured
+    import yaml
+
+    from forge.devices import from_inventory
+
+    entry = next(line for line in result.output.splitlines() if "sim: {seconds_per_step" in line)
+    [device] = from_inventory(yaml.safe_load(entry), {"max_batch_tokens": 2048, "max_rows": 64, "max_seq_len": 1024})
+    assert device.name == "sim-cpu" and device.sim.seconds_per_slot > 0 and device.sim.seconds_per_step >= 0
 
 
 def test_plan_compare_modes(cli):

@@ -75,6 +75,7 @@ class SimExecutor(Executor):
         self.busy: dict[str, float] = {}  # device -> virtual time spent running batches
         self.budgets: dict[str, int | None] = {}  # device -> its true memory budget (as declared)
         self.ooms: dict[str, int] = {}  # device -> simulated out-of-memory errors
+        self.peaks: dict[str, int] = {}  # device -> largest true peak of a batch it completed
         self.timeline: list[Span] = []
         self.now = 0.0  # virtual time of the last outcome collected
         self._heap: list[tuple] = []  # (end, ticket, device, cost, status, output, reason)
@@ -103,7 +104,10 @@ class SimExecutor(Executor):
         self.clocks[device.name] = end
         self.busy[device.name] += cost
         budget = self.budgets.get(device.name)
-        oom = self.true_bytes is not None and budget is not None and self.true_bytes(batch) > budget
+        need = self.true_bytes(batch) if self.true_bytes is not None else 0
+        oom = budget is not None and need > budget
+        if not oom:
+            self.peaks[device.name] = max(self.peaks.get(device.name, 0), need)
         status = Status.OOM if oom else Status.COMPLETED
         if oom:
             self.ooms[device.name] += 1
@@ -131,7 +135,7 @@ class SimExecutor(Executor):
         makespan = max(self.clocks.values(), default=0.0)
         devices = {name: {"busy": self.busy[name], "finish": self.clocks[name],
                           "busy_share": self.busy[name] / makespan if makespan else 0.0,
-                          "oom": self.ooms[name]} for name in self.clocks}
+                          "oom": self.ooms[name], "peak_bytes": self.peaks.get(name, 0)} for name in self.clocks}
         finishes = [d["finish"] for d in devices.values()]
         return {"makespan": makespan,
                 "finish_skew": (max(finishes) - min(finishes)) / makespan if makespan else 0.0,
