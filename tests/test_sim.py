@@ -21,6 +21,9 @@ COST_7B = CostModel(weight_bytes=13476831232, bytes_per_token=112767.2, bytes_pe
                     kv_bytes_per_token=557400.4, prefix_bytes_per_token=548423.1, margin=0.05)
 
 
+SMALL_CARD = 16 << 30
+
+
 def inventory(name: str) -> list[Device]:
     return resolve_devices(OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml")))
 
@@ -108,14 +111,26 @@ def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
     from forge.plugins import make_plugin_manager
 
     class LosesOnTheLargeCard(SimExecutor):
-        lost = 0
+        """card32's worker dies on a few batches too large for card16 and takes 0.5 s to come
+        back: meanwhile only card16 asks, and the lost batches wait first in line."""
+
+        lost, down_until = 0, 0.0
 
         def submit(self, ticket, device, batch, timeout_s):
-            if device.name == "card32" and self.lost < 6 and batch.num_rows > 1:
+            if device.name == "card32" and self.lost < 6 and predicted(batch) > SMALL_CARD:
                 type(self).lost += 1
+                self.down_until = self.now + 0.5
                 self._push(self.now + 0.01, ticket, device.name, 0.01, Status.LOST, None, "worker lost")
                 return
             super().submit(ticket, device, batch, timeout_s)
+
+        def free_slots(self, device):
+            return 0 if device == "card32" and self.now < self.down_until else super().free_slots(device)
+
+        def collect(self, wait_s):
+            if not self._heap and self.now < self.down_until:  # nothing runs: time passes
+                self.now = self.down_until
+            return super().collect(wait_s)
 
     routed = []
 
@@ -130,6 +145,8 @@ def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
     report = plan_geometry(reference(1500), inventory("mix_16g_32g"), "memory", cost=COST_7B, pm=pm)
     assert LosesOnTheLargeCard.lost == 6 and report["balanced"] and report["items"]["completed"] == 1500
     assert sum(1 for d, b in routed if b.retry) >= 6
+    # what card16 ran meanwhile, and the lost batches: back on card32 whole, or split to fit card16
+    assert any(d.name == "card16" for d, b in routed)
     for device, batch in routed:
         assert predicted(batch) <= device.memory_bytes, (device.name, batch.num_rows, batch.padded_len)
 
