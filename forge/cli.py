@@ -99,8 +99,15 @@ def _precheck(args: list[str]) -> None:
         else:
             overrides.append(a)
         i += 1
+    from forge.devices import resolve_devices
+
     for combination in sweep_combinations(overrides, config_dir) if multirun else [overrides]:
-        to_plain(compose(combination, config_dir))
+        plain = to_plain(compose(combination, config_dir))
+        if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
+            simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
+            if simulated:
+                raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                                 "plan on simulated ones with `forge plan` and the same overrides")
 
 
 def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:

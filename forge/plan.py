@@ -44,7 +44,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     started = time.perf_counter()
     unit = time_unit(spec.devices)
     run, scheduler = prepare(spec, pm, dry_run=True)
-    executor = SimExecutor(scheduler.packer.overhead_tokens, _true_bytes(spec, scheduler.packer))
+    executor = SimExecutor(scheduler.packer.overhead_tokens, _true_bytes(spec, scheduler.packer), timeline=keep_batches)
     executor.start(spec.devices)
     kept = _Kept() if keep_batches else None
     loop = RunLoop(scheduler, executor, Committer(kept, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,

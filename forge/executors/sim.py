@@ -67,10 +67,11 @@ def time_unit(devices: list[Device]) -> str:
 
 class SimExecutor(Executor):
     def __init__(self, overhead_tokens: Callable[[Device], int],
-                 true_bytes: Callable[[Batch], int] | None = None):
+                 true_bytes: Callable[[Batch], int] | None = None, timeline: bool = False):
         super().__init__()
         self.overhead_tokens = overhead_tokens
         self.true_bytes = true_bytes  # a batch's true peak bytes; None: memory is not simulated
+        self.record = timeline  # keep every batch's Span (`forge plan --plot`)
         self.clocks: dict[str, float] = {}  # device -> virtual time its last batch ends
         self.busy: dict[str, float] = {}  # device -> virtual time spent running batches
         self.budgets: dict[str, int | None] = {}  # device -> its true memory budget (as declared)
@@ -111,7 +112,8 @@ class SimExecutor(Executor):
         status = Status.OOM if oom else Status.COMPLETED
         if oom:
             self.ooms[device.name] += 1
-        self.timeline.append(Span(device.name, start, end, batch.num_rows, batch.padded_slots, status.value))
+        if self.record:
+            self.timeline.append(Span(device.name, start, end, batch.num_rows, batch.padded_slots, status.value))
         reason = (f"simulated out of memory: the batch needs more than the device's {budget / (1 << 30):.2f} GiB"
                   if oom else "")
         self._push(end, ticket, device.name, cost, status, SimOutput(computed, bool(batch.cache_hit)), reason)
