@@ -173,6 +173,23 @@ def test_a_simulated_out_of_memory_error_splits_and_retries_with_nothing_lost(pa
     assert len(ids) == len(set(ids)) == 1200
 
 
+@pytest.mark.parametrize("packing", ["rows", "packed"])
+def test_a_heavy_tail_over_the_mix_places_every_item_or_says_why(packing):
+    """Lengths from tens to thousands of tokens, some longer than any card takes: each item
+    completes or is skipped at admission with its reason; the ledger balances; both cards work."""
+    from benchmarks.bench_mix import heavy_tail
+
+    items = heavy_tail(600)
+    too_long = sum(it.num_tokens > 4096 for it in items)
+    report = plan_geometry(items, inventory("mix_16g_32g"), "memory", cost=COST_7B,
+                           options={"packing": packing, "packed_row_tokens": 1024})
+    assert report["status"] == "finished" and report["balanced"], report.get("imbalance")
+    assert too_long > 0 and report["items"]["skipped"] == too_long
+    assert report["items"]["completed"] + too_long == 600 and report["items"]["unfinished"] == 0
+    assert list(report["skipped_reasons"]) == ["too_long (> max_seq_len=4096)"]
+    assert report["attempts"]["oom"] == 0 and min(d["batches"] for d in report["devices"]) > 0
+
+
 def test_the_end_of_the_backlog_is_split_so_devices_finish_together(monkeypatch):
     """Near the end, a batch is cut to what the device can finish by the common finish time,
     or waits for a faster card: the finish skew is no worse, and better where it mattered."""
