@@ -166,6 +166,7 @@ class Scheduler:
             return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         self.end_splits += 1
         keep, rest = replace(batch, rows=batch.rows[:rows]), replace(batch, rows=batch.rows[rows:], seq=-1)
+        keep = _fit(keep, device.limits) or keep  # padded to its own longest row
         rest.cache_hit = None
         self._retries.appendleft(rest)
         return keep
