@@ -116,7 +116,7 @@ class BenchFunction(Function):
 def load_model(device: str):
     from transformers import AutoModelForCausalLM
 
-    from functions.assets import embedded_model_source, materialize_model
+    from forge.functions.assets import embedded_model_source, materialize_model
 
     path = materialize_model(embedded_model_source())
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()

@@ -6,7 +6,9 @@ Register it from your package's pyproject.toml:
     shortest = "examples.shortest_first_plugin"
 
 add `conf/batching/shortest.yaml` (`mode: shortest`, `window: 65536`, `batch_size: 32`) in a
-directory you pass with `--config-dir`, and run `forge run --config-dir DIR batching=shortest`.
+directory you pass with `--config-dir`, and run `forge run --config-dir DIR batching=shortest`
+(or ship the YAML in your package and offer it with `forge_config_searchpath`, as
+examples/forge-plugin-example does).
 """
 
 from forge import hookimpl

@@ -1,6 +1,12 @@
 """Forge: GPU batch functions scheduled, packed and accounted in tokens."""
 
-from forge.errors import ForgeError
+from pathlib import Path as _Path
+
+from forge import _layout
+
+_layout.install(_Path(__file__).resolve().parent)  # a source checkout: forge.functions <- functions/, ...
+
+from forge.errors import ForgeError  # noqa: E402
 from forge.geometry import Batch, Device, Item, Limits
 from forge.hookspecs import hookimpl
 

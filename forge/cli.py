@@ -44,6 +44,9 @@ def run(ctx: typer.Context) -> None:
     import hydra
 
     from forge.config import conf_dir
+    from forge.searchpath import register
+
+    register()
 
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
     def task(cfg) -> None:
@@ -121,8 +124,6 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
-    from forge.config import conf_dir
-
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
@@ -133,8 +134,7 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
         if not o.is_sweep_override():
             choices.append([o.input_line])
         elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:
-            dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-            options = sorted({p.stem for d in dirs for p in (Path(d) / o.key_or_group).glob("*.yaml")})
+            options = group_options(o.key_or_group, config_dir)
             choices.append([f"{key}={v}" for v in o.value().filter(options)])
         elif o.is_discrete_sweep():
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
@@ -200,15 +200,13 @@ def plan(
 
 def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
     """One plan per batching mode with a config file, side by side."""
-    from forge.config import build_spec, conf_dir
+    from forge.config import build_spec
     from forge.plan import plan as make_plan
     from forge.plugins import make_plugin_manager
 
-    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-    modes = sorted({p.stem for d in dirs for p in (Path(d) / "batching").glob("*.yaml")})
     plans = {}
     try:
-        for mode in modes:
+        for mode in group_options("batching", config_dir):
             spec = build_spec(compose([*overrides, f"batching={mode}"], config_dir), None)
             plans[mode] = make_plan(spec, make_plugin_manager())
     except ForgeError as exc:
@@ -271,33 +269,61 @@ def calibrate(
         console.print(f"  - {{name: sim-{device.name}{mem}, sim: {{{sim}}}}}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def probe(
+    run_dir: Path = typer.Argument(..., help="A probe_gen run directory (activations and labels)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the JSON (default: RUN_DIR/probe.json)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Where to draw the PNG (default: RUN_DIR/probe.png)."),
+    test_fraction: float = typer.Option(0.25, "--test-fraction", help="Share of items (by a hash of their id) held out."),
+    c: float = typer.Option(1.0, "--C", help="Inverse L2 strength of the logistic regression."),
+) -> None:
+    """Fit a linear probe per layer on a probe_gen run; accuracy with a 95% interval per layer."""
+    from forge.probe import probe_run
+
+    try:
+        result = probe_run(run_dir, out, plot, test_fraction, c)
+    except ForgeError as exc:
+        _fail(exc)
+    table = Table(title=f"linear probes: {result['split']['test_items']} test / "
+                        f"{result['labelled'] - result['split']['test_items']} train items, "
+                        f"chance {result['chance']:.3f}")
+    for col in ("layer", "test accuracy", "95% interval (Wilson)", "train accuracy"):
+        table.add_column(col)
+    for r in result["layers"]:
+        table.add_row(str(r["layer"]), f"{r['accuracy']:.3f}", f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
+                      f"{r['train_accuracy']:.3f}")
+    console.print(table)
+    console.print(f"wrote {out or run_dir / 'probe.json'} and {result['plot']}")
+
+
 @app.command(name="ls", context_settings=EXTRA)
 def ls(
     ctx: typer.Context,
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
 ) -> None:
-    """List functions, batching modes (with the plugin providing each) and devices found."""
-    from forge.config import conf_dir, to_plain
+    """List functions and batching modes (with the plugin providing each, and whether a config
+    selects it) and the devices found."""
+    from forge.config import to_plain
     from forge.devices import resolve_devices
-    from forge.plugins import batching_modes, make_plugin_manager
+    from forge.plugins import batching_modes, functions, make_plugin_manager
 
     try:
         cfg = to_plain(compose(ctx.args, config_dir))
         devices = resolve_devices(cfg.get("devices") or {})
+        pm = make_plugin_manager()
+        listed = (("functions", "function", functions(pm)), ("batching modes", "batching", batching_modes(pm)))
+        configs = {group: set(group_options(group, config_dir)) for _, group, _ in listed}
     except ForgeError as exc:
         _fail(exc)
-    dirs = [d for d in (config_dir, conf_dir()) if d is not None]
-    functions = sorted({p.stem for d in dirs for p in (Path(d) / "function").glob("*.yaml")})
-    table = Table(title="functions", show_header=False)
-    for name in functions:
-        table.add_row(name)
-    console.print(table)
-    table = Table(title="batching modes")
-    table.add_column("mode")
-    table.add_column("plugin")
-    for name, (factory, plugin) in sorted(batching_modes(make_plugin_manager()).items()):
-        table.add_row(name, f"{plugin} ({factory.__module__}.{factory.__qualname__})")
-    console.print(table)
+    for title, group, offered in listed:
+        table = Table(title=title)
+        for col in (group if group == "function" else "mode", "plugin", "config"):
+            table.add_column(col)
+        for name in sorted(set(offered) | configs[group]):
+            ref, plugin = offered.get(name, (None, None))
+            where = "-" if ref is None else f"{plugin} ({_ref_name(ref)})"
+            table.add_row(name, where, f"{group}={name}" if name in configs[group] else "- (no config)")
+        console.print(table)
     table = Table(title="devices")
     for col in ("name", "torch device", "max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple", "memory"):
         table.add_column(col)
@@ -309,6 +335,31 @@ def ls(
     console.print(table)
 
 
+def _ref_name(ref: object) -> str:
+    """A registered class or import path, as text."""
+    if isinstance(ref, str):
+        return ref
+    return f"{getattr(ref, '__module__', '?')}.{getattr(ref, '__qualname__', ref)}"
+
+
+def group_options(group: str, config_dir: Path | None = None) -> list[str]:
+    """The options of a config group on Hydra's whole search path: Forge's conf/, installed
+    plugins' config modules (forge.searchpath) and `--config-dir`."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from forge.config import conf_dir
+    from forge.searchpath import register
+
+    register()
+    overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        options = GlobalHydra.instance().config_loader().get_group_options(group, config_name="config",
+                                                                            overrides=overrides)
+    return sorted(options)
+
+
 def compose(overrides: list[str], config_dir: Path | None = None):
     """Compose the config as `forge run` would, with clear errors for bad choices."""
     from hydra import compose as hydra_compose
@@ -317,7 +368,9 @@ def compose(overrides: list[str], config_dir: Path | None = None):
     from hydra.errors import HydraException
 
     from forge.config import conf_dir
+    from forge.searchpath import register
 
+    register()
     flags = [o for o in overrides if o.startswith("-")]
     if flags:
         raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
@@ -358,7 +411,11 @@ def print_summary(report: dict[str, Any]) -> None:
         table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("activations", "-")))
+        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table") or "-"))
+        acc = out.get("accuracy")
+        if acc and acc.get("questions"):
+            table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "
+                                      f"({acc['questions']:,} questions)")
     console.print(table)
     devices = report.get("devices", [])
     virtual = report.get("virtual_time")

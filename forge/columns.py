@@ -9,19 +9,24 @@ key, code -> length).
   checks that one prefix key means one length.
 * `GeometryFeed` reads bare columns (lengths and prefix codes, no Items): for planning and
   benchmarking the packer at the scale of millions of items.
+* `ColumnFeed` streams column chunks through the whole run loop: its batches
+  (`ColumnBatch`) keep their items as columns (`ItemColumns`), so the loop, the ledger and
+  the simulator account tens of millions of items with no Python object per item.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
-from typing import Iterable, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk
+from forge.batching.base import NO_PREFIX, Chunk, Cut
 from forge.errors import ForgeError
-from forge.geometry import Item
+from forge.geometry import Batch, Item
 
 _num_tokens, _prefix_key, _prefix_len = attrgetter("num_tokens"), attrgetter("prefix_key"), attrgetter("prefix_len")
 
@@ -146,3 +151,210 @@ class GeometryFeed:
         a = self._next
         b = self._next = min(len(self.num_tokens), a + n)
         return Chunk(np.arange(a, b, dtype=np.int64), self.num_tokens[a:b], self.prefix[a:b], self.item_prefix_len[a:b])
+
+
+class ItemColumns(Sequence):
+    """Items as columns: a read-only sequence of `Item`s made one at a time on access.
+
+    Counting them (`len`, `total_tokens`) costs nothing per item, so accounting a batch of
+    streamed geometry needs no Python object per item; code that iterates (a failure, a
+    stop) gets real Items, ids being input positions as text.
+    """
+
+    __slots__ = ("index", "num_tokens", "prefix", "_keys", "_prefix_lens")
+
+    def __init__(self, index: np.ndarray, num_tokens: np.ndarray, prefix: np.ndarray,
+                 keys: Sequence[str], prefix_lens: np.ndarray):
+        self.index = index  # input position of each item (int64)
+        self.num_tokens = num_tokens  # whole sequence, prefix included (int64)
+        self.prefix = prefix  # prefix code per item, NO_PREFIX for none (int64)
+        self._keys = keys  # code -> prefix key
+        self._prefix_lens = prefix_lens  # code -> prefix length, plus a trailing 0 read by NO_PREFIX
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.num_tokens.sum())
+
+    @property
+    def prefix_tokens(self) -> int:
+        return int(self._prefix_lens[self.prefix].sum())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        code = int(self.prefix[i])
+        index = int(self.index[i])
+        return Item(str(index), int(self.num_tokens[i]), None if code == NO_PREFIX else self._keys[code],
+                    int(self._prefix_lens[code]), None, None, index)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+class _LazyRows(Sequence):
+    """A column batch's rows as lists of Items, made only when something reads them."""
+
+    __slots__ = ("columns", "row_ends")
+
+    def __init__(self, columns: ItemColumns, row_ends: list[int] | None):
+        self.columns, self.row_ends = columns, row_ends
+
+    def __len__(self) -> int:
+        return len(self.columns) if self.row_ends is None else len(self.row_ends)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self.row_ends is None:
+            return [self.columns[i]]
+        i = range(len(self))[i]
+        return self.columns[(self.row_ends[i - 1] if i else 0):self.row_ends[i]]
+
+
+@dataclass(slots=True)
+class ColumnBatch(Batch):
+    """A `Batch` whose items stay columns (`ColumnFeed`): counts are numpy sums taken once,
+    rows and Items are made only if read (a retry, a failure). Splitting or selecting gives
+    a plain Batch of Items; given other rows (`dataclasses.replace(batch, rows=...)`), it
+    drops its columns and counts its rows as a plain Batch does."""
+
+    columns: ItemColumns | None = None  # the items, in row order; None: `rows` holds Items
+    totals: tuple[int, int, int] = (0, 0, 0)  # (num_tokens, row_tokens, prefix_tokens) of `columns`
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rows, _LazyRows) and self.rows.columns is self.columns):
+            self.columns = None  # rows were replaced: they, not the columns, say what the batch holds
+
+    @property
+    def items(self):
+        return self.columns if self.columns is not None else Batch.items.fget(self)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.totals[0] if self.columns is not None else Batch.num_tokens.fget(self)
+
+    @property
+    def row_tokens(self) -> int:
+        return self.totals[1] if self.columns is not None else Batch.row_tokens.fget(self)
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.totals[2] if self.columns is not None else Batch.prefix_tokens.fget(self)
+
+    def as_items(self) -> Batch:
+        return Batch(rows=list(self.rows), padded_len=self.padded_len, prefix_key=self.prefix_key,
+                     prefix_len=self.prefix_len, split_prefix=self.split_prefix, packed=self.packed, seq=self.seq,
+                     retry=self.retry, cache_hit=self.cache_hit)
+
+    def select(self, keep) -> Batch:
+        return self.as_items().select(keep)
+
+    def halves(self) -> list[Batch]:
+        return self.as_items().halves()
+
+
+class ColumnFeed:
+    """Items streamed as column chunks (tokens and prefix code per item), never as Items:
+    planning and benchmarking the whole loop at tens of millions of items in bounded memory.
+
+    Waiting items sit in slots (their ids), as in `ItemFeed`, so memory follows the window,
+    not the input. `chunks` yields (num_tokens, prefix code) array pairs; `received` is told
+    each admitted chunk as `ItemColumns` (the ledger's `forge_items_received`).
+    """
+
+    def __init__(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]], prefix_lens: Sequence[int],
+                 keys: Sequence[str] | None = None, capacity: int = 65536,
+                 received: Callable[[ItemColumns], None] | None = None):
+        self._chunks = iter(chunks)
+        self._buf: list[tuple[np.ndarray, np.ndarray]] = []  # pulled from `chunks`, not admitted yet
+        self._buffered = 0
+        self.prefix_lens = [int(p) for p in prefix_lens]
+        self.keys = list(keys) if keys is not None else [f"prefix{i}" for i in range(len(self.prefix_lens))]
+        self._table = np.array(self.prefix_lens + [0], np.int64)  # index -1 (NO_PREFIX) reads the 0
+        self.received = received
+        self.admitted = 0  # items admitted so far: the next one's input position
+        cap = max(1, capacity)
+        self._index = np.zeros(cap, np.int64)  # slot -> input position
+        self._num_tokens = np.zeros(cap, np.int64)
+        self._prefix = np.zeros(cap, np.int64)
+        self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)  # free slots, a stack: [:_top]
+        self._top = cap
+
+    def key(self, code: int) -> str | None:
+        return None if code == NO_PREFIX else self.keys[code]
+
+    def prefix_len(self, code: int) -> int:
+        return 0 if code == NO_PREFIX else self.prefix_lens[code]
+
+    def code(self, key: str | None) -> int:
+        return NO_PREFIX if key is None else self.keys.index(key)
+
+    def _pull(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        while self._buffered < n:
+            try:
+                tokens, prefix = next(self._chunks)
+            except StopIteration:
+                break
+            self._buf.append((np.asarray(tokens, np.int64), np.asarray(prefix, np.int64)))
+            self._buffered += len(self._buf[-1][0])
+        if not self._buf:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        tokens = np.concatenate([b[0] for b in self._buf]) if len(self._buf) > 1 else self._buf[0][0]
+        prefix = np.concatenate([b[1] for b in self._buf]) if len(self._buf) > 1 else self._buf[0][1]
+        self._buf = [(tokens[n:], prefix[n:])] if len(tokens) > n else []
+        self._buffered = max(0, len(tokens) - n)
+        return tokens[:n], prefix[:n]
+
+    def admit(self, n: int) -> Chunk:
+        tokens, prefix = self._pull(n)
+        n = len(tokens)
+        prefix_len = self._table[prefix]
+        if np.any(tokens <= prefix_len):
+            i = int(np.argmax(tokens <= prefix_len))
+            raise ForgeError(f"item {self.admitted + i}: {tokens[i]} tokens, not more than its prefix; "
+                             "give it a suffix")
+        if n > self._top:
+            self._grow(n - self._top)
+        self._top -= n
+        ids = self._free[self._top:self._top + n].copy()
+        index = np.arange(self.admitted, self.admitted + n, dtype=np.int64)
+        self.admitted += n
+        self._index[ids], self._num_tokens[ids], self._prefix[ids] = index, tokens, prefix
+        if self.received is not None and n:
+            self.received(ItemColumns(index, tokens, prefix, self.keys, self._table))
+        return Chunk(ids, tokens, prefix, prefix_len)
+
+    def batch(self, cut: Cut) -> ColumnBatch:
+        """The batch a cut names, its items as columns; their slots are freed."""
+        ids = cut.ids
+        cols = ItemColumns(self._index[ids], self._num_tokens[ids], self._prefix[ids], self.keys, self._table)
+        n = len(ids)
+        self._free[self._top:self._top + n] = ids
+        self._top += n
+        num_tokens = cols.total_tokens
+        prefix_len = self.prefix_len(cut.prefix)
+        prefix_tokens = prefix_len * n if cut.prefix != NO_PREFIX else cols.prefix_tokens
+        return ColumnBatch(rows=_LazyRows(cols, cut.row_ends), padded_len=cut.padded_len,
+                           prefix_key=self.key(cut.prefix), prefix_len=prefix_len, split_prefix=cut.split_prefix,
+                           packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit, columns=cols,
+                           totals=(num_tokens, cut.row_tokens, prefix_tokens))
+
+    def waiting(self) -> list[Item]:
+        """Every item held (admitted, not yet in a batch), as Items."""
+        held = np.ones(len(self._index), bool)
+        held[self._free[:self._top]] = False
+        ids = np.flatnonzero(held)
+        return list(ItemColumns(self._index[ids], self._num_tokens[ids], self._prefix[ids], self.keys, self._table))
+
+    def _grow(self, at_least: int) -> None:
+        old = len(self._index)
+        size = max(2 * old, old + at_least)
+        pad = np.zeros(size - old, np.int64)
+        self._index, self._num_tokens, self._prefix = (np.concatenate((a, pad)) for a in
+                                                       (self._index, self._num_tokens, self._prefix))
+        self._free = np.concatenate((np.arange(size - 1, old - 1, -1, dtype=np.int64), self._free[:self._top],
+                                     np.empty(old - self._top, np.int64)))
+        self._top += size - old

@@ -9,7 +9,6 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from forge.devices import resolve_devices
@@ -18,16 +17,15 @@ from forge.loop import RunPolicy
 from forge.errors import ForgeError
 from forge.schema import validate
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ENGINE_BATCHING_KEYS = ("mode", "window", "cache_tokens")
 GB = 1 << 30
 
 
 def conf_dir() -> Path:
-    """The packaged conf/ directory (the repo's in an editable install)."""
-    import conf
+    """The packaged config directory, `forge.conf` (the repository's conf/ in a checkout)."""
+    import forge.conf
 
-    return Path(conf.__file__).resolve().parent
+    return Path(forge.conf.__file__).resolve().parent
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
@@ -37,10 +35,9 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 def build_function(cfg: dict[str, Any]):
     """Instantiate the function: its constructor's parameters come from same-named config keys."""
-    target = (cfg.get("function") or {}).get("_target_")
-    if not target:
-        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
-    cls = get_class(target)
+    from forge.plugins import function_class
+
+    cls = function_class(cfg.get("function") or {})
     params = inspect.signature(cls).parameters
     kwargs = {name: cfg[name] for name in params if name in cfg}
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]

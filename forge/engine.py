@@ -175,10 +175,10 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                      fault=lambda tmp: pm.hook.forge_fault(point="write_shard", device=None, batch=None))
     try:
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+        sink = spec.function.open_sink(store)
     except ForgeError:
         store.abandon()
         raise
-    sink = spec.function.open_sink(store)
     policy = spec.runtime.policy
     committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
     executor = make_executor(spec, scheduler.cache_tokens, pm.hook)

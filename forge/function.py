@@ -1,15 +1,26 @@
 """The function seam: what a Forge function provides to the engine.
 
-A function turns its input into token-geometry items, opens one worker per device (the
-model lives there, loaded once), and opens one sink that commits results to the run
-directory through `forge.store.RunStore`. A worker is small on purpose (`run`, `close`)
-so a thread, a process or a Ray actor can host it: the function object is pickled to a
-worker process, and a batch's output must pickle (plain numpy arrays, not device tensors).
+A function is a class (this ABC) plus a YAML file in a `conf/function/` directory. It
+declares:
+
+* how rows become items, with their token geometry (`records`: `Item`s, `Rejected` rows);
+* what a worker computes for a batch (`open_worker`: the model is loaded once per device);
+* its result schema and how outputs are committed (`result_schema`: fields, safetensors
+  shards or Parquet table rows; the generic sink of `forge.sinks` commits them; a function
+  may instead override `open_sink` with its own `Sink`);
+* its cost model (`cost_model`, for batching=memory), the layouts it can run exactly
+  (`check_mode`), and what decides its results (`fingerprint`, for resume).
+
+A worker is small on purpose (`run`, `close`) so a thread, a process or a Ray actor can
+host it: the function object is pickled to a worker process, and a batch's output must
+pickle (plain numpy arrays, not device tensors). The packer, scheduler, ledger and executors
+see only items, batches and outputs: none of them knows which function runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from forge.batching.memory import CostModel
@@ -17,12 +28,22 @@ from forge.geometry import Batch, Device, Item
 from forge.run import Rejected
 
 if TYPE_CHECKING:
+    from forge.results import ResultSchema
     from forge.store import RunStore
 
 
 class BatchOutput(Protocol):
     prefix_computed_tokens: int  # prefix tokens run this step (0 on a prefix-cache hit)
     cache_hit: bool  # the prefix came from the device's cache
+
+
+@dataclass
+class ItemColumns:
+    """A batch's output for the generic sink: one value per item for each result field."""
+
+    columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
+    prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
+    cache_hit: bool = False  # the prefix came from the device's cache
 
 
 class Worker(Protocol):
@@ -62,8 +83,19 @@ class Function(ABC):
     def open_worker(self, device: Device, cache_tokens: int) -> Worker:
         """Load the model on `device` (once) and return a worker for its batches."""
 
-    @abstractmethod
-    def open_sink(self, store: "RunStore") -> Sink: ...
+    def result_schema(self) -> "ResultSchema":
+        """What each item yields (`forge.results.ResultSchema`: fields, format, folder). The
+        worker's outputs then carry `columns` (`ItemColumns`) with those fields."""
+        from forge.errors import ForgeError
+
+        raise ForgeError(f"function {self.name or type(self).__name__} declares no result_schema(); its author "
+                         "must declare one, or override open_sink() with a sink of its own")
+
+    def open_sink(self, store: "RunStore") -> Sink:
+        """The sink committing results: by default the generic one for `result_schema()`."""
+        from forge.sinks import open_sink
+
+        return open_sink(store, self.result_schema())
 
     @abstractmethod
     def fingerprint(self) -> dict[str, Any]:

@@ -25,6 +25,27 @@ def forge_batching_modes():
 
 
 @hookspec
+def forge_functions():
+    """Offer functions.
+
+    :return: a dict mapping a function name (what `function.name` in its config says) to its
+        `forge.function.Function` subclass, or to an import path ``"package.module:Class"``
+        that is imported only when the function is used (so listing stays cheap). A config
+        that names a registered function needs no `_target_`.
+    """
+
+
+@hookspec
+def forge_config_searchpath():
+    """Offer config directories: Forge's Hydra search-path plugin appends them after Forge's
+    own `conf/`, so `function=<name>` and `batching=<name>` find a plugin's YAML files.
+
+    :return: a config module path such as ``"pkg://my_plugin.conf"`` (a package holding
+        `function/<name>.yaml`, `batching/<name>.yaml`, ...), a ``"file://DIR"``, or a list of them.
+    """
+
+
+@hookspec
 def forge_run_start(run):
     """A run (or a plan) starts.
 

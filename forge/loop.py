@@ -19,8 +19,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
+from forge.columns import ItemColumns
 from forge.executors.base import Executor, Outcome, Status
 from forge.geometry import Batch, Device, Item
+from forge.indexset import IndexSet
 from forge.run import BatchStats, RunContext, batch_stats
 from forge.scheduler import Scheduler
 
@@ -56,7 +58,8 @@ class Committer:
 
     def __init__(self, sink, committed: set[int], shard_rows: int, interval_s: float):
         self.sink = sink
-        self.committed = committed
+        # a bitmap, not a set: same answers, ~1 byte per input position instead of ~70 (RSS at 10M items)
+        self.committed = committed if isinstance(committed, IndexSet) else IndexSet(committed)
         self.shard_rows = max(1, shard_rows)
         self.interval_s = interval_s
         self.buffered: list[Item] = []  # completed items whose shard is not written yet
@@ -64,7 +67,15 @@ class Committer:
 
     def commit(self, batch: Batch, output: Any) -> tuple[Batch | None, Batch | None]:
         """(what was committed, what was a duplicate): either may be None."""
-        keep = [it.index not in self.committed for it in batch.items]
+        items = batch.items
+        if isinstance(items, ItemColumns):  # streamed columns: one numpy pass, no Item made
+            fresh = ~self.committed.contains(items.index)
+            if fresh.all() and self.sink is None:
+                self.committed.add_array(items.index)
+                return batch, None
+            keep = fresh.tolist()  # a duplicate or a sink: the general path below, with Items
+        else:
+            keep = [it.index not in self.committed for it in items]
         if not any(keep):
             return None, batch
         partial = not all(keep)
@@ -226,6 +237,9 @@ class RunLoop:
     def _finished(self, reasons: list[str | None]) -> None:
         """Count finished items; stop when one failure reason fills the recent window."""
         recent, counts = self._recent, self._recent_failures
+        if not any(reasons) and not any(counts.values()):
+            recent.extend(reasons)  # all completed and no failure in the window: nothing to count (C speed)
+            return
         for reason in reasons:
             if len(recent) == recent.maxlen:
                 old = recent.popleft()

@@ -43,7 +43,7 @@ from operator import attrgetter
 from typing import Iterable
 
 from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
-from forge.columns import GeometryFeed, ItemFeed
+from forge.columns import ColumnFeed, GeometryFeed, ItemFeed
 from forge.executors.base import Outcome, Status
 from forge.geometry import Batch, Device, Item, Limits, batch_fits
 from forge.lru import TokenLRU
@@ -60,7 +60,7 @@ class Scheduler:
     def __init__(
         self,
         packer: Packer,
-        items: Iterable[Item] | GeometryFeed,
+        items: Iterable[Item] | GeometryFeed | ColumnFeed,
         devices: list[Device],
         *,
         window: int = 65536,
@@ -74,7 +74,7 @@ class Scheduler:
         self.oom_splits = 0  # batches split after running out of memory
         self.window = max(1, int(window))
         # where items come from: Items (a run), or bare geometry (plans and benchmarks at scale)
-        self.feed = items if isinstance(items, GeometryFeed) else ItemFeed(items, self.window)
+        self.feed = items if isinstance(items, (GeometryFeed, ColumnFeed)) else ItemFeed(items, self.window)
         self.exhausted = False
         self.max_window_seen = 0  # most items ever held in the window
         self.cache_tokens = cache_tokens
@@ -312,6 +312,8 @@ class Scheduler:
 
     def _batch(self, cut: Cut) -> Batch:
         """The Items a cut names, in its rows."""
+        if isinstance(self.feed, ColumnFeed):  # streamed columns: the batch keeps them, no Item per item
+            return self.feed.batch(cut)
         items = self.feed.take(cut.ids)
         if cut.row_ends is None:
             rows = [[it] for it in items]

@@ -12,7 +12,6 @@ Hydra's own node (`hydra`) is never validated.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -79,8 +78,8 @@ def one_of(default: Any, *choices: str) -> Any:
 
 @dataclass
 class FunctionRef:
-    name: str = MISSING
-    _target_: str = MISSING
+    name: str = MISSING  # the function's name; a plugin registers its class under it (forge_functions)
+    _target_: Optional[str] = None  # import path of the class; unset: the class registered under `name`
 
 
 @dataclass
@@ -188,17 +187,13 @@ def runtime_schema(cfg: DictConfig) -> type:
 
 def function_schema(cfg: DictConfig) -> type | None:
     """The dataclass of root keys that the configured function declares, if any."""
-    target = OmegaConf.select(cfg, "function._target_", default=None, throw_on_missing=False)
-    if not target or not isinstance(target, str):
+    from forge.plugins import function_class
+
+    node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
+    if not isinstance(node, DictConfig):
         raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
-    module, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ForgeError(f"config function._target_={target!r}: cannot import it ({first}); "
-                         "pick a function with function=<name> (see `forge ls`)") from None
-    return getattr(cls, "config_schema", None)
+    ref = {k: OmegaConf.select(node, k, default=None, throw_on_missing=False) for k in ("_target_", "name")}
+    return getattr(function_class(ref), "config_schema", None)
 
 
 # -- validation ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
-from forge.activations import ShardWriter
+from forge.activations import activation_schema
 from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
@@ -23,7 +23,6 @@ from forge.geometry import Batch, Device, Item
 from forge.inputs import Column, check_input, count_rows, read_rows
 from forge.run import Rejected
 from forge.schema import MISSING, one_of, positive
-from forge.store import RunStore
 
 EMBEDDED = "embedded:"
 POOLINGS = ("last", "mean")
@@ -69,7 +68,7 @@ class ProbeGenConfig:
 def resolve_model_source(name: str) -> str:
     """A local directory or hub id that `from_pretrained` understands (weights may be missing)."""
     if name.startswith(EMBEDDED):
-        from functions.assets import ASSETS_DIR
+        from forge.functions.assets import ASSETS_DIR
 
         path = ASSETS_DIR / name[len(EMBEDDED):]
         if not path.is_dir():
@@ -80,7 +79,7 @@ def resolve_model_source(name: str) -> str:
 
 def resolve_input(path: str) -> Path:
     if path.startswith(EMBEDDED):
-        from functions.assets import ASSETS_DIR
+        from forge.functions.assets import ASSETS_DIR
 
         return ASSETS_DIR / f"{path[len(EMBEDDED):]}.jsonl"
     return Path(path).expanduser()
@@ -338,7 +337,7 @@ class ProbeGen(Function):
         from transformers import AutoModelForCausalLM
 
         from forge.runtime.causal_lm import CausalLMRunner
-        from functions.assets import materialize_model
+        from forge.functions.assets import materialize_model
 
         path = str(materialize_model(Path(self.source))) if Path(self.source).is_dir() else self.source
         self._model_path = path
@@ -354,9 +353,9 @@ class ProbeGen(Function):
                                 pad_token_id=pad if pad is not None else 0, caps=self.caps)
         return ProbeWorker(runner)
 
-    def open_sink(self, store: RunStore) -> "ProbeSink":
-        meta = {"pooling": self.pooling, "model": self.model.name}
-        return ProbeSink(ShardWriter(store, self.layers, meta, self.shard_size))
+    def result_schema(self):
+        """Pooled activations per layer, as safetensors shards under activations/ (labels kept)."""
+        return activation_schema(self.layers, {"pooling": self.pooling, "model": self.model.name}, self.shard_size)
 
 
 @dataclass
@@ -366,6 +365,11 @@ class ProbeOutput:
     pooled: dict[int, Any]  # layer -> float32 numpy [n_items, hidden], batch.items order
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
     cache_hit: bool
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        """The result fields of `result_schema` (what the generic sink commits)."""
+        return {f"layer_{layer}": rows for layer, rows in self.pooled.items()}
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -401,24 +405,3 @@ class ProbeWorker:
 
     def close(self) -> None:
         self.runner = None
-
-
-class ProbeSink:
-    def __init__(self, writer: ShardWriter):
-        self.writer = writer
-        self.rows_per_shard = writer.rows_per_shard
-
-    def write(self, batch: Batch, output: ProbeOutput, keep: list[bool] | None) -> None:
-        items = batch.items
-        pooled = output.pooled
-        if keep is not None:
-            items = [it for it, k in zip(items, keep) if k]
-            pooled = {layer: rows[keep] for layer, rows in pooled.items()}
-        self.writer.add(ids=[it.id for it in items], labels=[it.meta for it in items],
-                        index=[it.index for it in items], pooled=pooled)
-
-    def flush(self) -> None:
-        self.writer.flush()
-
-    def close(self) -> dict[str, Any]:
-        return self.writer.close()

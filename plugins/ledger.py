@@ -16,6 +16,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+from forge.columns import ItemColumns
 from forge.hookspecs import hookimpl
 
 NAME = "ledger"
@@ -57,6 +58,8 @@ def ledger_of(run) -> Ledger:
 
 
 def _tokens(items) -> int:
+    if isinstance(items, ItemColumns):  # streamed columns: a numpy sum, no Item made
+        return items.total_tokens
     return sum(it.num_tokens for it in items)
 
 

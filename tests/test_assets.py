@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from functions.assets import (
+from forge.functions.assets import (
     ASSETS_DIR,
     embedded_dataset_path,
     embedded_model_source,
@@ -43,7 +43,7 @@ def test_import_is_cheap():
     # The assets module must not pull in torch/transformers at import time.
     import subprocess
 
-    code = ("import sys, functions.assets; "
+    code = ("import sys, forge.functions.assets; "
             "print('torch' in sys.modules or 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ASSETS_DIR.parent.parent, check=True)

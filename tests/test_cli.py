@@ -134,7 +134,7 @@ def test_plan_compare_modes(cli):
     result = cli.invoke(app, ["plan", "--compare", "--json", "input.limit=150", *SMALL])
     assert result.exit_code == 0, result.output
     plans = json.loads(result.stdout)
-    assert set(plans) == {"item", "token", "memory"}
+    assert {"item", "token", "memory"} <= set(plans)  # and any mode an installed plugin adds
     assert all(p["balanced"] and p["items"]["completed"] == 150 for p in plans.values())
     assert plans["token"]["tokens"]["padded_slots"] < plans["item"]["tokens"]["padded_slots"]
     assert plans["item"]["cache_hit_rate"] == 0 and plans["token"]["cache_hit_rate"] > 0.9

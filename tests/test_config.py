@@ -173,7 +173,7 @@ def test_schema_types_values_and_keeps_interpolations(pm):
 
 def test_a_function_declares_its_own_root_keys():
     from forge.schema import schema_for
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     keys = {f.name for f in dataclasses.fields(schema_for(ProbeGen.config_schema))}
     assert {"input", "layers", "pooling", "shard_size", "model"} <= keys

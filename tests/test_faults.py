@@ -195,7 +195,7 @@ def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
 
 def test_one_percent_bad_rows_are_recorded_and_the_rest_complete(tmp_path):
     from faults import corrupt_rows
-    from functions.assets import embedded_dataset_path
+    from forge.functions.assets import embedded_dataset_path
 
     rows = embedded_dataset_path().read_text().splitlines()
     rows = [json.dumps({**json.loads(r), "id": f"{k}-{json.loads(r)['id']}"}) for k in range(2) for r in rows]
@@ -243,7 +243,7 @@ def test_a_heavy_tail_never_stalls(tmp_path, packing, how):
 def test_a_worker_that_cannot_load_retires_its_device_with_the_reason(tmp_path):
     import shutil
 
-    from functions.assets import embedded_model_source, materialize_model
+    from forge.functions.assets import embedded_model_source, materialize_model
 
     model = tmp_path / "broken-model"
     shutil.copytree(materialize_model(embedded_model_source()), model)

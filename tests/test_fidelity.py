@@ -75,7 +75,7 @@ SMALL = ["devices=auto", "devices.limits.max_batch_tokens=256", "devices.limits.
 
 def _rows() -> list[dict]:
     """18 rows: two prefixes (24 and 58 tokens) x 8 texts of 6..25 tokens, and 2 rows without one."""
-    from functions.assets import embedded_dataset_path
+    from forge.functions.assets import embedded_dataset_path
 
     rows = [json.loads(line) for line in open(embedded_dataset_path())]
     prefixes = [p for p in dict.fromkeys(r.get("prefix") for r in rows) if p]
@@ -96,7 +96,7 @@ def _build(name: str, root: Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     path = root / name
     model.save_pretrained(path)
-    from functions.assets import embedded_model_source
+    from forge.functions.assets import embedded_model_source
 
     for f in TOKENIZER_FILES:
         shutil.copy(embedded_model_source() / f, path / f)
@@ -130,7 +130,7 @@ def family(name: str, data, dtype: str = "float32"):
         root, rows = data
         path = _FAMILY_CACHE[(name, "float32")][0] if (name, "float32") in _FAMILY_CACHE else _build(name, root)
         from forge.runtime.reference import pool, reference_hidden
-        from functions.probe_gen import ProbeGen
+        from forge.functions.probe_gen import ProbeGen
 
         fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -267,7 +267,7 @@ def test_capabilities_from_config_alone(name):
 
 
 def test_remote_code_needs_consent(tmp_path):
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "forge_custom_lm", "num_hidden_layers": 2,
@@ -279,7 +279,7 @@ def test_remote_code_needs_consent(tmp_path):
 
 def test_eos_appending_tokenizer(tmp_path, data):
     """A tokenizer that appends EOS: the prefix loses it (it would sit inside the prompt), once warned."""
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     path, _ = family("llama", data)
     eos_dir = tmp_path / "eos"

@@ -14,7 +14,7 @@ N = 5000
 
 
 def probe_gen(path, **input_options):
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": str(path), **input_options}, layers=[1])
 

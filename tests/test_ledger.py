@@ -115,7 +115,7 @@ def test_parquet_input(tmp_path):
 
 
 def _dataset():
-    from functions.assets import embedded_dataset_path
+    from forge.functions.assets import embedded_dataset_path
 
     return embedded_dataset_path()
 

@@ -18,7 +18,7 @@ SWEEP = (Shape(3, 48), Shape(12, 200), Shape(3, 200, 96), Shape(12, 48, 300, cac
 def _configs():
     from transformers import AutoConfig, MistralConfig, Qwen2Config
 
-    from functions.assets import embedded_model_source
+    from forge.functions.assets import embedded_model_source
 
     return {
         "embedded-llama-float32": (AutoConfig.from_pretrained(embedded_model_source()), "float32"),
@@ -46,7 +46,7 @@ def test_fit_tracks_measured_peak(name):
 
 
 def test_probe_gen_falls_back_to_shape_with_a_warning(monkeypatch):
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     fn = ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=[1, 4])
 
@@ -60,7 +60,7 @@ def test_probe_gen_falls_back_to_shape_with_a_warning(monkeypatch):
 
 
 def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
-    from functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen
 
     def make():
         return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=[4])

@@ -170,8 +170,8 @@ def test_the_packer_side_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, plugins.batching, "
-            "plugins.ledger; print('torch' in sys.modules)")
+    code = ("import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, forge.builtin.batching, "
+            "forge.builtin.ledger; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -7,8 +7,8 @@ from forge.plugins import batching_modes, make_plugin_manager
 
 def test_builtins_register_through_entry_points(pm):
     modes = batching_modes(pm)
-    assert {name: plugin for name, (_, plugin) in modes.items()} == {
-        "item": "batching", "token": "batching", "memory": "batching"}
+    assert {name: plugin for name, (_, plugin) in modes.items() if plugin == "batching"} == {
+        "item": "batching", "token": "batching", "memory": "batching"}  # installed plugins may add more
     assert {"ledger", "progress", "batching"} <= {pm.get_name(p) for p in pm.get_plugins()}
 
 

@@ -28,8 +28,8 @@ def reference():
     from transformers import AutoModelForCausalLM
 
     from forge.runtime.causal_lm import reference_pooled
-    from functions.assets import embedded_model_source, materialize_model
-    from functions.probe_gen import ProbeGen
+    from forge.functions.assets import embedded_model_source, materialize_model
+    from forge.functions.probe_gen import ProbeGen
 
     fn = ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements", "limit": N},
                   layers=LAYERS)
@@ -70,6 +70,6 @@ def test_ids_and_labels_follow_input_order(tmp_path):
 
 
 def _dataset():
-    from functions.assets import embedded_dataset_path
+    from forge.functions.assets import embedded_dataset_path
 
     return embedded_dataset_path()

@@ -86,6 +86,9 @@ class MemoryPacker(TokenPacker):
             )
         return budget
 
+    def profile(self, device: Device) -> tuple:
+        return *super().profile(device), self.budget(device)  # plans here also read the byte budget
+
     def check_device(self, device: Device) -> None:
         budget = self.budget(device)
         if budget <= self.cost_model.weight_bytes:

@@ -12,7 +12,7 @@ When plans happen (`Urgency`): never under WAIT, which only hands out batches pl
 already; under ROOM (the scheduler's window is full, so no more company can arrive for
 now) a group is planned again once `replan_batches` batches' worth of tokens has arrived
 since its last plan; under DRAIN (the input is exhausted) everything is cut. Planned
-batches are kept for the device profile (limits, memory budget, overhead) they were cut
+batches are kept for the device profile (limits, overhead; memory mode: budget) they were cut
 for; a device with another profile returns them to the group and plans again.
 
 * Without the prefix cache (`prefix_cache=false`, rows only) rows hold whole sequences, so
@@ -46,11 +46,6 @@ from forge.errors import ForgeError
 from forge.geometry import Device
 
 _EMPTY = np.zeros(0, np.int64)
-
-
-def _profile(device: Device) -> tuple:
-    """What a planned batch depends on besides the group: devices equal in it share plans."""
-    return device.limits, device.memory_bytes, device.batch_overhead_tokens
 
 
 class _Group:
@@ -127,6 +122,13 @@ class TokenPacker(Packer):
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
         self._shapes: dict[tuple, dict[int, tuple[int, int]]] = {}  # ... -> packed shape by longest item
 
+    def profile(self, device: Device) -> tuple:
+        """What a planned batch depends on besides the group: devices equal in it share plans.
+        A token-mode plan reads only the limits and the per-step overhead, so cards that differ
+        only in memory share plans (memory mode adds the budget); a profile finer than what
+        plans read made such cards take turns re-planning each other's groups."""
+        return device.limits, self.overhead_tokens(device)
+
     # -- window -----------------------------------------------------------------
     def add(self, chunk: Chunk) -> None:
         n = len(chunk)
@@ -179,7 +181,7 @@ class TokenPacker(Packer):
         g = self._groups.get(key)
         if g is None:
             return None
-        profile = _profile(device)
+        profile = self.profile(device)
         if not (g.ready and g.ready_for == profile):
             if urgency == Urgency.WAIT:
                 return None  # batches are planned once the window is full, so they pick from the most items
@@ -241,7 +243,7 @@ class TokenPacker(Packer):
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
         t_hi = below[r + 1]  # tokens below position hi
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
-        caps = self._caps.setdefault((_profile(device), g.offset), {})  # row cap by padded length
+        caps = self._caps.setdefault((self.profile(device), g.offset), {})  # row cap by padded length
         while hi:  # r: the head's run, the one holding position hi - 1
             padded = -(-values[r] // m) * m
             cap = caps.get(padded)
@@ -334,7 +336,7 @@ class TokenPacker(Packer):
         keep = 0 if urgency == Urgency.DRAIN else lim.max_batch_tokens  # the last batch's worth waits for arrivals
         remaining = g.tokens
         fitting = below[bisect.bisect_right(avail, limit)]  # tokens of rows short enough for this device
-        shapes = self._shapes.setdefault((_profile(device), g.offset), {})  # packed shape by longest item
+        shapes = self._shapes.setdefault((self.profile(device), g.offset), {})  # packed shape by longest item
         take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
         take_q: list[int] = []
         batches = []  # (first take item, last take item, row ends, padded_len, useful tokens)

@@ -80,6 +80,7 @@ class SimExecutor(Executor):
         self.timeline: list[Span] = []
         self.now = 0.0  # virtual time of the last outcome collected
         self._heap: list[tuple] = []  # (end, ticket, device, cost, status, output, reason)
+        self._busy: set[str] = set()  # devices with a batch in the heap (free_slots without scanning it)
 
     def start(self, devices: list[Device]) -> None:
         time_unit(devices)
@@ -89,7 +90,7 @@ class SimExecutor(Executor):
         self.budgets = {d.name: d.memory_bytes for d in devices}
 
     def free_slots(self, device: str) -> int:
-        return 0 if any(entry[2] == device for entry in self._heap) else 1
+        return 0 if device in self._busy else 1
 
     def step_seconds(self, device: Device, batch: Batch) -> tuple[float, int]:
         """(the step's virtual time, prefix tokens it computes)."""
@@ -121,6 +122,7 @@ class SimExecutor(Executor):
     def _push(self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput,
               reason: str) -> None:
         heapq.heappush(self._heap, (end, ticket, device, cost, status, output, reason))
+        self._busy.add(device)
 
     def in_flight(self) -> int:
         return len(self._heap)
@@ -129,6 +131,7 @@ class SimExecutor(Executor):
         if not self._heap:
             return []
         end, ticket, name, cost, status, output, reason = heapq.heappop(self._heap)
+        self._busy.discard(name)  # one batch per device at a time (free_slots), so it is free now
         self.now = max(self.now, end)
         return [Outcome(ticket, name, status, output if status == Status.COMPLETED else None, reason, cost)]
 

@@ -51,6 +51,27 @@ class BatchOutput:
     cache_hit: bool
 
 
+@dataclass
+class RowStates:
+    """A batch's forward pass before pooling (`CausalLMRunner.forward_tokens`).
+
+    Row tokens are numbered item by item in `batch.items` order, each item's in order; `tok`
+    gives, per row token, (item, place within the item's row span, row, column).
+    """
+
+    hidden: dict[int, torch.Tensor]  # hidden-state index -> [rows run, padded_len, hidden], model dtype
+    last: torch.Tensor | None  # the base decoder's last_hidden_state [rows run, padded_len, hidden]; None: no row token
+    tok: tuple[torch.Tensor, ...] | None  # (tok_item, tok_within, tok_row, tok_col), CPU int64 [row tokens]
+    total: int  # row tokens (outside the split prefix)
+    lens: torch.Tensor  # per item: its tokens in the rows
+    starts: torch.Tensor  # per item: its first column in its row
+    item_row: torch.Tensor  # per item: the row it runs in (among rows run)
+    pool_from: torch.Tensor  # per item: first place within its span after its own prefix
+    entry: PrefixEntry | None  # the shared prefix's KV, when split off
+    cache_hit: bool  # the prefix came from the device's cache
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -242,11 +263,27 @@ class CausalLMRunner:
         return entry, False
 
     def _run(self, batch: Batch) -> BatchOutput:
+        states = self._forward_batch(batch)
+        if states is None:
+            h = self.hidden_size or 0
+            return BatchOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
+        pooled = self._pool(states.hidden, states.tok if states.total else None, states.lens, states.starts,
+                            states.item_row, states.pool_from, states.entry, len(batch.items))
+        return BatchOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
+                           cache_hit=states.cache_hit)
+
+    def forward_tokens(self, batch: Batch) -> "RowStates | None":
+        """The batch's forward pass, not pooled: the final hidden state of every row token and
+        where each token sits (for functions that read per-token states, e.g. scoring). None
+        for an empty batch."""
+        with torch.inference_mode():
+            return self._forward_batch(batch)
+
+    def _forward_batch(self, batch: Batch) -> "RowStates | None":
         items = batch.items
         n = len(items)
         if n == 0:
-            h = self.hidden_size or 0
-            return BatchOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
+            return None
         seqs = [_token_tensor(it) for it in items]
         self._validate(batch, seqs, items)
 
@@ -283,13 +320,15 @@ class CausalLMRunner:
         pool_from = torch.tensor([it.prefix_len - off for it in items], dtype=torch.long).clamp_(min=0)
 
         hidden: dict[int, torch.Tensor] = {}
+        last, tok = None, None
         total = int(lens.sum())
         if total > 0:
-            hidden, tok = self._forward_rows(
+            hidden, tok, last = self._forward_rows(
                 seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed
             )
-        pooled = self._pool(hidden, tok if total > 0 else None, lens, starts, item_row, pool_from, entry, n)
-        return BatchOutput(pooled=pooled, prefix_computed_tokens=prefix_computed, cache_hit=hit)
+        return RowStates(hidden=hidden, last=last, tok=tok, total=total, lens=lens, starts=starts,
+                         item_row=item_row, pool_from=pool_from, entry=entry, cache_hit=hit,
+                         prefix_computed_tokens=prefix_computed)
 
     def _forward_rows(self, seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed):
         dev = self.device
@@ -337,7 +376,7 @@ class CausalLMRunner:
             **kwargs,
         )
         hidden = {i: out.hidden_states[i] for i in self._hs_select}
-        return hidden, (tok_item, tok_within, tok_row, tok_col)
+        return hidden, (tok_item, tok_within, tok_row, tok_col), out.last_hidden_state
 
     def _pool(self, hidden, tok, lens, starts, item_row, pool_from, entry, n) -> dict[int, torch.Tensor]:
         dev = self.device

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m functions.assets.build_assets          # or: python functions/assets/build_assets.py
+    python -m forge.functions.assets.build_assets          # or: python functions/assets/build_assets.py
 
 It writes, next to this file:
 
@@ -10,7 +10,7 @@ It writes, next to this file:
 * ``tiny-llama/``       - a weightless Hugging Face model dir: ``config.json``,
   ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
   ``forge_init.json`` (weights are created on demand by
-  :func:`functions.assets.materialize_model`).
+  :func:`forge.functions.assets.materialize_model`).
 
 Everything is deterministic: re-running the script reproduces byte-identical
 files (fixed seeds, sorted iteration, no timestamps, no library versions

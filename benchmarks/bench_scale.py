@@ -1,0 +1,184 @@
+"""The whole scheduler and run loop at scale, in virtual time: `python -m benchmarks.bench_scale`.
+
+N items (default 10,000,000) stream as numpy column chunks (`forge.columns.ColumnFeed`; the
+reference workload's distribution, 50 prefixes, a fresh seed per chunk) through the real
+`Scheduler` and `RunLoop` with the simulated executor (`SimExecutor`), over eight cards of
+mixed memory (`conf/devices/mix8.yaml` when present), as `forge plan` drives them; the
+ledger plugin counts every item and token through the hooks and must balance. No Python
+object is made per item and no model runs. Beside it, as a reference, the `scheduler`
+variant asks the same scheduler for batches directly (no loop, executor or hooks), so the
+ratio of the two is the loop's own cost.
+
+Each configuration runs in its own subprocess, so its peak RSS (`ru_maxrss`) is its own;
+configurations are interleaved over rounds. Reported per run: items/s over the whole loop
+(generating the columns included, and without it), items per CPU-second (this process's
+user + system time: the figure to read on a shared machine), peak RSS, batches, and the
+spread of the devices' virtual finish times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = {"token rows": {"packing": "rows"}, "token packed": {"packing": "packed"}}
+MIX8 = Path(__file__).resolve().parent.parent / "conf" / "devices" / "mix8.yaml"
+
+
+def devices():
+    """Eight cards: `conf/devices/mix8.yaml` when present, else the same mix declared here: two
+    each of 16, 24, 32 and 80 GB, one set of limits (65,536 tokens, 512 rows, 4,096 long)."""
+    from forge.geometry import Device, Limits
+
+    if MIX8.exists():
+        from omegaconf import OmegaConf
+
+        from forge.devices import resolve_devices
+
+        return resolve_devices(OmegaConf.to_container(OmegaConf.load(MIX8), resolve=True)), str(MIX8.name)
+    limits = Limits(65536, 512, 4096, 8)
+    out = [Device(f"card{gb}{k}", limits, memory_bytes=gb << 30) for gb in (16, 24, 32, 80) for k in "ab"]
+    return out, "16/24/32/80 GB x 2, declared in bench_scale.py"
+
+
+def chunks(n: int, chunk: int, seconds: list[float]):
+    """(num_tokens, prefix code) column chunks of the reference distribution; generation time
+    is added to `seconds[0]`."""
+    from benchmarks.workloads import geometry
+
+    for k, start in enumerate(range(0, n, chunk)):
+        t0 = time.perf_counter()
+        which, prefix_lens, suffix = geometry(min(chunk, n - start), 50, seed=1000 + k)
+        out = prefix_lens[which] + suffix, which
+        seconds[0] += time.perf_counter() - t0
+        yield out
+
+
+def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -> dict:
+    """One configuration, in this process: drive the loop to the end and measure it. With
+    `variant="scheduler"`, the reference: the same scheduler asked for batches directly (the
+    device that would be free first asks), no run loop, executor or hooks."""
+    from benchmarks.workloads import geometry
+    from forge.batching import TokenPacker
+    from forge.columns import ColumnFeed
+    from forge.executors import SimExecutor
+    from forge.loop import Committer, RunLoop
+    from forge.plugins import make_plugin_manager
+    from forge.run import RunContext
+    from forge.scheduler import Scheduler
+    from forge.builtin import ledger
+
+    devs, source = devices()
+    pm = make_plugin_manager(load_entry_points=False, modules=("forge.builtin.ledger",))
+    run = RunContext(function="bench_scale", batching="token", devices=devs, run_dir=None, dry_run=True)
+    pm.hook.forge_run_start(run=run)
+    _, prefix_lens, _ = geometry(1, 50)
+    gen_s = [0.0]
+    received = (lambda items: pm.hook.forge_items_received(run=run, items=items)) if variant == "loop" else None
+    feed = ColumnFeed(chunks(n, chunk, gen_s), prefix_lens, capacity=window, received=received)
+    packer = TokenPacker(**MODES[mode])
+    scheduler = Scheduler(packer, feed, devs, window=window, cache_tokens=1 << 20)
+    if variant == "scheduler":
+        return _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source)
+    executor = SimExecutor(packer.overhead_tokens)
+    executor.start(devs)
+    loop = RunLoop(scheduler, executor, Committer(None, set(), 1 << 62, float("inf")), run=run, hook=pm.hook)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    loop.run_until_done()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    led = ledger.ledger_of(run)
+    clocks = list(executor.clocks.values())
+    return {
+        "mode": mode, "n": n, "window": window, "devices": source, "wall_s": wall, "gen_s": gen_s[0],
+        "items_per_s": n / wall, "items_per_s_without_gen": n / (wall - gen_s[0]), "cpu_s": cpu,
+        "items_per_cpu_s": n / cpu,
+        "scheduler_s": loop.scheduler_s,
+        "rss_before_mib": rss_before / 1024, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "batches": sum(t.batches for t in loop.tallies.values()),
+        "items": dict(led.items), "balanced": not led.check(), "imbalance": led.check(),
+        "finish_spread": (max(clocks) - min(clocks)) / max(clocks),
+        "max_window_items": scheduler.max_window_seen,
+    }
+
+
+def _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source) -> dict:
+    clocks = {d.name: 0 for d in devs}
+    batches = items = 0
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    while not scheduler.done:
+        d = min(devs, key=lambda d: clocks[d.name])
+        b = scheduler.schedule(d)
+        clocks[d.name] += b.padded_slots + packer.overhead_tokens(d)
+        batches += 1
+        items += len(b.items)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {
+        "mode": mode, "n": n, "window": window, "devices": source, "wall_s": wall, "gen_s": gen_s[0],
+        "items_per_s": n / wall, "items_per_s_without_gen": n / (wall - gen_s[0]), "cpu_s": cpu,
+        "items_per_cpu_s": n / cpu, "scheduler_s": wall,
+        "rss_before_mib": rss_before / 1024, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "batches": batches, "items": {"received": n, "completed": items}, "balanced": items == n,
+        "imbalance": [] if items == n else [f"{items} of {n} items scheduled"],
+        "finish_spread": (max(clocks.values()) - min(clocks.values())) / max(clocks.values()),
+        "max_window_items": scheduler.max_window_seen,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=10_000_000)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--window", type=int, default=65536)
+    ap.add_argument("--chunk", type=int, default=262144)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--variants", default="loop,scheduler",
+                    help="loop: the run loop with the simulator and the ledger; scheduler: the scheduler alone")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child: run this configuration, print JSON
+    args = ap.parse_args()
+    if args.one:
+        mode, variant = args.one.split("/")
+        print(json.dumps(run_one(mode, args.n, args.window, args.chunk, variant)))
+        return
+    modes = [f"{m}/{v}" for m in args.modes.split(",") for v in args.variants.split(",")]
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for _ in range(args.rounds):  # interleaved: A B A B ...
+        for m in modes:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--one", m, "--n", str(args.n),
+                                  "--window", str(args.window), "--chunk", str(args.chunk)],
+                                 capture_output=True, text=True, env=env, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            results[m].append(r)
+            print(f"# {m}: {r['items_per_s']:,.0f} items/s, {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+                  f"balanced={r['balanced']}", file=sys.stderr)
+    first = results[modes[0]][0]
+    print(f"\n{args.n:,} items, 50 prefixes, window {args.window:,}, eight devices ({first['devices']}), "
+          f"{args.rounds} round(s), medians\n")
+    print("| mode / variant | items/s (wall) | items/s without generating columns | items per CPU-second | wall s "
+          "| peak RSS MiB | RSS before the loop MiB | batches | ledger balanced | finish spread |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for m in modes:
+        rs = results[m]
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        print(f"| {m} | {med('items_per_s'):,.0f} | {med('items_per_s_without_gen'):,.0f} | "
+              f"{med('items_per_cpu_s'):,.0f} | {med('wall_s'):.1f} | "
+              f"{max(r['peak_rss_mib'] for r in rs):.0f} | {med('rss_before_mib'):.0f} | {rs[0]['batches']:,} | "
+              f"{all(r['balanced'] for r in rs)} | {100 * med('finish_spread'):.2f}% |")
+    bad = [r for rs in results.values() for r in rs if not r["balanced"] or r["items"]["completed"] != args.n]
+    if bad:
+        raise SystemExit(f"ledger does not balance: {bad[0]['imbalance']} {bad[0]['items']}")
+
+
+if __name__ == "__main__":
+    main()

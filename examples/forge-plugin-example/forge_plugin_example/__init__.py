@@ -1,0 +1,1 @@
+"""An example third-party Forge plugin: the `token_norms` function and the `sorted` batching mode."""

@@ -1,0 +1,199 @@
+"""A function's results: what it declares it writes (`ResultSchema`) and reading them back.
+
+    run_dir/<folder>/meta.json          format, fields, meta_key, and the function's own meta
+    run_dir/<folder>/shard-SSS-KKKKK.*  .safetensors (one tensor per field) or .parquet (a table)
+    run_dir/commits.jsonl               one line per shard: file, index, ids (and per-item meta)
+
+A result is one row per committed item: its `id`, its input `index` and one value per
+field. `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back
+in input order, whichever sink wrote them (`forge.sinks`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forge.errors import ForgeError
+from forge.store import read_journal
+
+META = "meta.json"
+FORMATS = {"safetensors": ".safetensors", "parquet": ".parquet"}
+STRING = "string"  # dtype of a text field (Parquet only)
+RESERVED = ("id", "index")  # columns every result row has
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-item result value: a column of a table, or a tensor with a row per item."""
+
+    name: str  # column (Parquet) or tensor (safetensors) name
+    dtype: str  # numpy dtype name (float32, float64, int64, int32, bool), or "string" (Parquet only)
+    shape: tuple[int, ...] | None = ()  # per-item shape: () a scalar, (hidden,) a vector; None: any, same for all
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Field":
+        shape = d.get("shape", ())
+        return Field(d["name"], d["dtype"], None if shape is None else tuple(shape))
+
+
+@dataclass(frozen=True)
+class ResultSchema:
+    """What a function writes per item, and how it is committed."""
+
+    fields: tuple[Field, ...]  # the values each item yields, in column order
+    format: str = "parquet"  # parquet: a table row per item | safetensors: a tensor per field, a row per item
+    folder: str = "results"  # subfolder of the run directory holding the shards and meta.json
+    rows_per_shard: int = 4096  # the loop commits a shard once this many rows wait
+    meta_key: str | None = None  # journal key recording each item's `meta` (e.g. "labels"); None: not kept
+    meta: dict[str, Any] = field(default_factory=dict)  # written to meta.json (model, pooling, ...)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ForgeError(f"result format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+        names = [f.name for f in self.fields]
+        clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED)))
+        if clash or not names:
+            raise ForgeError(f"result fields {names}: need at least one, unique, none named id or index")
+        if self.format == "safetensors" and any(f.dtype == STRING for f in self.fields):
+            raise ForgeError("result format safetensors holds tensors only; write string fields as parquet")
+        if self.rows_per_shard < 1:
+            raise ForgeError(f"rows_per_shard must be positive, got {self.rows_per_shard}")
+
+    def describe(self) -> dict[str, Any]:
+        """meta.json: the function's meta plus how to read the shards."""
+        return {**self.meta, "format": self.format, "fields": [f.as_dict() for f in self.fields],
+                "meta_key": self.meta_key}
+
+
+@dataclass
+class Results:
+    """A run's results, rows in input order."""
+
+    ids: list[str]  # item ids
+    index: np.ndarray  # input position of each row (int64, ascending)
+    columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings)
+    meta: list[Any] | None  # each item's meta (labels, ...) where the function keeps it
+    info: dict[str, Any]  # meta.json: format, fields and the function's own meta
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def table(self):
+        """The results as one pyarrow Table: id, index, then the fields."""
+        import pyarrow as pa
+
+        data: dict[str, Any] = {"id": pa.array(self.ids, pa.string()), "index": pa.array(self.index, pa.int64())}
+        for name, values in self.columns.items():
+            data[name] = _arrow_column(values)
+        return pa.table(data)
+
+
+def result_folders(run_dir) -> list[str]:
+    """Folders of the run directory that hold committed results (journal order)."""
+    seen: dict[str, None] = {}
+    for line in read_journal(Path(run_dir)):
+        seen.setdefault(str(Path(line["file"]).parent), None)
+    for meta in sorted(Path(run_dir).glob(f"*/{META}")):  # results with nothing committed yet
+        seen.setdefault(meta.parent.name, None)
+    return list(seen)
+
+
+def read_info(run_dir, folder: str) -> dict[str, Any]:
+    """A results folder's meta.json; folders written before ResultSchema (probe_gen's
+    activations: layers only) read as safetensors with a `layer_<L>` field per layer."""
+    path = Path(run_dir) / folder / META
+    if not path.exists():
+        raise ForgeError(f"{run_dir}: no {folder}/{META}; is this a Forge run directory?")
+    info = json.loads(path.read_text())
+    if "format" not in info and "layers" in info:
+        info = {**info, "format": "safetensors", "meta_key": "labels",
+                "fields": [{"name": f"layer_{layer}", "dtype": "float32", "shape": None} for layer in info["layers"]]}
+    return info
+
+
+def load(run_dir, folder: str | None = None) -> Results:
+    """The committed results of a run, rows in input order. `folder` picks one results folder
+    when a run has several (default: its only one)."""
+    run_dir = Path(run_dir)
+    if folder is None:
+        folders = result_folders(run_dir)
+        if len(folders) != 1:
+            raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
+                             + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
+        folder = folders[0]
+    info = read_info(run_dir, folder)
+    fields = [Field.from_dict(d) for d in info["fields"]]
+    meta_key = info.get("meta_key")
+    ids: list[str] = []
+    index: list[int] = []
+    meta: list[Any] = []
+    parts: dict[str, list] = {f.name: [] for f in fields}
+    for line in read_journal(run_dir):
+        if str(Path(line["file"]).parent) != folder:
+            continue
+        ids += line["ids"]
+        index += line["index"]
+        if meta_key:
+            meta += line.get(meta_key, [None] * len(line["ids"]))
+        for name, values in _read_shard(run_dir / line["file"], info["format"], parts).items():
+            parts[name].append(values)
+    order = np.argsort(np.asarray(index, np.int64), kind="stable")
+    columns = {f.name: _concat(parts[f.name], f)[order] for f in fields}
+    return Results([ids[i] for i in order], np.asarray(index, np.int64)[order], columns,
+                   [meta[i] for i in order] if meta_key else None, info)
+
+
+def _read_shard(path: Path, fmt: str, wanted) -> dict[str, np.ndarray]:
+    if fmt == "safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(path))
+        return {name: tensors[name] for name in wanted}
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path), columns=list(wanted))
+    return {name: _numpy_column(table.column(name)) for name in wanted}
+
+
+def _numpy_column(column) -> np.ndarray:
+    """A Parquet column as numpy: scalars as they are, fixed-size lists as [rows, *shape]."""
+    import pyarrow as pa
+
+    column = column.combine_chunks()
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return np.asarray(column.to_pylist(), dtype=object)
+    if pa.types.is_fixed_size_list(column.type):
+        shape = []
+        arr, kind = column, column.type
+        while pa.types.is_fixed_size_list(kind):
+            shape.append(kind.list_size)
+            arr, kind = arr.flatten(), kind.value_type
+        return arr.to_numpy(zero_copy_only=False).reshape(len(column), *shape)
+    return column.to_numpy(zero_copy_only=False)
+
+
+def _arrow_column(values: np.ndarray):
+    """A numpy column for a pyarrow table: [rows, *shape] becomes nested fixed-size lists."""
+    import pyarrow as pa
+
+    if values.dtype == object:
+        return pa.array(values.tolist(), pa.string())
+    arr = pa.array(np.ascontiguousarray(values).reshape(-1))
+    for size in reversed(values.shape[1:]):
+        arr = pa.FixedSizeListArray.from_arrays(arr, size)
+    return arr
+
+
+def _concat(chunks: list[np.ndarray], f: Field) -> np.ndarray:
+    if chunks:
+        return np.concatenate(chunks)
+    dtype = object if f.dtype == STRING else np.dtype(f.dtype)
+    return np.zeros((0, *(f.shape or ())), dtype)

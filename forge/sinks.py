@@ -1,0 +1,136 @@
+"""Generic sinks: commit any function's per-item results, as its `ResultSchema` declares.
+
+Model: a worker returns, for a batch, one array per field with a row per item, aligned
+with `batch.items` (`ItemColumns`, or any object with a `columns` mapping). The sink keeps
+the rows of items not committed yet, buffers them, and on `flush` writes one shard through
+`RunStore.write_shard` (temporary name, rename, then the journal line naming the items'
+input indexes and ids): a safetensors file holding one tensor per field, or a Parquet
+table with `id`, `index` and a column per field. `forge.results.load` reads either back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from forge.errors import ForgeError
+from forge.results import FORMATS, META, STRING, Field, ResultSchema
+
+if TYPE_CHECKING:
+    from forge.geometry import Batch
+    from forge.store import RunStore
+
+
+class ShardBuffer:
+    """Buffers result rows; `flush` commits them as one shard of the schema's format."""
+
+    def __init__(self, store: "RunStore", schema: ResultSchema):
+        self.store = store
+        self.schema = schema
+        self.rows_per_shard = schema.rows_per_shard
+        folder = store.dir / schema.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / META).write_text(json.dumps(schema.describe(), default=str))
+        self.shards = 0  # written by this session
+        self.rows_written = 0
+        self._shapes: dict[str, tuple[int, ...]] = {}  # per-item shape of fields declared with shape None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._parts: dict[str, list[np.ndarray]] = {f.name: [] for f in self.schema.fields}
+        self._ids: list[str] = []
+        self._index: list[int] = []
+        self._meta: list[Any] = []
+
+    def add(self, ids: Sequence[str], index: Sequence[int], columns: dict[str, Any], meta: Sequence[Any] = ()) -> None:
+        """Buffer rows: `columns[field]` holds a row per id (checked against the schema)."""
+        n = len(ids)
+        checked = {f.name: self._check(f, columns, n) for f in self.schema.fields}
+        for name, values in checked.items():
+            self._parts[name].append(values)
+        self._ids.extend(str(i) for i in ids)
+        self._index.extend(int(i) for i in index)
+        if self.schema.meta_key:
+            self._meta.extend(meta if len(meta) == n else [None] * n)
+
+    def _check(self, f: Field, columns: dict[str, Any], n: int) -> np.ndarray:
+        if f.name not in columns:
+            raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
+                             f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
+        values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
+        if f.dtype != STRING:
+            if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
+                raise ForgeError(f"result field {f.name!r}: the worker gave {values.dtype}, the schema says {f.dtype}")
+            values = values.astype(f.dtype, copy=False)
+        shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values.shape[1:])
+        if values.shape != (n, *shape):
+            raise ForgeError(f"result field {f.name!r}: the worker gave shape {values.shape} for {n} item(s), "
+                             f"expected {(n, *shape)}")
+        return values
+
+    def flush(self) -> None:
+        """Commit the buffered rows as one shard (raises OSError when the write fails)."""
+        if not self._ids:
+            return
+        columns = {name: np.concatenate(parts) for name, parts in self._parts.items()}
+        name = f"{self.schema.folder}/{self.store.shard_name(self.shards, FORMATS[self.schema.format])}"
+        record: dict[str, Any] = {"index": self._index, "ids": self._ids}
+        if self.schema.meta_key:
+            record[self.schema.meta_key] = self._meta
+        self.store.write_shard(name, self._writer(columns), record)
+        self.shards += 1
+        self.rows_written += len(self._ids)
+        self._clear()
+
+    def _writer(self, columns: dict[str, np.ndarray]) -> Callable[[Any], None]:
+        if self.schema.format == "safetensors":
+            from safetensors.numpy import save_file
+
+            tensors = {name: np.ascontiguousarray(values) for name, values in columns.items()}
+            return lambda path: save_file(tensors, str(path))
+        import pyarrow.parquet as pq
+
+        from forge.results import Results
+
+        table = Results(self._ids, np.asarray(self._index, np.int64), columns, None, {}).table()
+        return lambda path: pq.write_table(table, str(path))
+
+    def close(self) -> dict[str, Any]:
+        """Flush what is left; figures for the report."""
+        self.flush()
+        where = str(self.store.dir / self.schema.folder)
+        return {"results": where, self.schema.folder: where, "format": self.schema.format,
+                "shards": self.shards, "rows": self.rows_written}
+
+
+class ResultSink:
+    """The `forge.function.Sink` of a function that declares a `ResultSchema`: rows come from
+    the output's `columns` (aligned with `batch.items`), ids and input indexes from the items,
+    and each item's `meta` is kept when the schema names a `meta_key`."""
+
+    def __init__(self, store: "RunStore", schema: ResultSchema):
+        self.buffer = ShardBuffer(store, schema)
+        self.rows_per_shard = schema.rows_per_shard
+
+    def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
+        items = batch.items
+        columns = dict(output.columns)
+        if keep is not None:
+            mask = np.asarray(keep, bool)
+            items = [it for it, k in zip(items, keep) if k]
+            columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
+                       np.asarray(values)[mask] for name, values in columns.items()}
+        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [it.meta for it in items])
+
+    def flush(self) -> None:
+        self.buffer.flush()
+
+    def close(self) -> dict[str, Any]:
+        return self.buffer.close()
+
+
+def open_sink(store: "RunStore", schema: ResultSchema) -> ResultSink:
+    """A sink committing `schema`'s fields: safetensors shards or Parquet tables."""
+    return ResultSink(store, schema)

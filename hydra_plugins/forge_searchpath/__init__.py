@@ -1,0 +1,6 @@
+"""Hydra discovers plugins in the `hydra_plugins` namespace package: this one puts installed
+Forge plugins' config directories on the search path (see forge/searchpath.py)."""
+
+from forge.searchpath import ForgeSearchPathPlugin
+
+__all__ = ["ForgeSearchPathPlugin"]

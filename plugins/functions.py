@@ -1,0 +1,11 @@
+"""Built-in functions. Import paths, not classes: listing functions imports nothing heavy."""
+
+from forge.hookspecs import hookimpl
+
+
+@hookimpl
+def forge_functions():
+    return {
+        "probe_gen": "forge.functions.probe_gen:ProbeGen",
+        "score": "forge.functions.score:Score",
+    }
