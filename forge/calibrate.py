@@ -32,9 +32,9 @@ class Calibration:
 
     def sim_block(self) -> dict[str, float]:
         """The `sim` entry of a simulated device that runs like this one (conf/devices/*.yaml)."""
-        return {"seconds_per_step": float(f"{self.seconds_per_step:.4g}"),
-                "seconds_per_slot": float(f"{self.seconds_per_slot:.4g}"),
-                "seconds_per_score": float(f"{self.seconds_per_score:.4g}")}
+        return {"seconds_per_step": float(f"{self.seconds_per_step:.3e}"),
+                "seconds_per_slot": float(f"{self.seconds_per_slot:.3e}"),
+                "seconds_per_score": float(f"{self.seconds_per_score:.3e}")}
 
 
 def calibration_batches(items: list[Item], device: Device, sizes=(1, 2, 4, 8, 16, 32, 64, 128),
@@ -99,8 +99,9 @@ def calibrate(worker, device: Device, items: list[Item], repeats: int = 3) -> Ca
             times.append(time.perf_counter() - t0)
         points.append((batch.padded_slots, statistics.median(times)))
         scores.append(batch.num_rows * batch.padded_len * batch.padded_len)
+    a = b = c = 0.0
     if len(batches) > len(short):  # two lengths: slots and scores apart
         a, b, c = fit_step_time([p[0] for p in points], scores, [p[1] for p in points])
-    else:
+    if b <= 1e-12:  # one length, or timings too noisy to tell slots from scores: the line alone
         (a, b), c = fit(points), 0.0
     return Calibration(device.name, a, b, int(round(a / b)), points, c)

@@ -264,7 +264,7 @@ def calibrate(
                   "or in batching.batch_overhead_tokens. A simulated device that runs like each one "
                   "(an inventory entry for `forge plan`):")
     for device, c in blocks:
-        sim = ", ".join(f"{k}: {v:.4g}" for k, v in c.sim_block().items())
+        sim = ", ".join(f"{k}: {v:.3e}" for k, v in c.sim_block().items())  # YAML reads 1.000e-04 as a number
         mem = f", memory_gb: {device.memory_bytes / GIB:.3g}" if device.memory_bytes else ""
         console.print(f"  - {{name: sim-{device.name}{mem}, sim: {{{sim}}}}}", highlight=False, soft_wrap=True)
 
