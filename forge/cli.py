@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -19,6 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 err = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+GIB = 1 << 30
 
 
 def _error_line(exc: Exception) -> None:
@@ -100,8 +102,15 @@ def _precheck(args: list[str]) -> None:
         else:
             overrides.append(a)
         i += 1
+    from forge.devices import resolve_devices
+
     for combination in sweep_combinations(overrides, config_dir) if multirun else [overrides]:
-        to_plain(compose(combination, config_dir))
+        plain = to_plain(compose(combination, config_dir))
+        if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
+            simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
+            if simulated:
+                raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                                 "plan on simulated ones with `forge plan` and the same overrides")
 
 
 def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
@@ -151,7 +160,7 @@ def _execute(cfg, run_dir: Path) -> dict[str, Any]:
 def plan(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) to a PNG."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) and each device's timeline to a PNG."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
     compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
@@ -172,7 +181,7 @@ def plan(
             base = make_plan(build_spec(compose([*ctx.args, f"batching={other}"], config_dir), None),
                              make_plugin_manager(), keep_batches=True)
             pair = (base, report) if other == "item" else (report, base)
-            plot_plans(pair, plot)
+            plot_plans(pair, plot, timeline=report)
     except ForgeError as exc:
         _fail(exc)
     report.pop("_batches", None)
@@ -236,8 +245,9 @@ def calibrate(
         spec = build_spec(compose(ctx.args, config_dir), None)
         sample = [r for r in islice(spec.function.records(), items) if isinstance(r, Item)]
         table = Table(title="per-step overhead")
-        for col in ("device", "s per step", "us per slot", "batch_overhead_tokens"):
+        for col in ("device", "s per step", "us per slot", "ns per score", "batch_overhead_tokens"):
             table.add_column(col)
+        blocks = []
         for device in spec.devices:
             worker = spec.function.open_worker(device, 0)
             try:
@@ -245,12 +255,18 @@ def calibrate(
             finally:
                 worker.close()
             table.add_row(device.name, f"{c.seconds_per_step:.4f}", f"{1e6 * c.seconds_per_slot:.2f}",
-                          str(c.overhead_tokens))
+                          f"{1e9 * c.seconds_per_score:.3f}", str(c.overhead_tokens))
+            blocks.append((device, c))
     except ForgeError as exc:
         _fail(exc)
     console.print(table)
     console.print("Put the number in the device's inventory entry (batch_overhead_tokens) "
-                  "or in batching.batch_overhead_tokens.")
+                  "or in batching.batch_overhead_tokens. A simulated device that runs like each one "
+                  "(an inventory entry for `forge plan`):")
+    for device, c in blocks:
+        sim = ", ".join(f"{k}: {v:.3e}" for k, v in c.sim_block().items())  # YAML reads 1.000e-04 as a number
+        mem = f", memory_gb: {device.memory_bytes / GIB:.3g}" if device.memory_bytes else ""
+        console.print(f"  - {{name: sim-{device.name}{mem}, sim: {{{sim}}}}}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -401,12 +417,33 @@ def print_summary(report: dict[str, Any]) -> None:
             table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "
                                       f"({acc['questions']:,} questions)")
     console.print(table)
-    dev = Table(title="devices")
-    for col in ("device", "batches", "tokens", "padded slots", "cache misses", "busy s"):
+    devices = report.get("devices", [])
+    virtual = report.get("virtual_time")
+    memory = any("memory_budget_bytes" in d for d in devices)
+    cols = ["device", "batches", "tokens", "padded slots", "cache misses"]
+    if memory:
+        cols.append("GiB peak/budget")
+    if virtual:
+        cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
+        cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
+    else:
+        cols.append("busy s")
+    title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
+    dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    for col in cols:
         dev.add_column(col)
-    for d in report.get("devices", []):
-        dev.add_row(d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}",
-                    str(d.get("cache_misses", 0)), f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+    for d in devices:
+        row = [d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}", str(d.get("cache_misses", 0))]
+        if memory:
+            row.append(f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
+                       if d.get("memory_budget_bytes") else "-")
+        if virtual:
+            fmt = "{:,.2f}" if virtual["unit"] == "s" else "{:,.0f}"
+            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}",
+                    str(d.get("oom", 0))]
+        else:
+            row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+        dev.add_row(*row)
     console.print(dev)
     for reason, count in (report.get("skipped_reasons") or {}).items():
         err.print(f"[yellow]skipped[/] {count} item(s): {reason}")

@@ -7,6 +7,16 @@ An inventory entry (see README, "Devices"):
       limits: {max_batch_tokens: 16384, max_rows: 256, max_seq_len: 4096, pad_multiple: 8}
       memory_gb: 16           # optional: byte budget for batching=memory
       batch_overhead_tokens: 256  # optional: per-step cost, calibrated per device
+
+A simulated device (`forge plan` only: no model, no sleeping, virtual time) adds a `sim`
+block, its step time in seconds `a + b x tokens + c x scores` (see `forge.geometry.StepTime`;
+`forge calibrate` prints one measured on a real device), and needs no `device`:
+
+    - name: card16
+      memory_gb: 16
+      sim: {seconds_per_step: 0.04, seconds_per_slot: 2.0e-4, seconds_per_score: 1.0e-8}
+
+Its `batch_overhead_tokens` defaults to a / b.
 """
 
 from __future__ import annotations
@@ -15,10 +25,28 @@ import os
 from typing import Any, Mapping
 
 from forge.errors import ForgeError
-from forge.geometry import Device, Limits
+from forge.geometry import Device, Limits, StepTime
 
 GB = 1 << 30
 LIMIT_KEYS = ("max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple")
+ENTRY_KEYS = {"name", "device", "limits", "memory_gb", "batch_overhead_tokens", "sim"}
+SIM_KEYS = ("seconds_per_step", "seconds_per_slot", "seconds_per_score")
+
+
+def step_time_from(spec: Any, where: str) -> StepTime:
+    """A `sim` block: the simulated device's step time."""
+    if not isinstance(spec, Mapping):
+        raise ForgeError(f"{where}: sim must be a mapping of {', '.join(SIM_KEYS)}")
+    unknown = set(spec) - set(SIM_KEYS)
+    if unknown:
+        raise ForgeError(f"{where}: unknown key(s) {sorted(unknown)}; a sim block has {', '.join(SIM_KEYS)}")
+    missing = [k for k in SIM_KEYS[:2] if spec.get(k) is None]
+    if missing:
+        raise ForgeError(f"{where}: missing {', '.join(missing)} (seconds; `forge calibrate` measures them)")
+    try:
+        return StepTime(**{k: spec[k] for k in SIM_KEYS if spec.get(k) is not None})
+    except ForgeError as exc:
+        raise ForgeError(f"{where}: {exc}") from None
 
 
 def limits_from(spec: Mapping[str, Any], where: str) -> Limits:
@@ -74,19 +102,24 @@ def from_inventory(entries: list[Mapping[str, Any]], default_limits: Mapping[str
         if name in names:
             raise ForgeError(f"{where}: device name {name!r} is used twice; names must be unique")
         names.add(name)
-        unknown = set(entry) - {"name", "device", "limits", "memory_gb", "batch_overhead_tokens"}
+        unknown = set(entry) - ENTRY_KEYS
         if unknown:
             raise ForgeError(f"{where} ({name}): unknown key(s) {sorted(unknown)}")
         spec = dict(default_limits or {})
         spec.update(entry.get("limits") or {})
         memory_gb = entry.get("memory_gb")
+        sim = step_time_from(entry["sim"], f"{where} ({name}).sim") if entry.get("sim") is not None else None
+        overhead = entry.get("batch_overhead_tokens")
+        if overhead is None and sim is not None:
+            overhead = sim.overhead_tokens
         devices.append(
             Device(
                 name=name,
                 limits=limits_from(spec, f"{where} ({name}).limits"),
-                torch_device=entry.get("device") or name,
+                torch_device=entry.get("device") or ("sim" if sim is not None else name),
                 memory_bytes=int(memory_gb * GB) if memory_gb else None,
-                batch_overhead_tokens=entry.get("batch_overhead_tokens"),
+                batch_overhead_tokens=overhead,
+                sim=sim,
             )
         )
     return devices

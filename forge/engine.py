@@ -169,6 +169,10 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     from forge.report import finish_report
 
     assert spec.run_dir is not None
+    simulated = [d.name for d in spec.devices if d.sim is not None]
+    if simulated:
+        raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                         "plan on simulated ones with `forge plan` and the same overrides")
     started = time.perf_counter()
     store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
                      fault=lambda tmp: pm.hook.forge_fault(point="write_shard", device=None, batch=None))

@@ -73,6 +73,36 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTime:
+    """A simulated device's time for one step, in seconds: a + b x tokens + c x scores.
+
+    tokens: padded row slots plus prefix tokens computed in the step; scores: query x key
+    pairs attention computes (rows x padded_len x (prefix + padded_len), plus the prefix's own
+    pass on a cache miss). `forge calibrate` measures a, b and c on a real device.
+    """
+
+    seconds_per_step: float  # a: fixed cost of a step (launches, host work)
+    seconds_per_slot: float  # b: per token slot computed
+    seconds_per_score: float = 0.0  # c: per attention query x key pair
+
+    def __post_init__(self) -> None:
+        for name in ("seconds_per_step", "seconds_per_slot", "seconds_per_score"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ForgeError(f"sim.{name} must be a number >= 0, got {value!r}")
+        if self.seconds_per_slot <= 0:
+            raise ForgeError("sim.seconds_per_slot must be > 0: a step over more tokens takes longer")
+
+    def seconds(self, tokens: int, scores: int) -> float:
+        return self.seconds_per_step + self.seconds_per_slot * tokens + self.seconds_per_score * scores
+
+    @property
+    def overhead_tokens(self) -> int:
+        """a / b: the slots one step's fixed cost is worth (what batch_overhead_tokens means)."""
+        return int(round(self.seconds_per_step / self.seconds_per_slot))
+
+
+@dataclass(frozen=True, slots=True)
 class Device:
     """A consumer of batches: a name, what backs it, and its limits."""
 
@@ -81,6 +111,7 @@ class Device:
     torch_device: str = "cpu"  # where the worker puts its model ("cpu", "cuda:1", ...)
     memory_bytes: int | None = None  # byte budget for batching=memory; None: unknown
     batch_overhead_tokens: int | None = None  # per-step cost in token slots; None: the mode's default
+    sim: StepTime | None = None  # a simulated device (forge plan only): its step time; None: a real one
 
 
 @dataclass(slots=True)

@@ -149,7 +149,7 @@ class RunLoop:
 
     def _schedule(self) -> bool:
         scheduled = False
-        for name in list(self.scheduler.devices):
+        for name in self.scheduler.by_speed():
             if not self.executor.live(name):
                 continue
             for _ in range(self.executor.free_slots(name)):
@@ -201,6 +201,7 @@ class RunLoop:
                 rate = batch.padded_slots / outcome.seconds
                 old = self._rates.get(device.name)
                 self._rates[device.name] = rate if old is None else 0.8 * old + 0.2 * rate
+                self.scheduler.note_rate(device.name, self._rates[device.name])
             self.scheduler.update_from_output(device.name, batch, outcome)
             self._commit(batch, device, outcome, late=False)
             return

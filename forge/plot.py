@@ -4,6 +4,11 @@ Each row of each batch is a bar: prefix tokens dark, the items' own tokens blue 
 rows alternate two blues), padding light grey. A split prefix is drawn once per batch, as a
 dark bar above its rows, when the device had to compute it; a cache hit draws nothing.
 Batches are separated by a white line. Both panels share one scale, so ink is compute.
+
+Below them, the chosen plan's timeline in virtual time: one lane per device, each batch a
+bar from its start to its end (pale: busy; white: idle) with an inner bar whose height is
+its rows (out of the most rows any batch had), blue when it completed, red when it ran out
+of memory.
 """
 
 from __future__ import annotations
@@ -47,7 +52,37 @@ def _image(rows, width: int) -> np.ndarray:
     return img
 
 
-def plot_plans(reports, path: Path) -> Path:
+OOM, BUSY = (0.85, 0.2, 0.2), (0.8, 0.88, 0.97)
+
+
+def plot_timeline(ax, report) -> None:
+    """Each device's lane: batches as bars over virtual time, height by rows; gaps are idle."""
+    spans = report["_timeline"]
+    names = [d["name"] for d in report["devices"]]
+    most = max((s.rows for s in spans), default=1)
+    for lane, name in enumerate(names):
+        mine = [s for s in spans if s.device == name]
+        if not mine:
+            continue
+        starts, widths = [s.start for s in mine], [s.end - s.start for s in mine]
+        ax.bar(starts, [0.85] * len(mine), width=widths, bottom=lane - 0.425, align="edge", color=BUSY,
+               edgecolor="white", linewidth=0.3)  # busy: the whole lane
+        ax.bar(starts, [-0.85 * s.rows / most for s in mine], width=widths, bottom=lane + 0.425, align="edge",
+               color=[OOM if s.status == "oom" else TOKEN for s in mine], edgecolor="white", linewidth=0.3)
+    vt = report.get("virtual_time") or {}
+    unit = "s" if vt.get("unit") == "s" else "token-equivalents"
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{d['name']}\n{100 * d.get('busy_share', 0):.1f}% busy" for d in report["devices"]])
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, vt.get("makespan") or max((s.end for s in spans), default=1))
+    ax.set_xlabel(f"virtual time ({unit})")
+    ax.set_title(f"batching={report['batching']}: device timelines (bar height: rows of the batch, most {most}); "
+                 f"finish skew {100 * vt.get('finish_skew', 0):.1f}%", fontsize=11)
+
+
+def plot_plans(reports, path: Path, timeline=None) -> Path:
+    """The packing of each report side by side; below, `timeline`'s device timelines (a plan
+    kept with its batches)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +92,14 @@ def plot_plans(reports, path: Path) -> Path:
     drawn = [(_rows(r["_batches"]), r) for r in reports]
     width = max(sum(n for n, _ in segs) for rows, _ in drawn for segs in rows if segs)
     height = max(len(rows) for rows, _ in drawn)
-    fig, axes = plt.subplots(1, len(drawn), figsize=(7 * len(drawn), 9), squeeze=False)
+    if timeline is not None and timeline.get("_timeline"):
+        lanes = len(timeline["devices"])
+        fig = plt.figure(figsize=(7 * len(drawn), 9 + 0.6 * lanes + 1.2))
+        grid = fig.add_gridspec(2, len(drawn), height_ratios=(9, 0.6 * lanes + 1.2))
+        axes = [[fig.add_subplot(grid[0, i]) for i in range(len(drawn))]]
+        plot_timeline(fig.add_subplot(grid[1, :]), timeline)
+    else:
+        fig, axes = plt.subplots(1, len(drawn), figsize=(7 * len(drawn), 9), squeeze=False)
     for ax, (rows, r) in zip(axes[0], drawn):
         img = _image(rows, width)
         ax.imshow(img, aspect="auto", interpolation="nearest", extent=(0, width, len(rows), 0))
@@ -71,8 +113,11 @@ def plot_plans(reports, path: Path) -> Path:
             f"{'-' if hit is None else f'{100 * hit:.1f}%'}", fontsize=11)
         ax.set_xlabel("token slots per row")
         ax.set_ylabel("rows (batches separated by white)")
-    fig.legend(handles=[Patch(color=PREFIX, label="prefix (computed)"), Patch(color=TOKEN, label="item tokens"),
-                        Patch(color=PAD, label="padding")], loc="lower center", ncol=3)
+    handles = [Patch(color=PREFIX, label="prefix (computed)"), Patch(color=TOKEN, label="item tokens / batch run"),
+               Patch(color=PAD, label="padding")]
+    if timeline is not None:
+        handles += [Patch(color=BUSY, label="device busy"), Patch(color=OOM, label="simulated out of memory")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles))
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=90)

@@ -15,7 +15,17 @@ are the hits the device will see. Every outcome comes back through `update_from_
 error lowers the device's budget, and a failed batch goes back whole (worker lost or timed
 out) or split in halves (an error, out of memory, or an item lost with its worker
 `max_attempts` times), until a single item that still fails is failed with its reason.
-Batches that come back run first, on the first device they fit.
+Batches that come back run first, on the first device they fit (its four limits, and in
+`memory` mode its budget: a batch predicted over a device's budget is never routed to it).
+
+Unequal devices (`rates`: padded slots per second, declared by a simulated device, measured
+by the run loop for a real one) pull from one backlog. Affinity weighs them: a device passes
+over a free prefix group it could not drain before the whole backlog would be done at
+everyone's pace (a faster device takes it), and steals first from the group whose holders
+need longest to drain it. Once the input is exhausted, a batch larger than the device's
+fair share of what is left (the backlog plus the work in flight, divided in proportion to
+rates) is cut down to that share and the rest goes back to run first elsewhere, so the
+devices finish together.
 
 A step asks, in order: for a batch planned already (`Urgency.WAIT`); then, with the window
 topped up (in eighths: admitting a chunk has a fixed cost), for a plan from what the full
@@ -74,6 +84,10 @@ class Scheduler:
         self._seq = 0
         self._refill_chunk = max(1, self.window // 8)  # top the window up once this much room is free
         self._last_key: dict[str, int] = {}  # device -> prefix code it cut last
+        # padded slots per second: declared (simulated devices), else measured (`note_rate`)
+        self.rates: dict[str, float] = {d.name: 1.0 / d.sim.seconds_per_slot for d in devices if d.sim is not None}
+        self.in_flight_slots: dict[str, int] = {d.name: 0 for d in devices}  # routed, outcome not heard yet
+        self.end_splits = 0  # batches cut down to a device's share near the end of the backlog
 
     # -- state ------------------------------------------------------------------
     @property
@@ -92,9 +106,99 @@ class Scheduler:
         if batch is not None:
             batch.seq = self._seq
             self._seq += 1
+        else:
+            cut = self.next_cut(device)
+            if cut is None:
+                return None
+            batch = self._batch(cut)
+        if self.exhausted:
+            batch = self._fair_share(batch, device)
+            if batch is None:
+                return None
+        self.in_flight_slots[device.name] = self.in_flight_slots.get(device.name, 0) + batch.padded_slots
+        return batch
+
+    def note_rate(self, device: str, slots_per_s: float) -> None:
+        """A device's measured speed (padded slots per second), for balancing."""
+        if slots_per_s > 0:
+            self.rates[device] = slots_per_s
+
+    def by_speed(self) -> list[str]:
+        """Device names, fastest first: when several are free at once, the fastest asks first."""
+        if not self.rates:
+            return list(self.devices)
+        return sorted(self.devices, key=self._rate, reverse=True)
+
+    def _rate(self, name: str) -> float:
+        rate = self.rates.get(name)
+        if rate is not None:
+            return rate
+        known = [r for r in self.rates.values()]
+        return sum(known) / len(known) if known else 1.0  # not measured yet: the average device
+
+    def _fair_share(self, batch: Batch, device: Device) -> Batch | None:
+        """Near the end of the backlog: `batch` cut down to this device's share of what is left,
+        the rest back to run first elsewhere; None (the device waits) when it is the last work
+        and another device, once free, would finish it sooner.
+
+        Model: each device is busy for its in-flight slots / its rate (an upper bound: as if
+        its batches had just started); the waiting slots and this batch are shared so that
+        every device finishes at the same time T (water-filling over the busy times). This
+        device keeps the rows its step time (declared, or slots / rate) fits before T."""
+        waiting = sum(g.tokens for g in self.packer.groups()) + sum(b.padded_slots for b in self._retries)
+        rates = {name: self._rate(name) for name in self.devices}
+        busy = {name: self.in_flight_slots.get(name, 0) / rates[name] for name in self.devices}
+        work, pace, level = waiting + batch.padded_slots, 0.0, 0.0
+        for name in sorted(busy, key=busy.get):  # raise the level over the devices free soonest
+            if pace and level + work / pace <= busy[name]:
+                break
+            work -= pace * (busy[name] - level)
+            level, pace = busy[name], pace + rates[name]
+        finish = level + work / pace
+        room = finish - busy[device.name]  # seconds this device may still take
+        hit = bool(batch.cache_hit)
+        whole = self._seconds(device.name, batch, rates, hit)
+        if whole <= room or batch.num_rows < 2:
+            return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
+        one = self._seconds(device.name, replace(batch, rows=batch.rows[:1]), rates, hit)
+        rows = 1 + int((room - one) / ((whole - one) / (batch.num_rows - 1))) if room >= one else 0
+        if rows < 1:
+            return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
+        self.end_splits += 1
+        keep, rest = replace(batch, rows=batch.rows[:rows]), replace(batch, rows=batch.rows[rows:], seq=-1)
+        keep = _fit(keep, device.limits) or keep  # padded to its own longest row
+        rest.cache_hit = None
+        self._retries.appendleft(rest)
+        return keep
+
+    def _seconds(self, name: str, batch: Batch, rates: dict[str, float], hit: bool | None = None) -> float:
+        """How long `batch` would take on a device (its prefix computed unless that device's cache
+        holds it): its declared step time, else slots / rate."""
+        context = batch.prefix_len if batch.split_prefix else 0
+        computed = 0
+        if context:
+            code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX
+            held = code in self.caches[name].keys() if hit is None else hit
+            computed = 0 if held else context
+        sim = self.devices[name].sim
+        if sim is None:
+            return (batch.padded_slots + computed) / rates[name]
+        scores = batch.num_rows * batch.padded_len * (context + batch.padded_len) + computed * computed
+        return sim.seconds(batch.padded_slots + computed, scores)
+
+    def _or_sooner_elsewhere(self, batch: Batch, device: Device, rates: dict[str, float],
+                             busy: dict[str, float], finish: float) -> Batch | None:
+        """`batch`, unless it would outlast the fair finish of everything left on this device
+        and a busy device, once free, would finish it sooner: then it waits for that one."""
+        mine = self._seconds(device.name, batch, rates, hit=bool(batch.cache_hit))
+        if mine <= finish or not any(busy[e] and busy[e] + self._seconds(e, batch, rates) < mine for e in self.devices
+                   if e != device.name):
             return batch
-        cut = self.next_cut(device)
-        return None if cut is None else self._batch(cut)
+        if batch.cache_hit is False and batch.split_prefix and batch.prefix_len:
+            self.cache_misses[device.name] -= 1  # it does not run here after all
+        batch.cache_hit = None
+        self._retries.appendleft(batch)
+        return None
 
     def next_cut(self, device: Device) -> Cut | None:
         """The next batch's geometry for `device` (retries aside), cache hit predicted."""
@@ -110,6 +214,8 @@ class Scheduler:
         """Learn from what happened to `batch` on `device`. Returns the reason when its item
         fails for good (a single item that cannot succeed); None when it completed or went back."""
         status = outcome.status
+        left = self.in_flight_slots.get(device, 0) - batch.padded_slots
+        self.in_flight_slots[device] = max(0, left)
         if status == Status.COMPLETED:
             return None
         if status in (Status.LOST, Status.TIMEOUT):
@@ -223,7 +329,8 @@ class Scheduler:
         mine = self.caches[device.name].keys()
         theirs = set().union(*(c.keys() for name, c in self.caches.items() if name != device.name))
         held, free, stolen = [], [], []
-        for g in sorted(self.packer.groups(), key=_new_tokens, reverse=True):  # stable
+        groups = sorted(self.packer.groups(), key=_new_tokens, reverse=True)  # stable
+        for g in groups:
             if not g.cacheable:
                 free.append(g)
             elif g.key in mine:
@@ -232,23 +339,57 @@ class Scheduler:
                 stolen.append(g)
             else:
                 free.append(g)
+        if len(self.rates) and len(self.devices) > 1:
+            free, stolen = self._weigh(device, groups, free, stolen)
         return held + free, stolen
 
+    def _weigh(self, device: Device, groups: list[GroupInfo], free: list[GroupInfo],
+               stolen: list[GroupInfo]) -> tuple[list[GroupInfo], list[GroupInfo]]:
+        """Affinity weighed by rates: a free group this device could not drain before the whole
+        backlog would be done at everyone's pace goes last (a faster device takes it); a group
+        to steal is the one whose holders need longest to drain it."""
+        rates = {name: self._rate(name) for name in self.devices}
+        pace = sum(g.tokens for g in groups) / sum(rates.values())  # seconds until all is done
+        mine = rates[device.name]
+        fits = [g for g in free if g.tokens <= pace * mine or not g.cacheable]
+        if len(fits) < len(free):
+            free = fits + [g for g in free if g.tokens > pace * mine and g.cacheable]
+        if len(stolen) > 1:
+            holders = {g.key: sum(rates[n] for n, c in self.caches.items() if n != device.name and g.key in c.keys())
+                       for g in stolen}
+            stolen = sorted(stolen, key=lambda g: g.tokens / max(holders[g.key], 1e-12), reverse=True)
+        return free, stolen
+
     def _next_retry(self, device: Device) -> Batch | None:
-        """The first batch that came back and fits `device`; one that fits no device goes
-        back as single items."""
+        """The first batch that came back and fits `device` (limits and budget); one that fits
+        no device goes back as single items, and a single item that fits no device's budget
+        runs where its limits allow (out of memory alone, it fails with the reason)."""
         for i, batch in enumerate(self._retries):
-            fitted = _fit(batch, device.limits)
+            fitted = self._fit(batch, device)
             if fitted is not None:
                 del self._retries[i]
                 self._track_batch(fitted, device)
                 return fitted
         for i, batch in enumerate(self._retries):
-            if len(batch.items) > 1 and not any(_fit(batch, d.limits) for d in self.devices.values()):
+            if len(batch.items) > 1 and not any(self._fit(batch, d) for d in self.devices.values()):
                 del self._retries[i]
                 self._retries.extend(replace(batch, rows=[[it]]) for it in batch.items)
                 return self._next_retry(device)
+        for i, batch in enumerate(self._retries):
+            if len(batch.items) == 1 and not any(self._fit(batch, d) for d in self.devices.values()):
+                fitted = _fit(batch, device.limits)
+                if fitted is not None:
+                    del self._retries[i]
+                    self._track_batch(fitted, device)
+                    return fitted
         return None
+
+    def _fit(self, batch: Batch, device: Device) -> Batch | None:
+        """`batch` padded for `device`, or None when it breaks a limit or the packer's budget."""
+        fitted = _fit(batch, device.limits)
+        if fitted is None or not self.packer.batch_fits(fitted.num_rows, fitted.padded_len, fitted.row_offset, device):
+            return None
+        return fitted
 
     def _track_batch(self, batch: Batch, device: Device) -> None:
         code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX

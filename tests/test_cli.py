@@ -120,6 +120,14 @@ def test_calibrate_command_runs(cli):
     result = cli.invoke(app, ["calibrate", "--items", "64", "input.limit=64", *SMALL])
     assert result.exit_code == 0, result.output
     assert "batch_overhead_tokens" in result.output and "cpu" in result.output
+    # the printed inventory entry declares a simulated device as fast as the one measured
+    import yaml
+
+    from forge.devices import from_inventory
+
+    entry = next(line for line in result.output.splitlines() if "sim: {seconds_per_step" in line)
+    [device] = from_inventory(yaml.safe_load(entry), {"max_batch_tokens": 2048, "max_rows": 64, "max_seq_len": 1024})
+    assert device.name == "sim-cpu" and device.sim.seconds_per_slot > 0 and device.sim.seconds_per_step >= 0
 
 
 def test_plan_compare_modes(cli):
@@ -175,3 +183,17 @@ def test_sweep_checks_every_swept_value_before_launching(cli, tmp_path):
 @pytest.mark.parametrize("override", list(BAD_CONFIG))
 def test_plan_bad_config_is_one_line(cli, override):
     _one_error_line(cli.invoke(app, ["plan", override]), BAD_CONFIG[override])
+
+
+def test_run_refuses_simulated_devices_before_any_work_and_plan_takes_them(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli.invoke(app, ["run", "devices=mix_16g_32g", f"output_dir={out}"])
+    assert result.exit_code == 2
+    assert "`forge run` needs real devices: plan on simulated ones with `forge plan`" in result.output
+    assert not out.exists()
+    result = cli.invoke(app, ["plan", "--json", "devices=mix_16g_32g", "input.limit=100"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["virtual_time"]["unit"] == "s" and plan["balanced"]
+    assert {d["name"] for d in plan["devices"]} == {"card16", "card32"}
+    assert all(d["virtual_finish"] > 0 and 0 < d["busy_share"] <= 1 for d in plan["devices"])

@@ -107,6 +107,12 @@ class Packer(ABC):
         items that fit no device, so nothing waits for ever."""
         return num_tokens <= device.limits.max_seq_len
 
+    def batch_fits(self, rows: int, padded_len: int, prefix_len: int, device: Device) -> bool:
+        """Whether a batch of this shape (rows of `padded_len` slots behind a split prefix of
+        `prefix_len` tokens) may run on `device` beyond its four limits (memory mode: its
+        predicted peak within the budget). Checked before a batch that came back is re-routed."""
+        return True
+
     def check_device(self, device: Device) -> None:
         """Raise ForgeError if this mode cannot serve `device` (checked before any work)."""
 

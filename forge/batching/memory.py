@@ -29,6 +29,12 @@ class CostModel:
     bytes_per_score: float  # per attention score (query x key pair), all heads
     kv_bytes_per_token: float  # per token a row's KV cache holds: the expanded prefix + its own, when it has a prefix
     prefix_bytes_per_token: float = 0.0  # per prefix token, once per batch (its cached entry or its own pass)
+    margin: float = 0.0  # the activation terms above were raised by this share over the measured fit
+
+    def true_bytes(self, rows: int, padded_len: int, prefix_len: int = 0) -> int:
+        """The measured fit itself, without the safety margin: what a simulated device holds."""
+        step = self.step_bytes(rows, padded_len, prefix_len)
+        return int(self.weight_bytes + (step - self.weight_bytes) / (1 + self.margin))
 
     def step_bytes(self, rows: int, padded_len: int, prefix_len: int = 0) -> int:
         return int(self.weight_bytes + self._once(prefix_len) + rows * self._per_row(padded_len, prefix_len))

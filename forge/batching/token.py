@@ -222,6 +222,9 @@ class TokenPacker(Packer):
         lim = device.limits
         return min(lim.max_rows, lim.max_batch_tokens // padded_len)
 
+    def batch_fits(self, rows: int, padded_len: int, prefix_len: int, device: Device) -> bool:
+        return rows <= self.row_cap(padded_len, prefix_len, device)
+
     def _plan_rows(self, g: _Group, device: Device, urgency: Urgency) -> None:
         # A batch is a run of consecutive lengths padded to its head, the longest. From a
         # head it grows downward one run of equal lengths at a time while the next length l
