@@ -238,7 +238,7 @@ def test_a_deep_model_is_planned_from_its_config_alone(tmp_path):
     import shutil
 
     from conftest import plan_forge
-    from functions.assets import ASSETS_DIR
+    from forge.functions.assets import ASSETS_DIR
 
     model = tmp_path / "deep"
     model.mkdir()
