@@ -34,6 +34,7 @@ class ShardBuffer:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / META).write_text(json.dumps(schema.describe(), default=str))
         self.shards = 0  # written by this session
+        self._names = 0  # shard names used by this session (failed writes included)
         self.rows_written = 0
         self._shapes: dict[str, tuple[int, ...]] = {}  # per-item shape of fields declared with shape None
         self._clear()
@@ -75,14 +76,17 @@ class ShardBuffer:
         if not self._ids:
             return
         columns = {name: np.concatenate(parts) for name, parts in self._parts.items()}
-        name = f"{self.schema.folder}/{self.store.shard_name(self.shards, FORMATS[self.schema.format])}"
+        name = f"{self.schema.folder}/{self.store.shard_name(self._names, FORMATS[self.schema.format])}"
         record: dict[str, Any] = {"index": self._index, "ids": self._ids}
         if self.schema.meta_key:
             record[self.schema.meta_key] = self._meta
-        self.store.write_shard(name, self._writer(columns), record)
-        self.shards += 1
-        self.rows_written += len(self._ids)
-        self._clear()
+        self._names += 1  # a failed write's name is not reused (a shard it left in place is an orphan)
+        try:
+            self.store.write_shard(name, self._writer(columns), record)
+            self.shards += 1
+            self.rows_written += len(self._ids)
+        finally:  # a failed write commits nothing: its rows are dropped (the loop accounts them)
+            self._clear()
 
     def _writer(self, columns: dict[str, np.ndarray]) -> Callable[[Any], None]:
         if self.schema.format == "safetensors":
