@@ -14,7 +14,8 @@ __all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "hookimpl", "load_
 
 
 def load_activations(run_dir):
-    """ids, labels and {layer: tensor[N, hidden]} saved by a probe_gen run, aligned."""
+    """ids, labels and {layer: tensor[N, hidden]} saved by a probe_gen run, aligned; `run_dir`
+    is a local path or an fsspec URL (s3://bucket/run, ...)."""
     from forge.activations import load_activations as _load
 
     return _load(run_dir)

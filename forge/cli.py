@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +40,8 @@ def run(ctx: typer.Context) -> None:
 
     Hydra's flags work too: `-m` / `--multirun` sweeps (`forge run -m batching=item,token,memory`),
     `--config-dir DIR` (your own config groups, e.g. a devices inventory), `--cfg job` (print
-    the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/).
+    the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/);
+    an fsspec URL (s3://bucket/run, gs://..., memory://...) works too.
     """
     import hydra
 
@@ -53,7 +55,8 @@ def run(ctx: typer.Context) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         try:
-            report = _execute(cfg, Path(HydraConfig.get().runtime.output_dir))
+            with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as run_dir:
+                report = _execute(cfg, run_dir)
         except ForgeError as exc:
             _error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
@@ -75,6 +78,30 @@ def run(ctx: typer.Context) -> None:
         sys.argv = saved
 
 
+@contextmanager
+def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
+    """The job's run directory. For a URL, Hydra wrote its files to a local staging folder
+    (conf/config.yaml, `forge.location.hydra_dir`): its .hydra/ (config, overrides) is copied
+    to the URL, so the run directory holds them as a local one would, and the folder is
+    removed when the job ends."""
+    import shutil
+
+    from forge.location import local_path, open_location, reach, run_dir_of
+
+    run_dir = run_dir_of(output_dir, hydra_output_dir)
+    if local_path(output_dir) is not None:
+        yield run_dir
+        return
+    try:
+        where = open_location(run_dir)
+        for path in sorted((Path(hydra_output_dir) / ".hydra").glob("*")):
+            if path.is_file():
+                reach(run_dir, lambda: where.write_bytes(f".hydra/{path.name}", path.read_bytes()))
+        yield run_dir
+    finally:
+        shutil.rmtree(hydra_output_dir, ignore_errors=True)
+
+
 HYDRA_VALUE_FLAGS = ("--config-dir", "-cd")
 MULTIRUN_FLAGS = ("-m", "--multirun")
 MAX_SWEEP_CHECKS = 64  # sweeps with more combinations are checked one swept value at a time
@@ -86,6 +113,7 @@ def _precheck(args: list[str]) -> None:
     (beyond MAX_SWEEP_CHECKS, every swept value). Hydra's other flags (--cfg, --info, ...) are
     left to Hydra."""
     from forge.config import to_plain
+    from forge.location import check_output_dir
 
     overrides, config_dir, multirun, i = [], None, False, 0
     while i < len(args):
@@ -111,6 +139,7 @@ def _precheck(args: list[str]) -> None:
             if simulated:
                 raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
                                  "plan on simulated ones with `forge plan` and the same overrides")
+        check_output_dir(plain.get("output_dir", ""))
 
 
 def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:

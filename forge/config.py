@@ -9,13 +9,17 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from forge.devices import resolve_devices
 from forge.engine import RunSpec, RuntimeSpec
 from forge.loop import RunPolicy
 from forge.errors import ForgeError
+from forge.location import hydra_dir
 from forge.schema import validate
+
+# conf/config.yaml: Hydra's own files go to output_dir when it is local, else to a local staging folder
+OmegaConf.register_new_resolver("forge_hydra_dir", hydra_dir, replace=True)
 
 ENGINE_BATCHING_KEYS = ("mode", "window", "cache_tokens")
 GB = 1 << 30

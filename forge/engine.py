@@ -68,7 +68,7 @@ class RunSpec:
     cache_tokens: int = 0  # per-device prefix cache capacity; 0 = off
     too_long: str = "skip"  # skip | truncate | error
     max_tokens: int | None = None  # stop admitting once this many tokens were received
-    run_dir: Path | None = None  # outputs; None for a plan
+    run_dir: Path | str | None = None  # outputs: a local path or an fsspec URL (s3://...); None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # resolved config, for the report
     runtime: RuntimeSpec = RuntimeSpec()  # executor, timeouts, restarts
     resume: bool = False  # finish the run in run_dir, skipping what it committed
@@ -175,7 +175,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                          "plan on simulated ones with `forge plan` and the same overrides")
     started = time.perf_counter()
     store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
-                     fault=lambda tmp: pm.hook.forge_fault(point="write_shard", device=None, batch=None))
+                     fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None))
     try:
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)

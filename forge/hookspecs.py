@@ -203,11 +203,12 @@ def forge_fault(point, device, batch):
 
     Points: ``before_forward`` and ``after_forward`` (in the worker process, around the
     forward pass), ``write_shard`` (in the driver, with a shard written under its temporary
-    name and not yet renamed into place; `batch` is None).
+    name and not yet put in place; `batch` is None), ``commit_record`` (in the driver, with
+    the shard in place and its journal record not yet written; `batch` is None).
 
     :param point: the point's name.
-    :param device: the `forge.Device` (None for ``write_shard``).
-    :param batch: the `forge.Batch` (None for ``write_shard``).
+    :param device: the `forge.Device` (None for ``write_shard`` and ``commit_record``).
+    :param batch: the `forge.Batch` (None for ``write_shard`` and ``commit_record``).
     """
 
 

@@ -40,8 +40,7 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
     report["batches"] = sum(t.batches for t in tallies.values())
     report["useful_tokens_per_s"] = round(completed / wall_s, 1) if wall_s > 0 else None
     if run.run_dir is not None:
-        path = run.run_dir / "report.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=2, default=str))
-        tmp.replace(path)
+        from forge.location import open_location
+
+        open_location(run.run_dir).write_bytes("report.json", json.dumps(report, indent=2, default=str).encode())
     return report

@@ -2,23 +2,25 @@
 
     run_dir/<folder>/meta.json          format, fields, meta_key, and the function's own meta
     run_dir/<folder>/shard-SSS-KKKKK.*  .safetensors (one tensor per field) or .parquet (a table)
-    run_dir/commits.jsonl               one line per shard: file, index, ids (and per-item meta)
+    run_dir/commits.jsonl (or commits/*.json)  one record per shard: file, index, ids (and per-item meta)
 
 A result is one row per committed item: its `id`, its input `index` and one value per
 field. `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back
-in input order, whichever sink wrote them (`forge.sinks`).
+in input order, whichever sink wrote them (`forge.sinks`). `run_dir` is a local path or an
+fsspec URL (`forge.location`).
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from forge.errors import ForgeError
+from forge.location import Location, open_location
 from forge.store import read_journal
 
 META = "meta.json"
@@ -99,20 +101,22 @@ class Results:
 def result_folders(run_dir) -> list[str]:
     """Folders of the run directory that hold committed results (journal order)."""
     seen: dict[str, None] = {}
-    for line in read_journal(Path(run_dir)):
-        seen.setdefault(str(Path(line["file"]).parent), None)
-    for meta in sorted(Path(run_dir).glob(f"*/{META}")):  # results with nothing committed yet
-        seen.setdefault(meta.parent.name, None)
+    for line in read_journal(run_dir):
+        seen.setdefault(posixpath.dirname(line["file"]), None)
+    for rel in sorted(open_location(run_dir).files()):  # results with nothing committed yet
+        folder, _, name = rel.rpartition("/")
+        if name == META and folder and "/" not in folder:
+            seen.setdefault(folder, None)
     return list(seen)
 
 
 def read_info(run_dir, folder: str) -> dict[str, Any]:
     """A results folder's meta.json; folders written before ResultSchema (probe_gen's
     activations: layers only) read as safetensors with a `layer_<L>` field per layer."""
-    path = Path(run_dir) / folder / META
-    if not path.exists():
+    where = open_location(run_dir)
+    if not where.exists(f"{folder}/{META}"):
         raise ForgeError(f"{run_dir}: no {folder}/{META}; is this a Forge run directory?")
-    info = json.loads(path.read_text())
+    info = json.loads(where.read_bytes(f"{folder}/{META}"))
     if "format" not in info and "layers" in info:
         info = {**info, "format": "safetensors", "meta_key": "labels",
                 "fields": [{"name": f"layer_{layer}", "dtype": "float32", "shape": None} for layer in info["layers"]]}
@@ -122,7 +126,6 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
 def load(run_dir, folder: str | None = None) -> Results:
     """The committed results of a run, rows in input order. `folder` picks one results folder
     when a run has several (default: its only one)."""
-    run_dir = Path(run_dir)
     if folder is None:
         folders = result_folders(run_dir)
         if len(folders) != 1:
@@ -136,14 +139,15 @@ def load(run_dir, folder: str | None = None) -> Results:
     index: list[int] = []
     meta: list[Any] = []
     parts: dict[str, list] = {f.name: [] for f in fields}
+    where = open_location(run_dir)
     for line in read_journal(run_dir):
-        if str(Path(line["file"]).parent) != folder:
+        if posixpath.dirname(line["file"]) != folder:
             continue
         ids += line["ids"]
         index += line["index"]
         if meta_key:
             meta += line.get(meta_key, [None] * len(line["ids"]))
-        for name, values in _read_shard(run_dir / line["file"], info["format"], parts).items():
+        for name, values in _read_shard(where, line["file"], info["format"], parts).items():
             parts[name].append(values)
     order = np.argsort(np.asarray(index, np.int64), kind="stable")
     columns = {f.name: _concat(parts[f.name], f)[order] for f in fields}
@@ -151,15 +155,19 @@ def load(run_dir, folder: str | None = None) -> Results:
                    [meta[i] for i in order] if meta_key else None, info)
 
 
-def _read_shard(path: Path, fmt: str, wanted) -> dict[str, np.ndarray]:
+def _read_shard(where: Location, rel: str, fmt: str, wanted) -> dict[str, np.ndarray]:
+    """A shard's fields: mapped from a local disk, read whole from an object store."""
+    path = where.local_file(rel)
     if fmt == "safetensors":
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load, load_file
 
-        tensors = load_file(str(path))
+        tensors = load_file(str(path)) if path is not None else load(where.read_bytes(rel))
         return {name: tensors[name] for name in wanted}
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(str(path), columns=list(wanted))
+    source = str(path) if path is not None else pa.BufferReader(where.read_bytes(rel))
+    table = pq.read_table(source, columns=list(wanted))
     return {name: _numpy_column(table.column(name)) for name in wanted}
 
 

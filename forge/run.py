@@ -16,7 +16,7 @@ class RunContext:
     function: str  # function name, e.g. "probe_gen"
     batching: str  # batching mode name
     devices: list[Device]  # consumers, each with its effective limits
-    run_dir: Path | None  # where outputs go; None for a plan
+    run_dir: Path | str | None  # where outputs go: a local path or an fsspec URL; None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config, plain containers
     dry_run: bool = False  # true for `forge plan`: nothing runs, timings are simulated
     expected_items: int | None = None  # records in the input, when known (progress bar total)

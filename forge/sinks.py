@@ -3,8 +3,8 @@
 Model: a worker returns, for a batch, one array per field with a row per item, aligned
 with `batch.items` (`ItemColumns`, or any object with a `columns` mapping). The sink keeps
 the rows of items not committed yet, buffers them, and on `flush` writes one shard through
-`RunStore.write_shard` (temporary name, rename, then the journal line naming the items'
-input indexes and ids): a safetensors file holding one tensor per field, or a Parquet
+`RunStore.write_shard` (the shard put in place whole, then its journal record naming the
+items' input indexes and ids): a safetensors file holding one tensor per field, or a Parquet
 table with `id`, `index` and a column per field. `forge.results.load` reads either back.
 """
 
@@ -30,10 +30,9 @@ class ShardBuffer:
         self.store = store
         self.schema = schema
         self.rows_per_shard = schema.rows_per_shard
-        folder = store.dir / schema.folder
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / META).write_text(json.dumps(schema.describe(), default=str))
+        store.write_file(f"{schema.folder}/{META}", json.dumps(schema.describe(), default=str))
         self.shards = 0  # written by this session
+        self._names = 0  # shard names used by this session (failed writes included)
         self.rows_written = 0
         self._shapes: dict[str, tuple[int, ...]] = {}  # per-item shape of fields declared with shape None
         self._clear()
@@ -75,14 +74,17 @@ class ShardBuffer:
         if not self._ids:
             return
         columns = {name: np.concatenate(parts) for name, parts in self._parts.items()}
-        name = f"{self.schema.folder}/{self.store.shard_name(self.shards, FORMATS[self.schema.format])}"
+        name = f"{self.schema.folder}/{self.store.shard_name(self._names, FORMATS[self.schema.format])}"
         record: dict[str, Any] = {"index": self._index, "ids": self._ids}
         if self.schema.meta_key:
             record[self.schema.meta_key] = self._meta
-        self.store.write_shard(name, self._writer(columns), record)
-        self.shards += 1
-        self.rows_written += len(self._ids)
-        self._clear()
+        self._names += 1  # a failed write's name is not reused (a shard it left in place is an orphan)
+        try:
+            self.store.write_shard(name, self._writer(columns), record)
+            self.shards += 1
+            self.rows_written += len(self._ids)
+        finally:  # a failed write commits nothing: its rows are dropped (the loop accounts them)
+            self._clear()
 
     def _writer(self, columns: dict[str, np.ndarray]) -> Callable[[Any], None]:
         if self.schema.format == "safetensors":
@@ -100,7 +102,7 @@ class ShardBuffer:
     def close(self) -> dict[str, Any]:
         """Flush what is left; figures for the report."""
         self.flush()
-        where = str(self.store.dir / self.schema.folder)
+        where = self.store.url(self.schema.folder)
         return {"results": where, self.schema.folder: where, "format": self.schema.format,
                 "shards": self.shards, "rows": self.rows_written}
 

@@ -4,17 +4,17 @@
     run_dir/commits.jsonl                      one line per shard: file, index
 
 Rows are buffered as batches finish and written a shard at a time (`RunStore.write_shard`:
-temporary name, rename, then the journal line), so a crash leaves no half shard and a
-resumed run skips what was committed. `load_table` reads only journaled shards and puts
+the shard put in place whole, then its journal record), so a crash leaves no half shard and a
+resumed run skips what was committed. `run_dir` is a local path or an fsspec URL. `load_table` reads only journaled shards and puts
 rows back in input order (by `index`, the key each item is committed under).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from forge.errors import ForgeError
+from forge.location import open_location
 from forge.store import RunStore, read_journal
 
 INDEX = "index"  # the column holding each row's commit key (Item.index)
@@ -33,9 +33,9 @@ class TableWriter:
         self.schema = schema  # pyarrow.Schema of every shard
         self.rows_per_shard = rows_per_shard
         self.shards = 0  # written by this session
+        self._names = 0  # shard names used by this session (failed writes included)
         self.rows_written = 0  # by this session
         self._columns: dict[str, list] = {name: [] for name in schema.names}
-        (store.dir / subdir).mkdir(parents=True, exist_ok=True)
 
     def add(self, **columns: list) -> None:
         """Rows as equal-length lists per column (every schema column, `index` included)."""
@@ -52,16 +52,19 @@ class TableWriter:
         import pyarrow.parquet as pq
 
         table = pa.table(self._columns, schema=self.schema)
-        name = f"{self.subdir}/{self.store.shard_name(self.shards, '.parquet')}"
-        self.store.write_shard(name, lambda path: pq.write_table(table, str(path)),
-                               {INDEX: [int(i) for i in self._columns[INDEX]]})
-        self.shards += 1
-        self.rows_written += table.num_rows
-        self._columns = {name: [] for name in self.schema.names}
+        name = f"{self.subdir}/{self.store.shard_name(self._names, '.parquet')}"
+        self._names += 1  # a failed write's name is not reused (a shard it left in place is an orphan)
+        try:
+            self.store.write_shard(name, lambda path: pq.write_table(table, str(path)),
+                                   {INDEX: [int(i) for i in self._columns[INDEX]]})
+            self.shards += 1
+            self.rows_written += table.num_rows
+        finally:  # a failed write commits nothing: its rows are dropped (the loop accounts them)
+            self._columns = {name: [] for name in self.schema.names}
 
     def close(self) -> dict[str, Any]:
         self.flush()
-        return {"table": str(self.store.dir / self.subdir), "shards": self.shards, "rows": self.rows_written}
+        return {"table": self.store.url(self.subdir), "shards": self.shards, "rows": self.rows_written}
 
 
 def load_table(run_dir, subdir: str):
@@ -69,11 +72,15 @@ def load_table(run_dir, subdir: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    run_dir = Path(run_dir)
-    if not (run_dir / subdir).is_dir():
+    where = open_location(run_dir)
+    if not where.files(subdir) and not where.exists("run.json"):  # a run that committed no rows yet reads as None
         raise ForgeError(f"{run_dir}: no {subdir}/ table; is this the run directory of a function that writes one?")
-    parts = [pq.read_table(run_dir / line["file"]) for line in read_journal(run_dir)
-             if line["file"].startswith(subdir + "/")]
+
+    def read(rel: str):
+        path = where.local_file(rel)
+        return pq.read_table(str(path) if path is not None else pa.BufferReader(where.read_bytes(rel)))
+
+    parts = [read(line["file"]) for line in read_journal(run_dir) if line["file"].startswith(subdir + "/")]
     if not parts:
         return None
     table = pa.concat_tables(parts)

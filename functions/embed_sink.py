@@ -42,9 +42,7 @@ class EmbeddingSink:
         self.store = store
         self.fmt = fmt
         self.rows_per_shard = shard_size  # the loop flushes once this many rows are buffered
-        folder = store.dir / SUBDIR
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / META).write_text(json.dumps({"format": fmt, **meta}))
+        store.write_file(f"{SUBDIR}/{META}", json.dumps({"format": fmt, **meta}))
         self.shards = 0  # written by this session
         self.rows_written = 0
         self._clear()
@@ -70,14 +68,14 @@ class EmbeddingSink:
         name = f"{SUBDIR}/{self.store.shard_name(self.shards, FORMATS[self.fmt])}"
         ids, index = list(self._ids), list(self._index)
         write = _safetensors_writer(vectors) if self.fmt == "safetensors" else _parquet_writer(ids, index, vectors)
+        self.shards += 1  # a failed write's name is not reused, and its rows are dropped (the loop
+        self._clear()     # reports them uncommitted): nothing it said was lost is committed later
         self.store.write_shard(name, write, {"index": index, "ids": ids})
-        self.shards += 1
         self.rows_written += len(ids)
-        self._clear()
 
     def close(self) -> dict[str, Any]:
         self.flush()
-        return {"embeddings": str(self.store.dir / SUBDIR), "format": self.fmt, "shards": self.shards,
+        return {"embeddings": self.store.url(SUBDIR), "format": self.fmt, "shards": self.shards,
                 "rows": self.rows_written}
 
 

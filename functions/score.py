@@ -26,7 +26,6 @@ Output: ``scores/`` Parquet shards keyed by id (`load_scores`), and per question
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional
 
@@ -350,16 +349,16 @@ class ScoreSink:
 
     def close(self) -> dict[str, Any]:
         out = self.writer.close()
-        run_dir = self.writer.store.dir
-        questions = question_table(load_scores(run_dir))
+        store = self.writer.store
+        questions = question_table(load_scores(store.url()))
         if questions.num_rows:
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            path = run_dir / QUESTIONS
-            tmp = path.with_name(path.name + ".tmp")
-            pq.write_table(questions, str(tmp))
-            os.replace(tmp, path)
-            out["questions"] = str(path)
+            buffer = pa.BufferOutputStream()
+            pq.write_table(questions, buffer)
+            store.write_file(QUESTIONS, buffer.getvalue().to_pybytes())  # replaced whole (a local path or a URL)
+            out["questions"] = store.url(QUESTIONS)
         out["accuracy"] = accuracy(questions)
         return out
 

@@ -186,6 +186,7 @@ def forge_run_end(run, report):
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]
     if run.run_dir is not None and led.failures:
-        with open(run.run_dir / "failures.jsonl", "w") as f:
-            for failure in led.failures:
-                f.write(json.dumps(failure) + "\n")
+        from forge.location import open_location  # a local path or an fsspec URL
+
+        open_location(run.run_dir).write_bytes("failures.jsonl",
+                                               "".join(json.dumps(f) + "\n" for f in led.failures).encode())

@@ -9,6 +9,7 @@ processes inherit; registered with `plugins=[faults]`.
      "hang": {"seconds": 60, "times": 1, "nth": 2},     # the nth first-attempt batch sleeps
      "fail": "message",                                 # every batch raises RuntimeError(message)
      "fail_write": 1,                                   # the first N shard writes raise ENOSPC
+     "fail_commit": 2,                                  # commit records from the Nth on raise EIO (shards in place)
      "kill_run_at_write": 3}                            # SIGKILL the whole process group at shard N
 """
 
@@ -66,6 +67,10 @@ def forge_fault(point, device, batch):
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
         if cfg.get("kill_run_at_write") and _count("write") + 1 == cfg["kill_run_at_write"]:
             os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole run tree, mid-write
+        return
+    if point == "commit_record":
+        if cfg.get("fail_commit") and _count("commit") + 1 >= cfg["fail_commit"]:
+            raise OSError(errno.EIO, "I/O error writing the commit record (simulated)")
         return
     if "fail" in cfg:
         raise RuntimeError(cfg["fail"])

@@ -89,27 +89,31 @@ def test_ray_schema_is_its_own():
 
 @needs_ray
 def test_same_results_as_in_process(tmp_path, ray_local, clean):
-    report = run_forge(tmp_path, *FAST, *RAY)
+    url = f"file://{tmp_path}/run"  # output_dir as a URL (a local directory all the same)
+    report = run_forge(url, *FAST, *RAY)
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
+    assert (tmp_path / "run" / "commits.jsonl").exists() and (tmp_path / "run" / "report.json").exists()
     assert report["items"]["completed"] == N and report["items"]["failed"] == 0
     actor = report["ray"]["actors"]["cpu"]
     assert actor["torch_device"] == "cpu" and actor["limits"]["max_batch_tokens"] == 1024 and actor["threads"] == 1
     assert report["restarts"] == {"cpu": 0}
-    same_output(tmp_path, clean)
+    same_output(url, clean)
 
 
 @needs_ray
 def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean):
-    # one actor SIGKILLed inside its forward pass, a later one hangs past its timeout
+    # one actor SIGKILLed inside its forward pass, a later one hangs past its timeout; the
+    # output goes to an object store (memory://: the driver writes, so it lives in this process)
     faults(kill={"point": "during_forward", "every": 3, "times": 1}, hang={"seconds": 120, "nth": 5})
-    report = run_forge(tmp_path, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=4",
+    url = f"memory://{tmp_path.name}/run"
+    report = run_forge(url, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=4",
                        "runtime.batch_timeout_s=4", "runtime.kill_grace_s=1")
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] == 2, "one replacement after the kill, one after the hang"
     assert report["attempts"]["lost"] >= 1 and report["attempts"]["timeout"] == 1
     assert report["items"]["completed"] == N and report["items"]["failed"] == 0
     assert report["tokens"]["retried"] > 0
-    same_output(tmp_path, clean)
+    same_output(url, clean)
 
 
 @needs_ray

@@ -8,8 +8,10 @@ outcome; the loop and the scheduler decide what follows.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -87,3 +89,109 @@ class Executor(ABC):
     def info(self) -> dict[str, Any]:
         """Executor-specific report entries (where its workers run); none by default."""
         return {}
+
+
+@dataclass(kw_only=True)
+class Slot:
+    """One device's worker (a process, an actor) and the batches sent to it."""
+
+    device: Device
+    started: float  # when the worker was started
+    ready: bool = False  # model loaded
+    queue: deque = field(default_factory=deque)  # (ticket, timeout_s, handle) in send order; the head runs
+    head_since: float | None = None  # when the head started running
+    silent_since: float | None = None  # set when the head timed out: no more work until it answers
+
+
+class SlotExecutor(Executor):
+    """One worker per device with a FIFO of at most `max_in_flight` batches; the head runs.
+
+    Model of time: a worker that has not loaded within `startup_timeout_s` is replaced; a
+    head past its timeout comes back TIMEOUT (what waits behind it LOST, uncharged) and the
+    worker gets no more work; unless it answers within `kill_grace_s` it is replaced. A
+    replaced worker's batches come back LOST; after `max_restarts` replacements the device
+    is retired. Subclasses start (`_spawn`), stop (`_kill`) and read their workers; `worker`
+    names them in reasons ("worker", "actor").
+    """
+
+    worker = "worker"
+
+    def __init__(self, *, max_in_flight: int, max_restarts: int, startup_timeout_s: float, kill_grace_s: float):
+        super().__init__()
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.max_restarts = int(max_restarts)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.kill_grace_s = float(kill_grace_s)
+        self.slots: dict[str, Slot] = {}
+        self._pending: list[Outcome] = []  # outcomes the next `collect` returns
+
+    @abstractmethod
+    def _spawn(self, device: Device) -> None:
+        """Start a worker for `device` and put its slot in `self.slots`."""
+
+    @abstractmethod
+    def _kill(self, slot: Slot) -> None:
+        """Stop the slot's worker now."""
+
+    def free_slots(self, device: str) -> int:
+        slot = self.slots.get(device)
+        if slot is None or slot.silent_since is not None:
+            return 0
+        return self.max_in_flight - len(slot.queue)
+
+    def in_flight(self) -> int:
+        return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
+
+    def _queue(self, slot: Slot, ticket: int, timeout_s: float | None, handle: Any = None) -> None:
+        """A batch sent to the slot's worker; it starts running now if it is the head."""
+        if not slot.queue and slot.ready:
+            slot.head_since = time.monotonic()
+        slot.queue.append((ticket, timeout_s, handle))
+
+    @staticmethod
+    def _answered(slot: Slot) -> None:
+        """The worker answered for its head (the head already popped): slow, not hung."""
+        slot.silent_since = None
+        slot.head_since = time.monotonic() if slot.queue else None
+
+    def _replace(self, slot: Slot, reason: str) -> None:
+        """Kill the slot's worker, hand its batches back as LOST, start another (or retire)."""
+        name = slot.device.name
+        self._kill(slot)
+        for i, (ticket, _, _) in enumerate(slot.queue):  # the head was running; the rest only waited
+            self._pending.append(Outcome(ticket, name, Status.LOST, reason=reason, charged=i == 0 and slot.ready))
+        slot.queue.clear()
+        if self.restarts[name] >= self.max_restarts:
+            self.retired[name] = f"device {name} retired after {self.restarts[name]} restarts; last: {reason}"
+            del self.slots[name]
+            return
+        self.restarts[name] += 1
+        self._spawn(slot.device)
+
+    def _due(self, slot: Slot) -> float | None:
+        """The next moment this slot needs attention without an answer."""
+        if not slot.ready:
+            return slot.started + self.startup_timeout_s
+        if slot.silent_since is not None:
+            return slot.silent_since + self.kill_grace_s
+        if slot.queue and slot.head_since is not None and slot.queue[0][1] is not None:
+            return slot.head_since + slot.queue[0][1]
+        return None
+
+    def _check_time(self, slot: Slot, now: float) -> None:
+        name, who = slot.device.name, self.worker
+        if self.slots.get(name) is not slot:
+            return
+        if not slot.ready and now > slot.started + self.startup_timeout_s:
+            self._replace(slot, f"{who} of {name} did not load within {self.startup_timeout_s:.0f} s")
+        elif slot.silent_since is not None and now > slot.silent_since + self.kill_grace_s:
+            self._replace(slot, f"{who} of {name} hung: no answer {self.kill_grace_s:.0f} s after a timeout")
+        elif slot.silent_since is None and slot.queue and slot.head_since is not None:
+            ticket, timeout_s, _ = slot.queue[0]
+            if timeout_s is not None and now > slot.head_since + timeout_s:
+                for t, _, _ in slot.queue:  # the head timed out; what waits behind it is re-routed too
+                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
+                        f"re-routed: queued behind a batch that timed out on {name}"
+                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
+                                                 charged=t == ticket))
+                slot.silent_since = now

@@ -7,7 +7,8 @@ on every pipe and every process sentinel at once and turns what arrives into `Ou
 results, errors, out-of-memory, a dead process (its batches come back LOST), a head past
 its deadline (TIMEOUT; the worker gets no more work and is killed unless it answers within
 `kill_grace_s`). A dead or killed worker is replaced up to `max_restarts` times per device;
-then the device is retired and the others finish the work.
+then the device is retired and the others finish the work. The timing and replacement
+bookkeeping is `forge.executors.base.SlotExecutor`'s, shared with the Ray executor.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import queue
 import signal
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 
-from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
 from forge.geometry import Batch, Device
 
 # Workers fork from a server process that imported torch and the function's module once, so a
@@ -31,33 +31,22 @@ from forge.geometry import Batch, Device
 _ctx = mp.get_context("forkserver")
 
 
-@dataclass
-class _Slot:
-    device: Device
+@dataclass(kw_only=True)
+class _Slot(Slot):
     process: object
     conn: object
-    started: float  # when the process was started
-    ready: bool = False  # model loaded
-    queue: deque = field(default_factory=deque)  # (ticket, deadline budget) in send order; head runs
-    head_since: float | None = None  # when the head started running
-    silent_since: float | None = None  # set when the head timed out: no more work until it answers
     load_error: str | None = None  # why the worker could not load its model
 
 
-class ProcessExecutor(Executor):
+class ProcessExecutor(SlotExecutor):
     def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), max_in_flight: int = 2,
                  max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
-        super().__init__()
+        super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
+                         startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
         self.function = function
         self.cache_tokens = cache_tokens
         self.plugins = tuple(plugins)
-        self.max_in_flight = max(1, int(max_in_flight))
-        self.max_restarts = int(max_restarts)
-        self.startup_timeout_s = float(startup_timeout_s)
-        self.kill_grace_s = float(kill_grace_s)
-        self.slots: dict[str, _Slot] = {}
         self._threads = 1
-        self._pending: list[Outcome] = []
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
@@ -75,21 +64,7 @@ class ProcessExecutor(Executor):
                                      dict(os.environ)))
         process.start()
         child.close()
-        self.slots[device.name] = _Slot(device, process, parent, time.monotonic())
-
-    def _replace(self, slot: _Slot, reason: str) -> None:
-        """Kill the slot's worker, hand its batches back as LOST, start another (or retire)."""
-        name = slot.device.name
-        self._kill(slot)
-        for i, (ticket, _) in enumerate(slot.queue):  # the head was running; the rest only waited
-            self._pending.append(Outcome(ticket, name, Status.LOST, reason=reason, charged=i == 0 and slot.ready))
-        slot.queue.clear()
-        if self.restarts[name] >= self.max_restarts:
-            self.retired[name] = f"device {name} retired after {self.restarts[name]} restarts; last: {reason}"
-            del self.slots[name]
-            return
-        self.restarts[name] += 1
-        self._spawn(slot.device)
+        self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=time.monotonic())
 
     @staticmethod
     def _kill(slot: _Slot) -> None:
@@ -111,20 +86,9 @@ class ProcessExecutor(Executor):
         self.slots.clear()
 
     # -- work -------------------------------------------------------------------
-    def free_slots(self, device: str) -> int:
-        slot = self.slots.get(device)
-        if slot is None or slot.silent_since is not None:
-            return 0
-        return self.max_in_flight - len(slot.queue)
-
-    def in_flight(self) -> int:
-        return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
-
     def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
         slot = self.slots[device.name]
-        if not slot.queue and slot.ready:
-            slot.head_since = time.monotonic()
-        slot.queue.append((ticket, timeout_s))
+        self._queue(slot, ticket, timeout_s)
         try:
             slot.conn.send((ticket, batch))
         except (OSError, ValueError) as exc:  # the worker died; its sentinel reports it
@@ -153,16 +117,6 @@ class ProcessExecutor(Executor):
         out, self._pending = self._pending, []
         return out
 
-    def _due(self, slot: _Slot) -> float | None:
-        """The next moment this slot needs attention without a message."""
-        if not slot.ready:
-            return slot.started + self.startup_timeout_s
-        if slot.silent_since is not None:
-            return slot.silent_since + self.kill_grace_s
-        if slot.queue and slot.head_since is not None and slot.queue[0][1] is not None:
-            return slot.head_since + slot.queue[0][1]
-        return None
-
     def _read(self, slot: _Slot) -> None:
         name = slot.device.name
         try:
@@ -178,8 +132,7 @@ class ProcessExecutor(Executor):
                 kind, ticket, payload, seconds = msg
                 if slot.queue and slot.queue[0][0] == ticket:
                     slot.queue.popleft()
-                slot.silent_since = None  # it answered: slow, not hung
-                slot.head_since = time.monotonic() if slot.queue else None
+                self._answered(slot)
                 status = Status(kind)
                 self._pending.append(Outcome(ticket, name, status, payload if status == Status.COMPLETED else None,
                                              "" if status == Status.COMPLETED else payload, seconds))
@@ -190,26 +143,6 @@ class ProcessExecutor(Executor):
             why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             self._replace(slot, f"worker of {name} could not load the model: {slot.load_error}" if slot.load_error
                           else f"worker of {name} died ({why})")
-
-    def _check_time(self, slot: _Slot, now: float) -> None:
-        name = slot.device.name
-        if name not in self.slots or self.slots[name] is not slot:
-            return
-        if not slot.ready and now > slot.started + self.startup_timeout_s:
-            self._replace(slot, f"worker of {name} did not load within {self.startup_timeout_s:.0f} s")
-        elif slot.silent_since is not None and now > slot.silent_since + self.kill_grace_s:
-            self._replace(slot, f"worker of {name} hung: no answer {self.kill_grace_s:.0f} s after a timeout")
-        elif slot.silent_since is None and slot.queue and slot.head_since is not None:
-            ticket, timeout_s = slot.queue[0]
-            if timeout_s is not None and now > slot.head_since + timeout_s:
-                # the head timed out; what waits behind it is re-routed too
-                for t, _ in slot.queue:
-                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
-                        f"re-routed: queued behind a batch that timed out on {name}"
-                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
-                                                 charged=t == ticket))
-                slot.silent_since = now
-
 
 # ----------------------------------------------------------------------------- the worker process
 

@@ -7,7 +7,8 @@ store. Same model as the process executor: per device a FIFO of at most `max_in_
 batches (the head runs; an actor runs its calls in order), outcomes collected in completion
 order with `ray.wait`; a dead actor's batches come back LOST and a replacement is started, up
 to `max_restarts` per device, then the device is retired; a head past its deadline comes
-back TIMEOUT and the actor is killed unless it answers within `kill_grace_s`.
+back TIMEOUT and the actor is killed unless it answers within `kill_grace_s` (that
+bookkeeping is `forge.executors.base.SlotExecutor`'s, shared with the process executor).
 
 Ray is an optional extra (`pip install -e '.[ray]'`); it is imported only when this
 executor is built.
@@ -18,12 +19,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from forge.errors import ForgeError
-from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
 from forge.geometry import Batch, Device
 
 ENV_PREFIXES = ("FORGE_", "HF_")  # driver variables actors get (cache, offline mode, test faults)
@@ -37,23 +37,20 @@ def import_ray():
     return ray
 
 
-@dataclass
-class _Slot:
-    device: Device
+@dataclass(kw_only=True)
+class _Slot(Slot):
     actor: Any
     load_ref: Any  # the actor's load() call: its description once the model is loaded
-    started: float
-    ready: bool = False
-    queue: deque = field(default_factory=deque)  # (ticket, timeout_s, ref) in send order; head runs
-    head_since: float | None = None
-    silent_since: float | None = None  # the head timed out: no more work until it answers
 
 
-class RayExecutor(Executor):
+class RayExecutor(SlotExecutor):
+    worker = "actor"
+
     def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), address: str | None = None,
                  num_cpus: int | None = None, cpus_per_actor: float = 1.0, max_in_flight: int = 2,
                  max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
-        super().__init__()
+        super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
+                         startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
         self.ray = import_ray()
         self.function = function
         self.cache_tokens = cache_tokens
@@ -61,14 +58,8 @@ class RayExecutor(Executor):
         self.address = address
         self.num_cpus = num_cpus
         self.cpus_per_actor = float(cpus_per_actor)
-        self.max_in_flight = max(1, int(max_in_flight))
-        self.max_restarts = int(max_restarts)
-        self.startup_timeout_s = float(startup_timeout_s)
-        self.kill_grace_s = float(kill_grace_s)
-        self.slots: dict[str, _Slot] = {}
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
         self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
-        self._pending: list[Outcome] = []
         self._actor_cls = None
         self._function_ref = None  # the function, put in the object store once for every actor
 
@@ -96,21 +87,8 @@ class RayExecutor(Executor):
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor = self._actor_cls.options(**resources).remote(
             [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env)
-        self.slots[device.name] = _Slot(device, actor, actor.load.remote(), time.monotonic())
-
-    def _replace(self, slot: _Slot, reason: str) -> None:
-        """Kill the slot's actor, hand its batches back as LOST, start another (or retire)."""
-        name = slot.device.name
-        self._kill(slot)
-        for i, (ticket, _, _) in enumerate(slot.queue):  # the head was running; the rest only waited
-            self._pending.append(Outcome(ticket, name, Status.LOST, reason=reason, charged=i == 0 and slot.ready))
-        slot.queue.clear()
-        if self.restarts[name] >= self.max_restarts:
-            self.retired[name] = f"device {name} retired after {self.restarts[name]} restarts; last: {reason}"
-            del self.slots[name]
-            return
-        self.restarts[name] += 1
-        self._spawn(slot.device)
+        self.slots[device.name] = _Slot(device=device, actor=actor, load_ref=actor.load.remote(),
+                                        started=time.monotonic())
 
     def _kill(self, slot: _Slot) -> None:
         try:
@@ -131,20 +109,9 @@ class RayExecutor(Executor):
         return {"ray": {"address": self.address or "local", "actors": dict(self.actors)}}
 
     # -- work -------------------------------------------------------------------
-    def free_slots(self, device: str) -> int:
-        slot = self.slots.get(device)
-        if slot is None or slot.silent_since is not None:
-            return 0
-        return self.max_in_flight - len(slot.queue)
-
-    def in_flight(self) -> int:
-        return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
-
     def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
         slot = self.slots[device.name]
-        if not slot.queue and slot.ready:
-            slot.head_since = time.monotonic()
-        slot.queue.append((ticket, timeout_s, slot.actor.run.remote(batch)))
+        self._queue(slot, ticket, timeout_s, slot.actor.run.remote(batch))
 
     def collect(self, wait_s: float) -> list[Outcome]:
         now = time.monotonic()
@@ -172,16 +139,6 @@ class RayExecutor(Executor):
         out, self._pending = self._pending, []
         return out
 
-    def _due(self, slot: _Slot) -> float | None:
-        """The next moment this slot needs attention without a result."""
-        if not slot.ready:
-            return slot.started + self.startup_timeout_s
-        if slot.silent_since is not None:
-            return slot.silent_since + self.kill_grace_s
-        if slot.queue and slot.head_since is not None and slot.queue[0][1] is not None:
-            return slot.head_since + slot.queue[0][1]
-        return None
-
     def _read(self, slot: _Slot, done: set) -> None:
         ray, name = self.ray, slot.device.name
         if not slot.ready:
@@ -202,32 +159,13 @@ class RayExecutor(Executor):
             except Exception as exc:  # noqa: BLE001 - the actor died (killed, crashed, node lost)
                 return self._replace(slot, f"actor of {name} died ({_cause(exc)})")
             slot.queue.popleft()
-            slot.silent_since = None  # it answered: slow, not hung
-            slot.head_since = time.monotonic() if slot.queue else None
+            self._answered(slot)
             status = Status(kind)
             ok = status == Status.COMPLETED
             self._pending.append(Outcome(ticket, name, status, payload if ok else None, "" if ok else payload,
                                          seconds))
             if not ok and ("CUDA error" in payload or "device-side assert" in payload):
                 return self._replace(slot, f"actor of {name}: sticky device error: {payload}")
-
-    def _check_time(self, slot: _Slot, now: float) -> None:
-        name = slot.device.name
-        if self.slots.get(name) is not slot:
-            return
-        if not slot.ready and now > slot.started + self.startup_timeout_s:
-            self._replace(slot, f"actor of {name} did not load within {self.startup_timeout_s:.0f} s")
-        elif slot.silent_since is not None and now > slot.silent_since + self.kill_grace_s:
-            self._replace(slot, f"actor of {name} hung: no answer {self.kill_grace_s:.0f} s after a timeout")
-        elif slot.silent_since is None and slot.queue and slot.head_since is not None:
-            ticket, timeout_s, _ = slot.queue[0]
-            if timeout_s is not None and now > slot.head_since + timeout_s:
-                for t, _, _ in slot.queue:  # the head timed out; what waits behind it is re-routed too
-                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
-                        f"re-routed: queued behind a batch that timed out on {name}"
-                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
-                                                 charged=t == ticket))
-                slot.silent_since = now
 
 
 def _cause(exc: BaseException) -> str:
