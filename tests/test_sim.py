@@ -220,14 +220,7 @@ def test_memory_fit_of_a_deep_model_extrapolates_from_two_shallow_depths_exactly
     assert scaling_depths(_at_depth(config, 6), target) is None  # shallow: measured whole
     shapes = (Shape(2, 32, 128), Shape(1, 64, 64, cached=False))
     whole = FakeModel(config, target)
-    import forge.runtime.memory_fit as mf
-
-    saved = mf.FIT_SHAPES
-    try:
-        mf.FIT_SHAPES = shapes
-        peaks, weights = measure_by_depth(config, target, (2, 4))
-    finally:
-        mf.FIT_SHAPES = saved
+    peaks, weights = measure_by_depth(config, target, (2, 4), shapes=shapes)
     assert weights == whole.weight_bytes
     assert peaks == [whole.peak(s) for s in shapes]
 
