@@ -131,6 +131,7 @@ class TokenPacker(Packer):
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
         self._shapes: dict[tuple, dict[int, tuple[int, int]]] = {}  # ... -> packed shape by longest item
         self._profiled: tuple[Device | None, tuple] = (None, ())  # the last device asked about, its profile
+        self._profiles: dict[tuple, tuple] = {}  # one instance per distinct profile: compared by identity first
 
     def profile(self, device: Device) -> tuple:
         """What a planned batch depends on besides the group: devices equal in it share plans.
@@ -138,6 +139,15 @@ class TokenPacker(Packer):
         only in memory share plans (memory mode adds the budget); a profile finer than what
         plans read made such cards take turns re-planning each other's groups."""
         return device.limits, self.overhead_tokens(device)
+
+    def _profile_of(self, device: Device) -> tuple:
+        """`profile(device)`, computed once per run of requests from one device (devices are
+        frozen: same object, same profile), and one instance per distinct profile, so that
+        comparing and hashing it is cheap."""
+        if device is not self._profiled[0]:
+            profile = self.profile(device)
+            self._profiled = (device, self._profiles.setdefault(profile, profile))
+        return self._profiled[1]
 
     # -- window -----------------------------------------------------------------
     def add(self, chunk: Chunk) -> None:
@@ -159,17 +169,17 @@ class TokenPacker(Packer):
             order = _stable_order(rows)
             edges, offsets, group_codes = [0, n], [0], [NO_PREFIX]
         rows, ids = rows[order], chunk.ids[order]
-        tokens = np.concatenate(([0], np.cumsum(rows)))[edges].tolist()
+        tokens = np.diff(np.concatenate(([0], np.cumsum(rows)))[edges]).tolist()  # row tokens per group
         packed = self.packing == "packed"
-        for j, code in enumerate(group_codes):
-            s, e = edges[j], edges[j + 1]
-            g = self._groups.get(code)
+        groups = self._groups
+        for code, s, e, t, offset in zip(group_codes, edges, edges[1:], tokens, offsets):
+            g = groups.get(code)
             if g is None:
-                g = self._groups[code] = _Group(code, offsets[j], bool(offsets[j]) or packed)
+                g = groups[code] = _Group(code, offset, bool(offset) or packed)
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
-            g.tokens += tokens[j + 1] - tokens[j]
-            g.arrived += tokens[j + 1] - tokens[j]
+            g.tokens += t
+            g.arrived += t
             g.info = None
         self._count += n
 
@@ -191,9 +201,7 @@ class TokenPacker(Packer):
         g = self._groups.get(key)
         if g is None or (urgency == Urgency.WAIT and not g.ready):
             return None
-        if device is not self._profiled[0]:  # a scheduler asks for one device many times in a row
-            self._profiled = (device, self.profile(device))  # devices are frozen: same object, same profile
-        profile = self._profiled[1]
+        profile = self._profile_of(device)
         if not (g.ready and g.ready_for == profile):
             if urgency == Urgency.WAIT:
                 return None  # batches are planned once the window is full, so they pick from the most items
@@ -255,7 +263,7 @@ class TokenPacker(Packer):
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
         t_hi = below[r + 1]  # tokens below position hi
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
-        caps = self._caps.setdefault((self.profile(device), g.offset), {})  # row cap by padded length
+        caps = self._caps.setdefault((self._profile_of(device), g.offset), {})  # row cap by padded length
         while hi:  # r: the head's run, the one holding position hi - 1
             padded = -(-values[r] // m) * m
             cap = caps.get(padded)
@@ -348,7 +356,7 @@ class TokenPacker(Packer):
         keep = 0 if urgency == Urgency.DRAIN else lim.max_batch_tokens  # the last batch's worth waits for arrivals
         remaining = g.tokens
         fitting = below[bisect.bisect_right(avail, limit)]  # tokens of rows short enough for this device
-        shapes = self._shapes.setdefault((self.profile(device), g.offset), {})  # packed shape by longest item
+        shapes = self._shapes.setdefault((self._profile_of(device), g.offset), {})  # packed shape by longest item
         take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
         take_q: list[int] = []
         batches = []  # (first take item, last take item, row ends, padded_len, useful tokens)
