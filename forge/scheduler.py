@@ -303,12 +303,10 @@ class Scheduler:
         return self._first_ready(_keys(near + far), device, Urgency.DRAIN)
 
     def _first_ready(self, keys: list[int], device: Device, urgency: Urgency) -> Cut | None:
-        for key in keys:
-            cut = self.packer.cut(key, device, urgency)
-            if cut is not None:
-                self._last_key[device.name] = cut.prefix
-                return cut
-        return None
+        cut = self.packer.first_cut(keys, device, urgency)
+        if cut is not None:
+            self._last_key[device.name] = cut.prefix
+        return cut
 
     def _batch(self, cut: Cut) -> Batch:
         """The Items a cut names, in its rows."""

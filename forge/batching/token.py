@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
+from typing import Iterable
 
 import numpy as np
 
@@ -198,35 +199,45 @@ class TokenPacker(Packer):
 
     # -- cutting ----------------------------------------------------------------
     def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
-        g = self._groups.get(key)
-        if g is None or (urgency == Urgency.WAIT and not g.ready):
-            return None
-        profile = self._profile_of(device)
-        if not (g.ready and g.ready_for == profile):
-            if urgency == Urgency.WAIT:
-                return None  # batches are planned once the window is full, so they pick from the most items
-            if (urgency == Urgency.ROOM and g.planned_for == profile
-                    and g.arrived < self.replan_batches * device.limits.max_batch_tokens):
-                return None  # planned already, and too little has arrived since to change it
-            g.merge()
+        return self.first_cut((key,), device, urgency)
+
+    def first_cut(self, keys: Iterable[int], device: Device, urgency: Urgency) -> Cut | None:
+        # The scheduler walks every group per step, and most answer "wait": that answer costs
+        # a few comparisons here, inside one call, with the device's profile read once.
+        profile = None
+        replan_tokens = self.replan_batches * device.limits.max_batch_tokens
+        groups = self._groups
+        for key in keys:
+            g = groups.get(key)
+            if g is None or (urgency == Urgency.WAIT and not g.ready):
+                continue
+            if profile is None:
+                profile = self._profile_of(device)
+            if not (g.ready and g.ready_for == profile):
+                if urgency == Urgency.WAIT:
+                    continue  # batches are planned once the window is full, so they pick from the most items
+                if urgency == Urgency.ROOM and g.planned_for == profile and g.arrived < replan_tokens:
+                    continue  # planned already, and too little has arrived since to change it
+                g.merge()
+                g.info = None
+                if self.packing == "packed":
+                    self._plan_packed(g, device, urgency)
+                else:
+                    self._plan_rows(g, device, urgency)
+                g.planned_for, g.arrived = (None if urgency == Urgency.DRAIN else profile), 0
+                if not g.ready:
+                    continue
+                g.ready_for = profile
+            cut = g.ready.popleft()
             g.info = None
-            if self.packing == "packed":
-                self._plan_packed(g, device, urgency)
-            else:
-                self._plan_rows(g, device, urgency)
-            g.planned_for, g.arrived = (None if urgency == Urgency.DRAIN else profile), 0
-            if not g.ready:
-                return None
-            g.ready_for = profile
-        cut = g.ready.popleft()
-        g.info = None
-        n = len(cut.ids)
-        g.count -= n
-        g.tokens -= cut.row_tokens
-        self._count -= n
-        if not g.count:
-            del self._groups[key]
-        return cut
+            n = len(cut.ids)
+            g.count -= n
+            g.tokens -= cut.row_tokens
+            self._count -= n
+            if not g.count:
+                del groups[key]
+            return cut
+        return None
 
     def fits(self, num_tokens: np.ndarray, prefix_len: np.ndarray, device: Device) -> np.ndarray:
         lim = device.limits
