@@ -303,12 +303,10 @@ class Scheduler:
         return self._first_ready(_keys(near + far), device, Urgency.DRAIN)
 
     def _first_ready(self, keys: list[int], device: Device, urgency: Urgency) -> Cut | None:
-        for key in keys:
-            cut = self.packer.cut(key, device, urgency)
-            if cut is not None:
-                self._last_key[device.name] = cut.prefix
-                return cut
-        return None
+        cut = self.packer.first_cut(keys, device, urgency)
+        if cut is not None:
+            self._last_key[device.name] = cut.prefix
+        return cut
 
     def _batch(self, cut: Cut) -> Batch:
         """The Items a cut names, in its rows."""
@@ -355,8 +353,14 @@ class Scheduler:
         if len(fits) < len(free):
             free = fits + [g for g in free if g.tokens > pace * mine and g.cacheable]
         if len(stolen) > 1:
-            holders = {g.key: sum(rates[n] for n, c in self.caches.items() if n != device.name and g.key in c.keys())
-                       for g in stolen}
+            others = [(rates[n], c.keys()) for n, c in self.caches.items() if n != device.name]
+            holders = {}  # prefix code -> summed rates of the other devices caching it
+            for g in stolen:
+                held = 0
+                for rate, keys in others:
+                    if g.key in keys:
+                        held += rate
+                holders[g.key] = held
             stolen = sorted(stolen, key=lambda g: g.tokens / max(holders[g.key], 1e-12), reverse=True)
         return free, stolen
 

@@ -234,3 +234,58 @@ def test_item_feed_names_an_item_with_nothing_after_its_prefix():
     feed = ItemFeed([Item("ok", 7, "p", 4), Item("bare", 4, "p", 4)])
     with pytest.raises(ForgeError, match="item 'bare' has 4 tokens and a 4-token prefix"):
         feed.admit(2)
+
+
+def _worst_fit_reference(avail, left, ends, n_rows, fill):
+    """The last batch's rows as first written: a heap of (tokens, row) tuples, one item at a time."""
+    import heapq
+
+    fits = [j for j, n in enumerate(avail) if n <= fill]
+    total = sum(avail[j] * left[j] for j in fits)
+    loads = [(0, r) for r in range(min(n_rows, max(1, -(-total // fill))))]
+    rows = [[] for _ in loads]
+    for j in reversed(fits):
+        n = avail[j]
+        while left[j]:
+            load, row = loads[0]
+            if load + n <= fill:
+                heapq.heapreplace(loads, (load + n, row))
+            elif len(rows) < n_rows:
+                row = len(rows)
+                rows.append([])
+                heapq.heappush(loads, (n, row))
+            else:
+                break
+            left[j] -= 1
+            ends[j] -= 1
+            rows[row].append(ends[j])
+    return [row for row in rows if row], max(load for load, _ in loads), sum(load for load, _ in loads)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=25, unique_by=lambda t: t[0]),
+       st.integers(1, 12), st.integers(1, 80))
+def test_last_rows_match_the_plain_worst_fit(runs, n_rows, fill):
+    """The last batch's worst fit (one int per heap entry) places every item exactly where the
+    plain tuple-heap worst fit does, and leaves the same items behind."""
+    runs = sorted(runs)
+    avail = [n for n, _ in runs]
+    left = [c for _, c in runs]
+    ends = list(np.cumsum(left).tolist())
+    ref_left, ref_ends = list(left), list(ends)
+    rows, used, useful = _worst_fit_reference(avail, ref_left, ref_ends, n_rows, fill)
+    takes, row_ends, got_used, got_useful = TokenPacker._last_rows(avail, left, ends, n_rows, fill)
+    got_rows = [[e - 1 for e in takes[a:b]] for a, b in zip([0, *row_ends], row_ends)]
+    assert got_rows == rows
+    assert (got_used, got_useful) == (used, useful)
+    assert (left, ends) == (ref_left, ref_ends)
+
+
+@given(st.lists(st.integers(0, 10**6), max_size=300))
+def test_stable_order_is_a_stable_argsort(values):
+    from forge.batching.token import _stable_order
+
+    key = np.array(values, np.int64)
+    assert np.array_equal(_stable_order(key), np.argsort(key, kind="stable"))
+    huge = np.array([1 << 61, 5, 1 << 61, 0, 5], np.int64)  # key x n would overflow: argsort itself
+    assert _stable_order(huge).tolist() == [3, 1, 4, 0, 2]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -97,6 +97,15 @@ class Packer(ABC):
 
     @abstractmethod
     def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None: ...
+
+    def first_cut(self, keys: Iterable[int], device: Device, urgency: Urgency) -> Cut | None:
+        """`cut` on each of `keys` in turn: the first batch cut, or None. A packer may answer
+        the whole walk in one call."""
+        for key in keys:
+            cut = self.cut(key, device, urgency)
+            if cut is not None:
+                return cut
+        return None
 
     @abstractmethod
     def __len__(self) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
+from typing import Iterable
 
 import numpy as np
 
@@ -46,6 +47,15 @@ from forge.errors import ForgeError
 from forge.geometry import Device
 
 _EMPTY = np.zeros(0, np.int64)
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """`np.argsort(key, kind="stable")`, faster: a plain sort of key x n + position (unique
+    values, so ties keep their order) when that cannot overflow."""
+    n = len(key)
+    if not n or int(key.max()) >= (1 << 62) // n or int(key.min()) < 0:
+        return np.argsort(key, kind="stable")
+    return np.sort(key * n + np.arange(n)) % n
 
 
 class _Group:
@@ -121,6 +131,8 @@ class TokenPacker(Packer):
         self._count = 0
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
         self._shapes: dict[tuple, dict[int, tuple[int, int]]] = {}  # ... -> packed shape by longest item
+        self._profiled: tuple[Device | None, tuple] = (None, ())  # the last device asked about, its profile
+        self._profiles: dict[tuple, tuple] = {}  # one instance per distinct profile: compared by identity first
 
     def profile(self, device: Device) -> tuple:
         """What a planned batch depends on besides the group: devices equal in it share plans.
@@ -128,6 +140,15 @@ class TokenPacker(Packer):
         only in memory share plans (memory mode adds the budget); a profile finer than what
         plans read made such cards take turns re-planning each other's groups."""
         return device.limits, self.overhead_tokens(device)
+
+    def _profile_of(self, device: Device) -> tuple:
+        """`profile(device)`, computed once per run of requests from one device (devices are
+        frozen: same object, same profile), and one instance per distinct profile, so that
+        comparing and hashing it is cheap."""
+        if device is not self._profiled[0]:
+            profile = self.profile(device)
+            self._profiled = (device, self._profiles.setdefault(profile, profile))
+        return self._profiled[1]
 
     # -- window -----------------------------------------------------------------
     def add(self, chunk: Chunk) -> None:
@@ -137,7 +158,7 @@ class TokenPacker(Packer):
         if self.split_prefix:
             rows = chunk.num_tokens - chunk.prefix_len
             # by prefix code, then row length: one stable sort of a combined key
-            order = np.argsort((chunk.prefix + 1) * (int(rows.max()) + 1) + rows, kind="stable")
+            order = _stable_order((chunk.prefix + 1) * (int(rows.max()) + 1) + rows)
             codes = chunk.prefix[order]
             edges = [0, *(np.flatnonzero(codes[1:] != codes[:-1]) + 1).tolist(), n]
             offsets = chunk.prefix_len[order][edges[:-1]].tolist()
@@ -146,20 +167,20 @@ class TokenPacker(Packer):
             # Rows hold whole sequences and every row runs its own prefix: sharing one buys
             # nothing, so one group sorted by total length packs tightest.
             rows = chunk.num_tokens
-            order = np.argsort(rows, kind="stable")
+            order = _stable_order(rows)
             edges, offsets, group_codes = [0, n], [0], [NO_PREFIX]
         rows, ids = rows[order], chunk.ids[order]
-        tokens = np.concatenate(([0], np.cumsum(rows)))[edges].tolist()
+        tokens = np.diff(np.concatenate(([0], np.cumsum(rows)))[edges]).tolist()  # row tokens per group
         packed = self.packing == "packed"
-        for j, code in enumerate(group_codes):
-            s, e = edges[j], edges[j + 1]
-            g = self._groups.get(code)
+        groups = self._groups
+        for code, s, e, t, offset in zip(group_codes, edges, edges[1:], tokens, offsets):
+            g = groups.get(code)
             if g is None:
-                g = self._groups[code] = _Group(code, offsets[j], bool(offsets[j]) or packed)
+                g = groups[code] = _Group(code, offset, bool(offset) or packed)
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
-            g.tokens += tokens[j + 1] - tokens[j]
-            g.arrived += tokens[j + 1] - tokens[j]
+            g.tokens += t
+            g.arrived += t
             g.info = None
         self._count += n
 
@@ -178,35 +199,45 @@ class TokenPacker(Packer):
 
     # -- cutting ----------------------------------------------------------------
     def cut(self, key: int, device: Device, urgency: Urgency) -> Cut | None:
-        g = self._groups.get(key)
-        if g is None:
-            return None
-        profile = self.profile(device)
-        if not (g.ready and g.ready_for == profile):
-            if urgency == Urgency.WAIT:
-                return None  # batches are planned once the window is full, so they pick from the most items
-            if (urgency == Urgency.ROOM and g.planned_for == profile
-                    and g.arrived < self.replan_batches * device.limits.max_batch_tokens):
-                return None  # planned already, and too little has arrived since to change it
-            g.merge()
+        return self.first_cut((key,), device, urgency)
+
+    def first_cut(self, keys: Iterable[int], device: Device, urgency: Urgency) -> Cut | None:
+        # The scheduler walks every group per step, and most answer "wait": that answer costs
+        # a few comparisons here, inside one call, with the device's profile read once.
+        profile = None
+        replan_tokens = self.replan_batches * device.limits.max_batch_tokens
+        groups = self._groups
+        for key in keys:
+            g = groups.get(key)
+            if g is None or (urgency == Urgency.WAIT and not g.ready):
+                continue
+            if profile is None:
+                profile = self._profile_of(device)
+            if not (g.ready and g.ready_for == profile):
+                if urgency == Urgency.WAIT:
+                    continue  # batches are planned once the window is full, so they pick from the most items
+                if urgency == Urgency.ROOM and g.planned_for == profile and g.arrived < replan_tokens:
+                    continue  # planned already, and too little has arrived since to change it
+                g.merge()
+                g.info = None
+                if self.packing == "packed":
+                    self._plan_packed(g, device, urgency)
+                else:
+                    self._plan_rows(g, device, urgency)
+                g.planned_for, g.arrived = (None if urgency == Urgency.DRAIN else profile), 0
+                if not g.ready:
+                    continue
+                g.ready_for = profile
+            cut = g.ready.popleft()
             g.info = None
-            if self.packing == "packed":
-                self._plan_packed(g, device, urgency)
-            else:
-                self._plan_rows(g, device, urgency)
-            g.planned_for, g.arrived = (None if urgency == Urgency.DRAIN else profile), 0
-            if not g.ready:
-                return None
-            g.ready_for = profile
-        cut = g.ready.popleft()
-        g.info = None
-        n = len(cut.ids)
-        g.count -= n
-        g.tokens -= cut.row_tokens
-        self._count -= n
-        if not g.count:
-            del self._groups[key]
-        return cut
+            n = len(cut.ids)
+            g.count -= n
+            g.tokens -= cut.row_tokens
+            self._count -= n
+            if not g.count:
+                del groups[key]
+            return cut
+        return None
 
     def fits(self, num_tokens: np.ndarray, prefix_len: np.ndarray, device: Device) -> np.ndarray:
         lim = device.limits
@@ -243,7 +274,7 @@ class TokenPacker(Packer):
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
         t_hi = below[r + 1]  # tokens below position hi
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
-        caps = self._caps.setdefault((self.profile(device), g.offset), {})  # row cap by padded length
+        caps = self._caps.setdefault((self._profile_of(device), g.offset), {})  # row cap by padded length
         while hi:  # r: the head's run, the one holding position hi - 1
             padded = -(-values[r] // m) * m
             cap = caps.get(padded)
@@ -336,7 +367,7 @@ class TokenPacker(Packer):
         keep = 0 if urgency == Urgency.DRAIN else lim.max_batch_tokens  # the last batch's worth waits for arrivals
         remaining = g.tokens
         fitting = below[bisect.bisect_right(avail, limit)]  # tokens of rows short enough for this device
-        shapes = self._shapes.setdefault((self.profile(device), g.offset), {})  # packed shape by longest item
+        shapes = self._shapes.setdefault((self._profile_of(device), g.offset), {})  # packed shape by longest item
         take_end: list[int] = []  # takes in plan order: positions [end - q, end) of the sorted arrays
         take_q: list[int] = []
         batches = []  # (first take item, last take item, row ends, padded_len, useful tokens)
@@ -351,14 +382,10 @@ class TokenPacker(Packer):
                 break
             first = taken
             if fitting <= n_rows * fill:
-                rows, used = self._last_rows(avail, left, ends, n_rows, fill)
-                row_ends = []
-                for row in rows:
-                    take_end.extend(p + 1 for p in row)
-                    take_q.extend(1 for _ in row)
-                    taken += len(row)
-                    row_ends.append(taken - first)
-                useful = int(lengths[[p for row in rows for p in row]].sum())
+                last, row_ends, used, useful = self._last_rows(avail, left, ends, n_rows, fill)
+                take_end += last  # takes of one item each
+                take_q += [1] * len(last)
+                taken += len(last)
                 batches.append((first, taken, row_ends, lim.pad(used), useful))
                 break
             row_ends = []
@@ -417,27 +444,37 @@ class TokenPacker(Packer):
 
     @staticmethod
     def _last_rows(avail: list[int], left: list[int], ends: list[int], n_rows: int,
-                   fill: int) -> tuple[list[list[int]], int]:
+                   fill: int) -> tuple[list[int], list[int], int, int]:
         """The group's last batch: spread what is left evenly over as few rows as hold it
         (worst fit, longest first), so padding is the spread between rows, not an empty tail.
-        Returns each row's positions and the fullest row's tokens."""
-        fits = [j for j, n in enumerate(avail) if n <= fill]
-        total = sum(avail[j] * left[j] for j in fits)
-        loads = [(0, r) for r in range(min(n_rows, max(1, -(-total // fill))))]  # (tokens, row) heap
+        Returns the items row by row as the ends of one-item takes (position + 1), each
+        row's end in that list, the fullest row's tokens and the tokens placed."""
+        top = bisect.bisect_right(avail, fill)  # runs short enough for a row
+        total = sum(avail[j] * left[j] for j in range(top))
+        # a heap of rows by (tokens, row), each entry one int: tokens x n_rows + row
+        k = n_rows
+        loads = list(range(min(n_rows, max(1, -(-total // fill)))))  # all empty: sorted, so a heap
         rows: list[list[int]] = [[] for _ in loads]
-        for j in reversed(fits):
-            n = avail[j]
-            while left[j]:
-                load, row = loads[0]
-                if load + n <= fill:
-                    heapq.heapreplace(loads, (load + n, row))
+        over = (fill + 1) * k  # an entry at or above this holds more than `fill` tokens
+        for j in range(top - 1, -1, -1):
+            step, c, e = avail[j] * k, left[j], ends[j]
+            while c:
+                head = loads[0]
+                if head + step < over:
+                    heapq.heapreplace(loads, head + step)
+                    rows[head % k].append(e)
                 elif len(rows) < n_rows:
-                    row = len(rows)
-                    rows.append([])
-                    heapq.heappush(loads, (n, row))
+                    heapq.heappush(loads, step + len(rows))
+                    rows.append([e])
                 else:
                     break  # the rest of this length waits for the next batch
-                left[j] -= 1
-                ends[j] -= 1
-                rows[row].append(ends[j])
-        return [row for row in rows if row], max(load for load, _ in loads)
+                c -= 1
+                e -= 1
+            left[j], ends[j] = c, e
+        takes: list[int] = []
+        row_ends: list[int] = []
+        for row in rows:
+            if row:
+                takes += row
+                row_ends.append(len(takes))
+        return takes, row_ends, max(loads) // k, sum(load // k for load in loads)
