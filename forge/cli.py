@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -55,8 +57,8 @@ def run(ctx: typer.Context) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         try:
-            with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as run_dir:
-                report = _execute(cfg, run_dir)
+            with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as (run_dir, files):
+                report = _execute(cfg, run_dir, files)
         except ForgeError as exc:
             _error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
@@ -66,38 +68,46 @@ def run(ctx: typer.Context) -> None:
                       soft_wrap=True)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # SIGTERM in start-up: as Ctrl-C
     try:
         _precheck(ctx.args)
+        saved = sys.argv
+        sys.argv = ["forge run", *ctx.args]
+        try:
+            task()
+        finally:
+            sys.argv = saved
     except ForgeError as exc:
         _fail(exc)
-    saved = sys.argv
-    sys.argv = ["forge run", *ctx.args]
-    try:
-        task()
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/] during start-up, before any work: nothing was committed; run the "
+                  "command again (with resume=true if output_dir already holds the run)", highlight=False,
+                  soft_wrap=True)
+        raise typer.Exit(130) from None
     finally:
-        sys.argv = saved
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @contextmanager
 def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
-    """The job's run directory. For a URL, Hydra wrote its files to a local staging folder
-    (conf/config.yaml, `forge.location.hydra_dir`): its .hydra/ (config, overrides) is copied
-    to the URL, so the run directory holds them as a local one would, and the folder is
-    removed when the job ends."""
+    """(the job's run directory, the files of Hydra's .hydra/ to put in it). Hydra wrote them
+    to a local staging folder of this process (conf/config.yaml, `forge.location.hydra_dir`);
+    the run copies them into its directory once it owns it, and the folder is removed when
+    the job ends."""
     import shutil
 
-    from forge.location import local_path, open_location, reach, run_dir_of
+    from forge.location import run_dir_of
 
-    run_dir = run_dir_of(output_dir, hydra_output_dir)
-    if local_path(output_dir) is not None:
-        yield run_dir
-        return
     try:
-        where = open_location(run_dir)
-        for path in sorted((Path(hydra_output_dir) / ".hydra").glob("*")):
-            if path.is_file():
-                reach(run_dir, lambda: where.write_bytes(f".hydra/{path.name}", path.read_bytes()))
-        yield run_dir
+        files = {f".hydra/{path.name}": path.read_bytes()
+                 for path in sorted((Path(hydra_output_dir) / ".hydra").glob("*")) if path.is_file()}
+        yield run_dir_of(output_dir, hydra_output_dir), files
     finally:
         shutil.rmtree(hydra_output_dir, ignore_errors=True)
 
@@ -131,15 +141,22 @@ def _precheck(args: list[str]) -> None:
             overrides.append(a)
         i += 1
     from forge.devices import resolve_devices
+    from forge.store import check_run_dir, check_sweep_dir
 
-    for combination in sweep_combinations(overrides, config_dir) if multirun else [overrides]:
+    combinations = sweep_combinations(overrides, config_dir) if multirun else [overrides]
+    for job, combination in enumerate(combinations):
         plain = to_plain(compose(combination, config_dir))
         if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
             simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
             if simulated:
                 raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
                                  "plan on simulated ones with `forge plan` and the same overrides")
-        check_output_dir(plain.get("output_dir", ""))
+        output_dir = str(plain.get("output_dir", ""))
+        check_output_dir(output_dir)
+        if multirun:
+            check_sweep_dir(output_dir)
+        if not multirun or len(combinations) <= MAX_SWEEP_CHECKS:  # a reduced check names no job directory
+            check_run_dir(f"{output_dir.rstrip('/')}/{job}" if multirun else output_dir, bool(plain.get("resume")))
 
 
 def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
@@ -176,12 +193,14 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
     return [firsts[:n] + [value] + firsts[n + 1:] for n, c in enumerate(choices) for value in c]
 
 
-def _execute(cfg, run_dir: Path) -> dict[str, Any]:
+def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
+    from dataclasses import replace
+
     from forge.config import build_spec
     from forge.engine import execute
     from forge.plugins import make_plugin_manager
 
-    spec = build_spec(cfg, run_dir)
+    spec = replace(build_spec(cfg, run_dir), files=files)
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

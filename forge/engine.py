@@ -74,6 +74,7 @@ class RunSpec:
     resume: bool = False  # finish the run in run_dir, skipping what it committed
     fail_fast: bool = False  # the first bad record stops the run
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
+    files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
 
 
 def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
@@ -179,35 +180,57 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     try:
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)
-    except ForgeError:
+        store.add_missing(spec.files)
+    except BaseException:  # a refusal, or Ctrl-C / SIGTERM during start-up
         store.abandon()
         raise
-    policy = spec.runtime.policy
-    committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
-    executor = make_executor(spec, scheduler.cache_tokens, pm.hook)
-    loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
-    status, error = "finished", None
+    status = "interrupted"  # what run.json says if anything below escapes
     try:
-        with _stop_on_signals(loop):
-            executor.start(list(scheduler.devices.values()))
-            loop.run_until_done()
-    except Stop as stop:
-        status, error = stop.status, str(stop)
+        policy = spec.runtime.policy
+        committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
+        executor = make_executor(spec, scheduler.cache_tokens, pm.hook)
+        loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
+        status, error = _drive(loop, executor, list(scheduler.devices.values()))
+        try:
+            outputs = sink.close()
+        except OSError as exc:
+            outputs, status, error = {}, "stopped", f"writing the last shard failed ({exc}); resume=true finishes the run"
+        return finish_report(
+            run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
+            wall_s=time.perf_counter() - started,
+            extra={"status": status, "error": error, "outputs": outputs,
+                   "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
+                   "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
+                                **dict(loop.counts), "oom_splits": scheduler.oom_splits},
+                   **executor.info(), "restarts": dict(executor.restarts), "retired": dict(executor.retired),
+                   "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
+                                        if d.limits != next(x for x in spec.devices if x.name == name).limits}},
+        )
+    finally:
+        store.close(status)  # after the report: the directory stays ours until it is written
+
+
+INTERRUPTED_TWICE = "interrupted twice: stopped at once without waiting for batches in flight; " \
+                    "committed work stays, resume=true finishes the run"
+
+
+def _drive(loop: RunLoop, executor: Executor, devices: list[Device]) -> tuple[str, str | None]:
+    """Run the loop to its end: (status, error). A second Ctrl-C stops the workers at once and
+    winds the loop down where it stands, so even then there is a report."""
+    try:
+        try:
+            with _stop_on_signals(loop):
+                executor.start(devices)
+                loop.run_until_done()
+            return "finished", None
+        except Stop as stop:
+            return stop.status, str(stop)
+        except KeyboardInterrupt:
+            executor.close(grace_s=0.0)
+            loop.wind_down(INTERRUPTED_TWICE)
+            return "interrupted", INTERRUPTED_TWICE
     finally:
         executor.close()
-    outputs = sink.close()
-    store.close(status)
-    return finish_report(
-        run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
-        wall_s=time.perf_counter() - started,
-        extra={"status": status, "error": error, "outputs": outputs,
-               "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
-               "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
-                            **dict(loop.counts), "oom_splits": scheduler.oom_splits},
-               **executor.info(), "restarts": dict(executor.restarts), "retired": dict(executor.retired),
-               "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
-                                    if d.limits != next(x for x in spec.devices if x.name == name).limits}},
-    )
 
 
 @contextmanager

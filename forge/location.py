@@ -22,6 +22,11 @@ from forge.errors import ForgeError
 
 TMP_SUFFIX = ".tmp"
 LOCAL_PROTOCOLS = ("file", "local")
+# the process's umask, read once at import (reading it means setting it): files the run writes
+# through libraries that pick their own mode (safetensors: 0600) get the mode the rest of the run has
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
 
 
 def _protocol(output_dir: str | Path) -> str:
@@ -44,8 +49,11 @@ def local_path(output_dir: str | Path) -> Path | None:
 
 
 def check_output_dir(output_dir: str | Path) -> None:
-    """Refuse, before any work, a URL whose protocol fsspec does not know or whose package
-    is not installed: one line naming what to pip install."""
+    """Refuse, before any work, an empty output_dir, or a URL whose protocol fsspec does not
+    know or whose package is not installed: one line naming what to pip install."""
+    if not str(output_dir).strip():
+        raise ForgeError("output_dir is empty; set output_dir=PATH (or a URL), or leave it out for a fresh "
+                         "directory under outputs/")
     if local_path(output_dir) is not None:
         return
     import fsspec
@@ -76,22 +84,24 @@ def _package_of(protocol: str) -> str:
 
 
 def hydra_dir(output_dir: str) -> str:
-    """Where Hydra writes its own files (.hydra/, the job log) for `output_dir`: the directory
-    itself when it is local, else a local staging folder (its .hydra/ is copied to the URL
-    when the run starts; see `forge.cli`). Registered as the `forge_hydra_dir` resolver."""
-    path = local_path(output_dir)
-    if path is not None:
-        return str(path)
-    return os.path.join(tempfile.gettempdir(), "forge-hydra", hashlib.sha1(output_dir.encode()).hexdigest()[:16])
+    """Where Hydra writes its own files (.hydra/, the job log) for `output_dir`: a local staging
+    folder of this process, never the run directory itself. Forge copies the job's .hydra/ into
+    the run directory once the run owns it (`forge.store.RunStore`), so a directory that another
+    run holds, or that is not a Forge run, is never written into. Registered as the
+    `forge_hydra_dir` resolver."""
+    key = hashlib.sha1(f"{os.getpid()}:{output_dir}".encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "forge-hydra", key)
 
 
 def run_dir_of(output_dir: str, hydra_output_dir: str | Path) -> str | Path:
-    """The run directory of a Hydra job: Hydra's own for a local output_dir; for a URL, the
-    URL plus the job's place under the staging folder (a sweep's job number)."""
-    if local_path(output_dir) is not None:
-        return Path(hydra_output_dir)
+    """The run directory of a Hydra job: output_dir plus the job's place under the staging
+    folder (a sweep's job number); a Path when output_dir is local."""
     rel = os.path.relpath(hydra_output_dir, hydra_dir(output_dir))
-    return output_dir.rstrip("/") + ("" if rel == "." else "/" + Path(rel).as_posix())
+    sub = "" if rel == "." else Path(rel).as_posix()
+    path = local_path(output_dir)
+    if path is not None:
+        return path / sub if sub else path
+    return output_dir.rstrip("/") + (f"/{sub}" if sub else "")
 
 
 def reach(output_dir, step: Callable[[], Any]) -> Any:
@@ -136,12 +146,22 @@ class Location(ABC):
         """Replace the file whole (never seen half-written)."""
 
     @abstractmethod
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write the file only if it does not exist yet; False if it does. Atomic where the
+        storage can make it so (O_EXCL on a local disk, exclusive create on a store that
+        offers it); elsewhere a check then a write."""
+
+    @abstractmethod
     def staging(self, rel: str) -> Path:
         """A local path to write the file `rel` to before `put` moves it into place."""
 
     @abstractmethod
     def put(self, staged: Path, rel: str) -> None:
         """Move a file written at `staging(rel)` into place, whole and durable."""
+
+    @abstractmethod
+    def entries(self) -> list[str]:
+        """The names directly inside the directory (files and folders); [] when it does not exist."""
 
     @abstractmethod
     def files(self, under: str = "") -> list[str]:
@@ -178,6 +198,17 @@ class LocalLocation(Location):
         tmp.write_bytes(data)
         os.replace(tmp, path)
 
+    def create(self, rel: str, data: bytes) -> bool:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
     def staging(self, rel: str) -> Path:
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +217,7 @@ class LocalLocation(Location):
     def put(self, staged: Path, rel: str) -> None:
         with open(staged, "rb+") as f:
             os.fsync(f.fileno())
+            os.fchmod(f.fileno(), FILE_MODE)  # the mode the umask gives, whatever the writer chose
         path = self.root / rel
         os.replace(staged, path)
         fd = os.open(path.parent, os.O_RDONLY)
@@ -193,6 +225,9 @@ class LocalLocation(Location):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def entries(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
 
     def files(self, under: str = "") -> list[str]:
         return [p.relative_to(self.root).as_posix() for p in (self.root / under).rglob("*") if p.is_file()]
@@ -230,6 +265,19 @@ class ObjectLocation(Location):
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self._full(rel), data)
 
+    def create(self, rel: str, data: bytes) -> bool:
+        try:
+            with self.fs.open(self._full(rel), "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError, TypeError):  # no exclusive create on this store
+            if self.exists(rel):
+                return False
+            self.write_bytes(rel, data)
+            return True
+
     def staging(self, rel: str) -> Path:
         if self._staging is None:
             self._staging = tempfile.mkdtemp(prefix="forge-staging-")
@@ -240,6 +288,11 @@ class ObjectLocation(Location):
     def put(self, staged: Path, rel: str) -> None:
         self.fs.put_file(str(staged), self._full(rel))
         staged.unlink()
+
+    def entries(self) -> list[str]:
+        if not self.fs.isdir(self._path):
+            return []
+        return sorted(p.rstrip("/").rpartition("/")[2] for p in self.fs.ls(self._path, detail=False))
 
     def files(self, under: str = "") -> list[str]:
         folder = self._full(under)

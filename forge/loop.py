@@ -14,8 +14,11 @@ benchmarks all drive this loop; only the executor differs.
 from __future__ import annotations
 
 import itertools
+import signal
+import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,23 @@ class Stop(Exception):
     def __init__(self, status: str, message: str):
         super().__init__(message)
         self.status = status  # interrupted | stopped | stalled
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block ends (a commit is never cut in half: a second
+    Ctrl-C, which stops at once, lands between commits)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Committer:
@@ -219,6 +239,10 @@ class RunLoop:
         self._finished([failed] * len(batch.items))
 
     def _commit(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:
+        with signals_deferred():
+            self._commit_now(batch, device, outcome, late)
+
+    def _commit_now(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:
         kept, duplicate = self.committer.commit(batch, outcome.output)
         if duplicate is not None:
             self.counts["discarded"] += 1
@@ -256,7 +280,8 @@ class RunLoop:
 
     def _flush(self) -> None:
         try:
-            self.committer.flush()
+            with signals_deferred():
+                self.committer.flush()
         except OSError as exc:
             items, self.committer.buffered = self.committer.buffered, []
             reason = f"writing a shard failed ({exc}); what was committed before stays committed"
@@ -277,18 +302,25 @@ class RunLoop:
                     self._commit(entry[0], entry[1], outcome, late=False)
                 else:
                     self._drop(entry, f"{outcome.reason}; then the run stopped")
-        for entry in list(self.in_flight.values()):
-            self._drop(entry, "in flight when the run stopped")
-        self.in_flight.clear()
-        try:
-            self.committer.flush()
-        except OSError as exc:
-            items, self.committer.buffered = self.committer.buffered, []
-            self.hook.forge_commit_failed(run=self.run, items=items, reason=f"writing a shard failed ({exc})")
-        waiting = [it for it in self.scheduler.waiting_items() if it.index not in self.committer.committed]
-        if waiting:
-            self.hook.forge_items_unfinished(run=self.run, items=waiting, reason=message)
+        self.wind_down(message)
         raise Stop(status, message)
+
+    def wind_down(self, message: str) -> None:
+        """End the run where it stands (no drain): batches still out are given up, what is
+        buffered is committed, and every item not committed is accounted as unfinished. The
+        executor's workers must be stopped first (a second Ctrl-C does that at once)."""
+        with signals_deferred():
+            for entry in list(self.in_flight.values()):
+                self._drop(entry, "in flight when the run stopped")
+            self.in_flight.clear()
+            try:
+                self.committer.flush()
+            except OSError as exc:
+                items, self.committer.buffered = self.committer.buffered, []
+                self.hook.forge_commit_failed(run=self.run, items=items, reason=f"writing a shard failed ({exc})")
+            waiting = [it for it in self.scheduler.waiting_items() if it.index not in self.committer.committed]
+            if waiting:
+                self.hook.forge_items_unfinished(run=self.run, items=waiting, reason=message)
 
     def _drop(self, entry: tuple[Batch, Device], why: str) -> None:
         batch, device = entry

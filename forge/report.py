@@ -42,5 +42,8 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
     if run.run_dir is not None:
         from forge.location import open_location
 
-        open_location(run.run_dir).write_bytes("report.json", json.dumps(report, indent=2, default=str).encode())
+        try:
+            open_location(run.run_dir).write_bytes("report.json", json.dumps(report, indent=2, default=str).encode())
+        except OSError as exc:  # a full disk at the very end: the summary still reaches the terminal
+            report["warnings"] = [*report["warnings"], f"report.json could not be written ({exc})"]
     return report

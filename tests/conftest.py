@@ -57,11 +57,11 @@ def plan_forge(*overrides, pm=None, keep_batches=False):
 
 
 @pytest.fixture
-def faults(tmp_path, monkeypatch):
+def faults(tmp_path_factory, monkeypatch):
     """Set the fault plan of tests/faults.py for this test (worker processes and Ray actors
-    inherit FORGE_FAULTS from the driver)."""
-    folder = tmp_path / "fault-markers"
-    folder.mkdir()
+    inherit FORGE_FAULTS from the driver). Its markers live outside tmp_path, which tests use
+    as a run directory (Forge refuses a non-empty directory that is not a run)."""
+    folder = tmp_path_factory.mktemp("fault-markers")
 
     def set_plan(**plan):
         monkeypatch.setenv("FORGE_FAULTS", json.dumps({"dir": str(folder), **plan}))

@@ -83,8 +83,9 @@ class Executor(ABC):
         """Whether the device can still run work (not retired)."""
         return device not in self.retired
 
-    def close(self) -> None:
-        """Stop every worker; nothing is left running."""
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker; nothing is left running. Workers may take `grace_s` seconds to
+        finish and exit; past that they are killed (0: at once)."""
 
     def info(self) -> dict[str, Any]:
         """Executor-specific report entries (where its workers run); none by default."""

@@ -48,7 +48,7 @@ class InProcessExecutor(Executor):
             return [Outcome(ticket, device.name, classify_error(exc), None, one_line(exc), time.perf_counter() - t0)]
         return [Outcome(ticket, device.name, Status.COMPLETED, output, "", time.perf_counter() - t0)]
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
         for worker in self.workers.values():
             worker.close()
         self.workers.clear()

@@ -73,13 +73,13 @@ class ProcessExecutor(SlotExecutor):
         slot.process.join(10)
         slot.conn.close()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
         for slot in self.slots.values():
             try:
                 slot.conn.send(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + grace_s
         for slot in self.slots.values():
             slot.process.join(max(0.0, deadline - time.monotonic()))
             self._kill(slot)

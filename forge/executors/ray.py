@@ -96,7 +96,7 @@ class RayExecutor(SlotExecutor):
         except Exception:  # noqa: BLE001 - already gone
             pass
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
         for slot in self.slots.values():
             self._kill(slot)
         self.slots.clear()
