@@ -21,6 +21,7 @@ Its `batch_overhead_tokens` defaults to a / b.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping
 
@@ -92,30 +93,56 @@ def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float 
     return [Device(name="cpu", limits=limits, torch_device="cpu", memory_bytes=memory)]
 
 
-def from_inventory(entries: list[Mapping[str, Any]], default_limits: Mapping[str, Any] | None) -> list[Device]:
+def _number(entry: Mapping[str, Any], key: str, where: str, *, integer: bool = False,
+            positive: bool = True) -> Any:
+    """An inventory entry's numeric field: None when absent, else a finite number in range."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    kind = "integer" if integer else "number"
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise ForgeError(f"{where}.{key}={value!r}: must be a {'positive' if positive else 'non-negative'} {kind}; "
+                         f"fix it in the devices config or leave it out")
+    return value
+
+
+def from_inventory(entries: Any, default_limits: Mapping[str, Any] | None) -> list[Device]:
+    if not isinstance(entries, (list, tuple)):
+        raise ForgeError(f"devices.inventory must be a list of devices (- name: ...), got a {type(entries).__name__}")
+    if default_limits is not None and not isinstance(default_limits, Mapping):
+        raise ForgeError(f"devices.limits must be a mapping of {', '.join(LIMIT_KEYS)}")
     devices, names = [], set()
     for i, entry in enumerate(entries):
         where = f"devices.inventory[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ForgeError(f"{where}: a device is a mapping (name: ..., limits: ...), got {entry!r}")
         name = entry.get("name")
-        if not name:
-            raise ForgeError(f"{where}: every device needs a name")
+        if not name or not isinstance(name, str):
+            raise ForgeError(f"{where}: every device needs a name (a non-empty string)")
         if name in names:
             raise ForgeError(f"{where}: device name {name!r} is used twice; names must be unique")
         names.add(name)
         unknown = set(entry) - ENTRY_KEYS
         if unknown:
-            raise ForgeError(f"{where} ({name}): unknown key(s) {sorted(unknown)}")
+            raise ForgeError(f"{where} ({name}): unknown key(s) {sorted(unknown)}; an entry has "
+                             f"{', '.join(sorted(ENTRY_KEYS))}")
+        where = f"{where} ({name})"
+        if entry.get("device") is not None and not isinstance(entry["device"], str):
+            raise ForgeError(f"{where}.device={entry['device']!r}: must be a torch device name such as cuda:0 or cpu")
+        if entry.get("limits") is not None and not isinstance(entry["limits"], Mapping):
+            raise ForgeError(f"{where}.limits must be a mapping of {', '.join(LIMIT_KEYS)}")
         spec = dict(default_limits or {})
         spec.update(entry.get("limits") or {})
-        memory_gb = entry.get("memory_gb")
-        sim = step_time_from(entry["sim"], f"{where} ({name}).sim") if entry.get("sim") is not None else None
-        overhead = entry.get("batch_overhead_tokens")
+        memory_gb = _number(entry, "memory_gb", where)
+        sim = step_time_from(entry["sim"], f"{where}.sim") if entry.get("sim") is not None else None
+        overhead = _number(entry, "batch_overhead_tokens", where, integer=True, positive=False)
         if overhead is None and sim is not None:
             overhead = sim.overhead_tokens
         devices.append(
             Device(
                 name=name,
-                limits=limits_from(spec, f"{where} ({name}).limits"),
+                limits=limits_from(spec, f"{where}.limits"),
                 torch_device=entry.get("device") or ("sim" if sim is not None else name),
                 memory_bytes=int(memory_gb * GB) if memory_gb else None,
                 batch_overhead_tokens=overhead,
@@ -128,7 +155,7 @@ def from_inventory(entries: list[Mapping[str, Any]], default_limits: Mapping[str
 def resolve_devices(cfg: Mapping[str, Any]) -> list[Device]:
     """Devices from a `devices` config: the inventory when it lists any, else discovery."""
     inventory = cfg.get("inventory") or []
-    if inventory:
+    if inventory or not isinstance(inventory, (list, tuple)):
         return from_inventory(inventory, cfg.get("limits"))
     if not cfg.get("discover", True):
         raise ForgeError("devices: discover is false and the inventory is empty; list at least one device")

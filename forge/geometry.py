@@ -88,8 +88,8 @@ class StepTime:
     def __post_init__(self) -> None:
         for name in ("seconds_per_step", "seconds_per_slot", "seconds_per_score"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ForgeError(f"sim.{name} must be a number >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ForgeError(f"sim.{name} must be a finite number >= 0, got {value!r}")
         if self.seconds_per_slot <= 0:
             raise ForgeError("sim.seconds_per_slot must be > 0: a step over more tokens takes longer")
 

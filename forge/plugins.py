@@ -82,11 +82,16 @@ def function_class(function_cfg: dict, pm: pluggy.PluginManager | None = None) -
     """The class of the configured function: `function._target_` when the config names one,
     else the function a plugin registers under `function.name`."""
     target = function_cfg.get("_target_")
+    name = function_cfg.get("name")
     if target:
         if not isinstance(target, str):
             raise ForgeError(f"config function._target_={target!r}: expected an import path")
-        return load_object(target, "config function._target_")
-    name = function_cfg.get("name")
+        cls = load_object(target, "config function._target_")
+        own = getattr(cls, "name", None)
+        if name and isinstance(own, str) and own != name:
+            raise ForgeError(f"function.name={name!r}, but function._target_={target} is the function {own!r}; "
+                             "pick a function with function=<name> (see `forge ls`)")
+        return cls
     if not name:
         raise ForgeError("function: no name and no _target_; pick one with function=<name> (see `forge ls`)")
     registered = functions(pm or make_plugin_manager())

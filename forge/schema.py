@@ -207,14 +207,7 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     cfg = _without_hydra(cfg)
     fn_schema = function_schema(cfg)
     schema_cls = schema_for(fn_schema, runtime_schema(cfg))
-    schema = OmegaConf.structured(schema_cls)
-    if fn_schema is None:  # a function without a schema: its root keys pass untyped
-        for name in schema:
-            if isinstance(schema._get_node(name), DictConfig):
-                OmegaConf.set_struct(schema[name], True)
-        OmegaConf.set_struct(schema, False)
-    for name in OPEN_NODES:
-        OmegaConf.set_struct(schema[name], False)
+    schema = _structured(schema_cls, typed_root=fn_schema is not None)
     try:
         merged = OmegaConf.merge(schema, cfg)
         plain = OmegaConf.to_container(merged, resolve=resolve, throw_on_missing=True)
@@ -224,6 +217,21 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
         raise ForgeError(_explain(exc, schema_cls, cfg)) from None
     _check_values(schema_cls, plain, "")
     return plain
+
+
+def _structured(schema_cls: type, typed_root: bool = True) -> DictConfig:
+    """The schema as an OmegaConf node, with the nodes that take extra keys left open (and,
+    for a function without a schema, its root keys untyped)."""
+    schema = OmegaConf.structured(schema_cls)
+    if not typed_root:
+        for name in schema:
+            if isinstance(schema._get_node(name), DictConfig):
+                OmegaConf.set_struct(schema[name], True)
+        OmegaConf.set_struct(schema, False)
+    for name in OPEN_NODES:
+        if name in schema:
+            OmegaConf.set_struct(schema[name], False)
+    return schema
 
 
 def _without_hydra(cfg: DictConfig) -> DictConfig:
@@ -272,8 +280,8 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> 
     """One line for an OmegaConf error: the full key, the bad value and what is valid."""
     key = exc.full_key or ""
     if not key:  # a merge error at a node's root names no key: find the root key that fails
-        key = _failing_root_key(schema_cls, cfg) or ""
-        value = cfg.get(key) if key else None
+        key = _failing_key(schema_cls, cfg) or ""
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False) if key else None
         expected = _expected(_field_type(schema_cls, key)) if key else None
         if expected:
             return f"config {key}={_show(_raw(value))}: expected {expected}"
@@ -302,12 +310,17 @@ def _raw(value):
     return value
 
 
-def _failing_root_key(schema_cls: type, cfg: DictConfig) -> str | None:
+def _failing_key(schema_cls: type, cfg: DictConfig) -> str | None:
+    """The deepest dotted key whose value alone fails to merge onto the schema."""
     for key in cfg:
-        schema = OmegaConf.structured(schema_cls)
         try:
-            OmegaConf.merge(schema, {key: cfg._get_node(key)})
+            OmegaConf.merge(_structured(schema_cls), {key: cfg._get_node(key)})
         except OmegaConfBaseException:
+            inner, node = _field_type(schema_cls, str(key)), cfg._get_node(key)
+            if dataclasses.is_dataclass(inner) and isinstance(node, DictConfig):
+                deeper = _failing_key(inner, node)
+                if deeper:
+                    return f"{key}.{deeper}"
             return str(key)
     return None
 

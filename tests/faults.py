@@ -10,7 +10,8 @@ processes inherit; registered with `plugins=[faults]`.
      "fail": "message",                                 # every batch raises RuntimeError(message)
      "fail_write": 1,                                   # the first N shard writes raise ENOSPC
      "fail_commit": 2,                                  # commit records from the Nth on raise EIO (shards in place)
-     "kill_run_at_write": 3}                            # SIGKILL the whole process group at shard N
+     "kill_run_at_write": 3,                            # SIGKILL the whole process group at shard N
+     "sigterm_at_start": true}                          # SIGTERM to the run itself as it starts (start-up)
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def _count(name: str) -> int:
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hookimpl
+def forge_run_start(run):
+    if _config().get("sigterm_at_start") and not run.dry_run:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here; without one the process has ended
 
 
 @hookimpl
