@@ -193,3 +193,15 @@ def test_sweep_combinations_expand_like_the_basic_sweeper():
     big = sweep_combinations(["a=range(0,10)", "b=range(0,10)"])  # 100 > MAX_SWEEP_CHECKS: each value once
     assert 100 > MAX_SWEEP_CHECKS and len(big) == 20
     assert {c[0] for c in big} == {f"a={i}" for i in range(10)} and {c[1] for c in big} == {f"b={i}" for i in range(10)}
+
+
+def test_a_function_name_that_disagrees_with_its_target_is_refused():
+    from typer.testing import CliRunner
+
+    from forge.cli import app
+
+    for command in ("run", "plan"):
+        result = CliRunner().invoke(app, [command, "function.name=nope"])
+        assert result.exit_code == 2, result.output
+        assert "function.name='nope', but function._target_=" in result.output and "is the function 'probe_gen'" \
+            in result.output

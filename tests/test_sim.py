@@ -48,8 +48,31 @@ def test_a_sim_entry_declares_its_step_time_and_overhead():
         from_inventory([{"name": "g", "sim": {"seconds_per_step": 0.1, "seconds_per_slot": 1e-4, "speed": 2}}], lim)
     with pytest.raises(ForgeError, match="missing seconds_per_slot"):
         from_inventory([{"name": "g", "sim": {"seconds_per_step": 0.1}}], lim)
-    with pytest.raises(ForgeError, match="seconds_per_step must be a number >= 0"):
-        from_inventory([{"name": "g", "sim": {"seconds_per_step": -1, "seconds_per_slot": 1e-4}}], lim)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ForgeError, match="seconds_per_step must be a finite number >= 0"):
+            from_inventory([{"name": "g", "sim": {"seconds_per_step": bad, "seconds_per_slot": 1e-4}}], lim)
+
+
+@pytest.mark.parametrize("key,value", [("memory_gb", "lots"), ("memory_gb", ".nan"), ("memory_gb", float("nan")),
+                                       ("memory_gb", float("-inf")), ("memory_gb", -3), ("memory_gb", True),
+                                       ("batch_overhead_tokens", 1.5), ("batch_overhead_tokens", -1)])
+def test_every_inventory_field_is_typed_and_range_checked(key, value):
+    lim = {"max_batch_tokens": 4096, "max_rows": 64, "max_seq_len": 1024}
+    with pytest.raises(ForgeError, match=rf"^devices.inventory\[0\] \(g\).{key}=.*: must be a"):
+        from_inventory([{"name": "g", key: value}], lim)
+
+
+def test_an_inventory_written_as_a_mapping_is_one_line_naming_it(tmp_path):
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "mapped.yaml").write_text("discover: false\ninventory:\n  g: {memory_gb: 1}\n")
+    from typer.testing import CliRunner
+
+    from forge.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--config-dir", str(tmp_path), "devices=mapped"])
+    assert result.exit_code == 2 and "devices.inventory=" in result.output and "expected a list" in result.output
+    with pytest.raises(ForgeError, match="devices.inventory must be a list"):
+        from_inventory({"g": {"memory_gb": 1}}, None)
 
 
 def test_simulated_and_plain_devices_do_not_mix_and_forge_run_refuses_simulated_ones(tmp_path):
