@@ -10,6 +10,7 @@ failure stops the run instead.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
@@ -65,6 +66,14 @@ class Admission:
         return self.pending.popleft()
 
     def _read_chunk(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._read_records()
+        finally:
+            timings = self.run.timings
+            timings["read_tokenize_s"] = timings.get("read_tokenize_s", 0.0) + time.perf_counter() - t0
+
+    def _read_records(self) -> None:
         hook, run, rules, state = self.hook, self.run, self.rules, self.state
         buf: list[Item] = []
         for record in self.records:

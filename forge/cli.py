@@ -90,6 +90,22 @@ def run(ctx: typer.Context) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _warm_up_workers(cfg) -> None:
+    """The process executor's fork server starts importing torch while the function is set up."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(cfg, "runtime.executor", default=None) != "process":
+        return
+    from forge.executors.process import warm_up
+
+    target = OmegaConf.select(cfg, "function._target_", default=None)
+    warm_up((target.rpartition(".")[0],) if isinstance(target, str) and "." in target else ())
+
+
+#: whether this process was started as the `forge` command (not a test runner calling the app)
+_COMMAND = Path(sys.argv[0]).name in ("forge", "cli.py")
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -200,7 +216,10 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
     from forge.engine import execute
     from forge.plugins import make_plugin_manager
 
-    spec = replace(build_spec(cfg, run_dir), files=files)
+    from forge.report import process_started
+
+    _warm_up_workers(cfg)
+    spec = replace(build_spec(cfg, run_dir), files=files, started_at=process_started() if _COMMAND else None)
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

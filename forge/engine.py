@@ -75,6 +75,7 @@ class RunSpec:
     fail_fast: bool = False  # the first bad record stops the run
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
     files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
+    started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
 
 
 def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
@@ -175,6 +176,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
                          "plan on simulated ones with `forge plan` and the same overrides")
     started = time.perf_counter()
+    began = time.time()
     store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
                      fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None))
     try:
@@ -190,6 +192,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
         executor = make_executor(spec, scheduler.cache_tokens, pm.hook)
         loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
+        run.timings["loop_at"] = time.time()
         status, error = _drive(loop, executor, list(scheduler.devices.values()))
         try:
             outputs = sink.close()
@@ -199,6 +202,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
             run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
             wall_s=time.perf_counter() - started,
             extra={"status": status, "error": error, "outputs": outputs,
+                   "phases": phases(run.timings, executor, spec.started_at or began, began),
                    "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
                    "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
                                 **dict(loop.counts), "oom_splits": scheduler.oom_splits},
@@ -208,6 +212,33 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         )
     finally:
         store.close(status)  # after the report: the directory stays ours until it is written
+
+
+def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | None]:
+    """Where the time went, in seconds from the command's start `t0` (spans) or summed (totals):
+
+    - start_s: to `execute` (imports, config composition, the function's set-up);
+    - open_s: the run directory (lock, fingerprint), the packer and the sink, to the loop's start;
+    - worker_load_s: the slowest device's model load, as its worker measured it;
+    - worker_ready_s: until every device's worker was ready;
+    - first_batch_s: until the first batch's result was committed;
+    - drain_s: from the last batch routed to the end;
+    - read_tokenize_s and commit_s: totals of reading and tokenizing input, and of committing
+      results (both overlap the other phases).
+    """
+    end = time.time()
+    at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
+    return {
+        "start_s": round(began - t0, 3),
+        "open_s": round(timings.get("loop_at", end) - began, 3),
+        "worker_load_s": max(executor.load_s.values(), default=None),
+        "worker_ready_s": round(max(executor.ready_at.values()) - t0, 3) if executor.ready_at else None,
+        "first_batch_s": at("first_batch_at"),
+        "drain_s": round(end - timings["last_routed_at"], 3) if "last_routed_at" in timings else None,
+        "read_tokenize_s": round(timings.get("read_tokenize_s", 0.0), 3),
+        "commit_s": round(timings.get("commit_s", 0.0), 3),
+        "total_s": round(end - t0, 3),
+    }
 
 
 INTERRUPTED_TWICE = "interrupted twice: stopped at once without waiting for batches in flight; " \

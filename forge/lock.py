@@ -92,6 +92,11 @@ class FileLock(RunLock):
             raise OSError("the run directory's lock was released")
 
     def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)  # no holder named once the run has ended
+            except OSError:
+                pass
         self._close()  # closing the descriptor releases the flock
 
     def _close(self) -> None:

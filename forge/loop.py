@@ -182,6 +182,7 @@ class RunLoop:
                 ticket = next(self._tickets)
                 self.in_flight[ticket] = (batch, device)
                 self.hook.forge_batch_routed(run=self.run, batch=batch, device=device)
+                self.run.timings["last_routed_at"] = time.time()
                 self.executor.submit(ticket, device, batch, self._timeout(batch, device))
                 self._note_memory(batch, device)
                 scheduled = True
@@ -239,8 +240,14 @@ class RunLoop:
         self._finished([failed] * len(batch.items))
 
     def _commit(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:
+        t0 = time.perf_counter()
         with signals_deferred():
             self._commit_now(batch, device, outcome, late)
+        self._timed("commit_s", t0)
+        self.run.timings.setdefault("first_batch_at", time.time())
+
+    def _timed(self, key: str, t0: float) -> None:
+        self.run.timings[key] = self.run.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def _commit_now(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:
         kept, duplicate = self.committer.commit(batch, outcome.output)
@@ -279,6 +286,7 @@ class RunLoop:
             self.halt = ("stopped", f"stopped: {n} of the last {recent.maxlen} items failed with: {reason}")
 
     def _flush(self) -> None:
+        t0 = time.perf_counter()
         try:
             with signals_deferred():
                 self.committer.flush()
@@ -287,6 +295,8 @@ class RunLoop:
             reason = f"writing a shard failed ({exc}); what was committed before stays committed"
             self.hook.forge_commit_failed(run=self.run, items=items, reason=reason)
             self.halt = ("stopped", f"{reason}; fix the cause and rerun with resume=true")
+        finally:
+            self._timed("commit_s", t0)
 
     # -- stopping early ---------------------------------------------------------
     def _stop(self, status: str, message: str) -> None:

@@ -21,6 +21,7 @@ class RunContext:
     dry_run: bool = False  # true for `forge plan`: nothing runs, timings are simulated
     expected_items: int | None = None  # records in the input, when known (progress bar total)
     state: dict[str, Any] = field(default_factory=dict)  # per-plugin state, keyed by plugin name
+    timings: dict[str, float] = field(default_factory=dict)  # phase figures so far, for the report's "phases"
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,7 +114,9 @@ def test_builtin_function_registers_through_entry_points(pm):
     from forge.functions.probe_gen import ProbeGen
 
     assert function_class({"name": "probe_gen"}, pm) is ProbeGen  # no _target_: the registered class
-    assert function_class({"name": "x", "_target_": "forge.functions.probe_gen.ProbeGen"}, pm) is ProbeGen
+    assert function_class({"_target_": "forge.functions.probe_gen.ProbeGen"}, pm) is ProbeGen
+    with pytest.raises(ForgeError, match="function.name='x', but function._target_=.* is the function 'probe_gen'"):
+        function_class({"name": "x", "_target_": "forge.functions.probe_gen.ProbeGen"}, pm)  # never ignored
 
 
 def test_a_name_two_plugins_offer_is_an_error_naming_both():

@@ -60,6 +60,8 @@ class Executor(ABC):
     def __init__(self) -> None:
         self.restarts: dict[str, int] = {}  # device -> workers replaced
         self.retired: dict[str, str] = {}  # device -> why it runs no more work
+        self.load_s: dict[str, float] = {}  # device -> seconds its first worker took to load the model
+        self.ready_at: dict[str, float] = {}  # device -> time.time() its first worker was ready
 
     @abstractmethod
     def start(self, devices: list[Device]) -> None: ...
@@ -149,6 +151,16 @@ class SlotExecutor(Executor):
             slot.head_since = time.monotonic()
         slot.queue.append((ticket, timeout_s, handle))
 
+    def _ready(self, slot: Slot, load_s: float | None = None) -> None:
+        """The slot's worker has loaded its model (`load_s`: the worker's own measure of that)."""
+        slot.ready = True
+        slot.head_since = time.monotonic() if slot.queue else None
+        name = slot.device.name
+        if name not in self.ready_at:
+            self.ready_at[name] = time.time()
+            self.load_s[name] = round(time.monotonic() - slot.started if load_s is None else load_s, 3)
+
+    @staticmethod
     @staticmethod
     def _answered(slot: Slot) -> None:
         """The worker answered for its head (the head already popped): slow, not hung."""

@@ -24,7 +24,10 @@ class InProcessExecutor(Executor):
 
     def start(self, devices: list[Device]) -> None:
         for device in devices:
+            t0 = time.perf_counter()
             self.workers[device.name] = self.function.open_worker(device, self.cache_tokens)
+            self.load_s[device.name] = round(time.perf_counter() - t0, 3)
+            self.ready_at[device.name] = time.time()
 
     def free_slots(self, device: str) -> int:
         return 0 if self.retired.get(device) or any(d.name == device for _, d, _ in self._queue) else 1

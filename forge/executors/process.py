@@ -29,6 +29,19 @@ from forge.geometry import Batch, Device
 # replacement starts in well under a second; fork from the driver would copy its threads and
 # CUDA state.
 _ctx = mp.get_context("forkserver")
+#: what every worker needs, preloaded by the fork server whatever the function
+COMMON_MODULES = ("torch", "transformers", "transformers.modeling_utils")
+
+
+def warm_up(modules: tuple[str, ...] = ()) -> None:
+    """Start the fork server now: it imports torch, transformers and `modules` in its own
+    process while the driver composes the config and sets up the function, instead of after
+    (start-up overlaps on a second core). A no-op once it runs; `forge run` calls it as soon
+    as it knows the run uses this executor."""
+    from multiprocessing import forkserver
+
+    _ctx.set_forkserver_preload([__name__, *COMMON_MODULES, *modules])
+    forkserver.ensure_running()
 
 
 @dataclass(kw_only=True)
@@ -50,7 +63,7 @@ class ProcessExecutor(SlotExecutor):
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
-        _ctx.set_forkserver_preload([__name__, *self.function.worker_modules()])
+        _ctx.set_forkserver_preload([__name__, *COMMON_MODULES, *self.function.worker_modules()])  # unless warmed up
         cpu_workers = sum(1 for d in devices if d.torch_device == "cpu")
         self._threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
         for device in devices:
@@ -123,8 +136,7 @@ class ProcessExecutor(SlotExecutor):
             while slot.conn.poll():
                 msg = slot.conn.recv()
                 if msg[0] == "ready":
-                    slot.ready = True
-                    slot.head_since = time.monotonic() if slot.queue else None
+                    self._ready(slot, msg[1])
                     continue
                 if msg[0] == "load_failed":
                     slot.load_error = msg[1]
@@ -162,13 +174,14 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
         torch.set_num_threads(threads)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # filled from the start: the driver may send while we load
     threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
+    t0 = time.perf_counter()
     try:
         hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
         worker = function.open_worker(device, cache_tokens)
     except Exception as exc:  # noqa: BLE001 - the driver says why the device cannot run
         conn.send(("load_failed", one_line(exc)))
         return
-    conn.send(("ready",))
+    conn.send(("ready", time.perf_counter() - t0))
     while True:
         msg = inbox.get()
         if msg is None:

@@ -150,8 +150,7 @@ class RayExecutor(SlotExecutor):
                 return self._replace(slot, f"actor of {name} died while loading ({_cause(exc)})")
             except Exception as exc:  # noqa: BLE001 - the load's own error, raised in the actor
                 return self._replace(slot, f"actor of {name} could not load the model: {_cause(exc)}")
-            slot.ready = True
-            slot.head_since = time.monotonic() if slot.queue else None
+            self._ready(slot, self.actors[name].get("load_s"))
         while slot.queue and slot.queue[0][2] in done:  # an actor answers in order
             ticket, _, ref = slot.queue[0]
             try:
