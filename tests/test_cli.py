@@ -65,6 +65,12 @@ def test_run_writes_report_and_activations(cli, tmp_path):
                 "devices", "wall_s", "useful_tokens_per_s"):
         assert key in report
     assert "balanced" in result.output
+    phases = report["phases"]  # where the time went, start-up included
+    assert set(phases) == {"start_s", "open_s", "worker_load_s", "worker_ready_s", "first_batch_s", "drain_s",
+                           "read_tokenize_s", "commit_s", "total_s"}
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in phases.values()), phases
+    assert phases["start_s"] + phases["open_s"] <= phases["first_batch_s"] <= phases["total_s"]
+    assert phases["worker_ready_s"] <= phases["first_batch_s"] and phases["read_tokenize_s"] > 0
 
 
 def test_run_bad_input_is_one_clear_line(cli, tmp_path):
