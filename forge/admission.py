@@ -79,7 +79,7 @@ class Admission:
                 kind = record.kind or reason_kind(record.reason)
                 _fail_record(hook, run, rules, record.record_id, record.reason)
                 outcomes.append(kind)
-                examples[kind] = record.reason
+                examples.setdefault(kind, record.reason)
             elif isinstance(record, Skipped):
                 hook.forge_input_skipped(run=run, record=record)
                 outcomes.append(None)
@@ -88,7 +88,7 @@ class Admission:
                           "prefix: it needs at least one token of its own after the prefix")
                 _fail_record(hook, run, rules, record.id, reason)
                 outcomes.append("no token after its prefix")
-                examples["no token after its prefix"] = reason
+                examples.setdefault("no token after its prefix", reason)
             else:
                 if record.index < 0:
                     record.index = state["ordinal"] - 1
@@ -105,7 +105,7 @@ class Admission:
         window = run.input_window
         if window is not None:
             for kind, reason in failed.values():
-                examples[kind] = reason
+                examples.setdefault(kind, reason)
             kinds = [failed.get(o.index, (None,))[0] if isinstance(o, Item) else o for o in outcomes]
             window.add(kinds, what="input records", examples=examples)
             if window.stop is not None:

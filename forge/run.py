@@ -79,7 +79,7 @@ class FailureWindow:
         self.recent: deque[str | None] = deque(maxlen=max(1, size))
         self.counts: Counter = Counter()
         self.share = share
-        self.examples: dict[str, str] = {}  # kind -> its latest full reason
+        self.examples: dict[str, str] = {}  # kind -> the first full reason of it in the window
         self.stop: str | None = None  # "<n> of the last <size> ... failed with: <kind> (e.g. <reason>)"
 
     def add(self, kinds: Iterable[str | None], what: str = "items", examples: dict[str, str] | None = None) -> None:
@@ -101,7 +101,7 @@ class FailureWindow:
             if kind is not None:
                 counts[kind] += 1
                 if examples and kind in examples:
-                    self.examples[kind] = examples[kind]
+                    self.examples.setdefault(kind, examples[kind])  # the first one seen
         if any(kinds):
             self._judge(recent.maxlen, what)
 
