@@ -370,7 +370,8 @@ def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
+        meta = pq.ParquetFile(path).metadata
+        return sum(meta.row_group(group).num_rows for group in range(meta.num_row_groups))  # as they are read
     with open(path, "rb") as f:
         return sum(1 for _ in _lines(f, max_row_bytes))
 
