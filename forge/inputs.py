@@ -28,7 +28,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,7 @@ MAX_DEPTH = 100  # containers nested deeper than this in a row fail it (they bre
 PARQUET_BATCH = 4096
 _CHUNK = 1 << 20  # an over-long JSONL line is skipped this many bytes at a time
 _AUTO_ID = re.compile(r"#[0-9]+")  # the ids of rows without one
+T = TypeVar("T")
 
 
 @dataclass
@@ -122,7 +123,7 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
     try:
         schema = pq.read_schema(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"{key}={path}: not a readable Parquet file ({_first_line(exc)})") from None
+        raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
     kinds = {"string": _is_string, "integer": pa.types.is_integer}
     for name, column in columns.items():
         if name not in schema.names:
@@ -321,6 +322,43 @@ def string_problem(row: Mapping[str, Any], name: str, *, required: bool, empty_o
     return None
 
 
+def json_problem(row: Mapping[str, Any], name: str) -> str | None:
+    """What is wrong with `row[name]` as a value Forge keeps as it is (a label, in the run's
+    journal): it must be JSON. A JSONL row always is; a Parquet value may not be (bytes, a
+    timestamp)."""
+    value = row.get(name)
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return (f"{name!r} must be a JSON value (a number, string, list or object), got {type(value).__name__} "
+                f"({first_line(exc)}); convert the column or leave it out")
+    return None
+
+
+def each_row(rows: list[Row], make: Callable[[list[Row]], Iterable[T]], what: str) -> Iterator[T | Rejected]:
+    """`make(rows)` (a function's batched step, e.g. tokenizing), or, where it raises, `make([row])`
+    for each row alone, so only a row it raises for fails, with the error. A ForgeError (a
+    setting, a model that will not load) is not a row's fault and is raised."""
+    try:
+        made = list(make(rows))
+    except ForgeError:
+        raise
+    except Exception:  # noqa: BLE001  (some row is odd: find it)
+        for row in rows:
+            try:
+                one = list(make([row]))
+            except ForgeError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                yield row.reject(f"{what} failed on it ({first_line(exc)}); fix or drop the row", f"{what} failed")
+            else:
+                yield from one
+        return
+    yield from made
+
+
 def unencodable(text: str | None) -> int | None:
     """Position of the first character UTF-8 cannot encode (an unpaired surrogate, from a JSON
     escape like \\ud800): tokenizers refuse the whole batch it is in."""
@@ -433,7 +471,7 @@ def _parse_line(index: int, line_no: int, raw: bytes) -> _Record:
         return _Record(index, line_no, None, f"{where}: nested too deeply to parse; flatten the row",
                        "nested too deeply")
     except Exception as exc:  # noqa: BLE001  (e.g. an integer of more digits than Python converts)
-        return _Record(index, line_no, None, (f"{where}: cannot be parsed ({_first_line(exc)}); each line must "
+        return _Record(index, line_no, None, (f"{where}: cannot be parsed ({first_line(exc)}); each line must "
                                               "be one JSON object"), "unparseable JSON")
     if not isinstance(row, dict):
         return _Record(index, line_no, None, (f"{where}: expected a JSON object, got {type(row).__name__}; "
@@ -465,7 +503,7 @@ def _parquet_records(path: Path, cap: int) -> Iterator[_Record]:
     try:
         file = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"input.path={path}: not a readable Parquet file ({_first_line(exc)})") from None
+        raise ForgeError(f"input.path={path}: not a readable Parquet file ({first_line(exc)})") from None
     start = 0
     for group in range(file.metadata.num_row_groups):
         n = file.metadata.row_group(group).num_rows
@@ -473,14 +511,14 @@ def _parquet_records(path: Path, cap: int) -> Iterator[_Record]:
         try:
             batches = iter(file.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group]))
         except Exception as exc:  # noqa: BLE001
-            batches, why = iter(()), _first_line(exc)
+            batches, why = iter(()), first_line(exc)
         while done < n:
             try:
                 batch = next(batches)
             except StopIteration:
                 break
             except Exception as exc:  # noqa: BLE001  (corrupt pages, bad compression, ...)
-                why = _first_line(exc)
+                why = first_line(exc)
                 break
             take = min(batch.num_rows, n - done)
             yield from _batch_records(batch.slice(0, take), start + done, cap)
@@ -544,7 +582,7 @@ def _pylist(batch) -> list[dict | str]:
             try:
                 out.append(batch.slice(k, 1).to_pylist()[0])
             except Exception as exc:  # noqa: BLE001
-                out.append(_first_line(exc))
+                out.append(first_line(exc))
         return out
 
 
@@ -570,5 +608,6 @@ def _place(index: int, line: int | None) -> str:
     return f"line {line}" if line is not None else f"row {index}"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception in one line: its message's first line, or its type."""
     return (str(exc).splitlines() or [type(exc).__name__])[0]

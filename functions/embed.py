@@ -27,7 +27,7 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, InputFile, Row, string_problem
+from forge.inputs import Column, InputFile, Row, each_row, string_problem
 from forge.run import Rejected, Skipped
 from forge.schema import one_of, positive
 from forge.store import RunStore
@@ -211,10 +211,10 @@ class Embed(Function):
                 continue
             chunk.append(row)
             if len(chunk) >= TOKENIZE_CHUNK:
-                yield from self._tokenize(chunk)
+                yield from each_row(chunk, self._tokenize, "tokenizing")
                 chunk = []
         if chunk:
-            yield from self._tokenize(chunk)
+            yield from each_row(chunk, self._tokenize, "tokenizing")
 
     def _tokenize(self, chunk: list[Row]) -> Iterator[Item]:
         limit = self.max_seq_length

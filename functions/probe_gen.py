@@ -20,7 +20,8 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, InputFile, InputSpec, Row, short, string_problem  # noqa: F401  (InputSpec: re-exported)
+from forge.inputs import (Column, InputFile, InputSpec, Row, each_row, json_problem,  # noqa: F401  (InputSpec: re-exported)
+                          string_problem)
 from forge.run import Rejected, Skipped
 from forge.schema import MISSING, one_of, positive
 
@@ -265,16 +266,17 @@ class ProbeGen(Function):
                 continue
             chunk.append(row)
             if len(chunk) >= TOKENIZE_CHUNK:
-                yield from self._tokenize(chunk)
+                yield from each_row(chunk, self._tokenize, "tokenizing")
                 chunk = []
         if chunk:
-            yield from self._tokenize(chunk)
+            yield from each_row(chunk, self._tokenize, "tokenizing")
 
     @staticmethod
     def _check_row(row: dict) -> str | None:
         """What is wrong with a row's fields, naming the field and the fix; None for a good row."""
         return (string_problem(row, "text", required=True)
-                or string_problem(row, "prefix", required=False, empty_ok=True))
+                or string_problem(row, "prefix", required=False, empty_ok=True)
+                or json_problem(row, "label"))
 
     def _tokenize(self, chunk: list[Row]) -> Iterator[Item]:
         tok = self.tokenizer

@@ -34,7 +34,7 @@ import numpy as np
 from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, InputFile, Row, short, string_problem, unencodable
+from forge.inputs import Column, InputFile, Row, first_line, short, string_problem, unencodable
 from forge.run import Rejected, Skipped
 from forge.schema import positive
 from forge.store import RunStore
@@ -187,17 +187,14 @@ class Score(ProbeGen):
                 yield parsed
                 continue
             context, continuations, gold, norm_texts = parsed
-            multiple_choice = row.data.get("choices") is not None
-            made: list[Item] | str = []
-            for choice, continuation in enumerate(continuations):
-                item = self._item(row.id, choice if multiple_choice else -1, len(continuations), gold, context,
-                                  continuation, norm_texts[choice])
-                if isinstance(item, str):
-                    made = item
-                    break
-                made.append(item)
-            if isinstance(made, str):
-                yield row.reject(made)
+            try:
+                made = self._items(row, context, continuations, gold, norm_texts)
+            except ForgeError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (a row the tokenizer cannot take fails alone)
+                made = [f"tokenizing failed on it ({first_line(exc)}); fix or drop the row"]
+            if isinstance(made[0], str):
+                yield row.reject(made[0])
                 continue
             for item in made:
                 item.index = counter
@@ -242,6 +239,19 @@ class Score(ProbeGen):
                 return row.reject(f"'continuation {k}' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at "
                                   f"position {bad}); write the character whole or drop it")
         return context, continuations, gold, norm
+
+    def _items(self, row: Row, context: str, continuations: list[str], gold: int,
+               norm_texts: list[str]) -> list[Item] | list[str]:
+        """The row's items (one per continuation), or [why it cannot have them]."""
+        multiple_choice = row.data.get("choices") is not None
+        made: list[Item] = []
+        for choice, continuation in enumerate(continuations):
+            item = self._item(row.id, choice if multiple_choice else -1, len(continuations), gold, context,
+                              continuation, norm_texts[choice])
+            if isinstance(item, str):
+                return [item]
+            made.append(item)
+        return made
 
     def _item(self, qid: str, choice: int, num_choices: int, gold: int, context: str, continuation: str,
               norm_text: str) -> Item | str:

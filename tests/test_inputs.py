@@ -344,3 +344,35 @@ def test_an_unreadable_parquet_row_group_fails_its_rows(tmp_path):
     bad = [i for i, r in rows if isinstance(r, str)]
     assert set(bad) <= set(range(10, 20)) and bad, rows[10:20]
     assert all(r.startswith(f"row {i}: row group 1 of the Parquet file cannot be read (") for i, r in rows if i in bad)
+
+
+def test_a_row_the_tokenizer_raises_for_fails_alone(tmp_path):
+    path = _write(tmp_path / "in.jsonl", [{"text": "fine"}, {"text": "BOOM"}, {"text": "also fine", "prefix": "P: "}])
+    function = probe_gen(path)
+    real = function.tokenizer
+
+    class Tokenizer:  # the real one, but it raises for one text
+        def __call__(self, text, **kwargs):
+            if "BOOM" in (text if isinstance(text, str) else " ".join(text)):
+                raise ValueError("cannot take this\nsecond line")
+            return real(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    function._tokenizer = Tokenizer()
+    records = list(function.records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#2"]
+    assert [r.reason for r in records if isinstance(r, Rejected)] == [
+        "line 2 (id '#1'): tokenizing failed on it (cannot take this); fix or drop the row"]
+
+
+def test_a_parquet_label_that_is_not_json_fails_its_row(tmp_path):
+    import datetime
+
+    path = _parquet(tmp_path / "in.parquet", text=["a", "b"], label=[datetime.datetime(2020, 1, 1), None])
+    records = list(probe_gen(path).records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#1"]
+    reason = next(r.reason for r in records if isinstance(r, Rejected))
+    assert reason.startswith("row 0 (id '#0'): 'label' must be a JSON value (a number, string, list or object), "
+                             "got datetime")
