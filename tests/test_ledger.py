@@ -204,3 +204,20 @@ def test_skipped_ids_are_listed_with_their_line_and_reason(tmp_path):
         {"id": "huge", "reason": "too_long (> max_seq_len=1024)"}]
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [f["id"] for f in failures] == ["line 4"]
+
+
+def test_resume_keeps_the_same_rows_of_repeated_ids_and_refuses_another_policy(tmp_path):
+    rows = [{"id": "a", "text": "first a"}, {"id": "b", "text": "b"}, {"id": "a", "text": "second a"}] + GOOD[:5]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "run"
+    first = run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=last", "layers=[1]")
+    assert first["status"] == "finished" and first["items"]["completed"] == 7 and first["items"]["skipped"] == 1
+    again = run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=last", "layers=[1]", "resume=true")
+    assert again["balanced"] and again["items"]["resumed"] == 7 and again["items"]["skipped"] == 1
+
+    from forge import load_activations
+
+    ids, _, _ = load_activations(out)
+    assert sorted(ids) == sorted(["a", "b", *(f"#{i}" for i in range(3, 8))])
+    with pytest.raises(ForgeError, match="resume refused: input.duplicate_ids"):
+        run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=first", "layers=[1]", "resume=true")
