@@ -22,6 +22,7 @@ it must be a regular file. A Parquet file's schema is checked up front
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -153,6 +154,14 @@ def check_spec(spec: InputSpec) -> None:
             raise ForgeError(f"input.{key}={value!r}: must be a positive integer")
 
 
+def _spec(keys: Mapping[str, Any]) -> InputSpec:
+    known = [f.name for f in dataclasses.fields(InputSpec)]
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        raise ForgeError(f"input: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(known)}")
+    return InputSpec(**keys)
+
+
 def _is_string(t) -> bool:
     import pyarrow as pa
 
@@ -170,7 +179,7 @@ class InputFile:
     ids under `duplicate_ids=error`), so a bad input is one line before any work."""
 
     def __init__(self, path: Path, spec: InputSpec | Mapping[str, Any], columns: Mapping[str, Column] | None = None):
-        self.spec = spec if isinstance(spec, InputSpec) else InputSpec(**spec)
+        self.spec = spec if isinstance(spec, InputSpec) else _spec(spec)
         check_spec(self.spec)
         self.path = check_input(path, columns=columns)
         self.limit = self.spec.limit

@@ -1,4 +1,6 @@
-"""Dataclasses that cross the engine's seams: the run's context and per-batch stats."""
+"""What crosses the engine's seams: the run's context, per-batch stats, the input records
+that are not items (`Rejected`, `Skipped`), and the failure window the loop and admission
+watch for a recurring failure."""
 
 from __future__ import annotations
 
