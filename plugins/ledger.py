@@ -35,7 +35,7 @@ class Ledger:
     failed_in_batches: int = 0  # tokens of routed items that failed (the rest failed before routing)
     failures: list = field(default_factory=list)  # {"id", "reason"} per failed item
     skipped: dict = field(default_factory=dict)  # reason (kind, for input records) -> items
-    skips: list = field(default_factory=list)  # {"id", "line"?, "reason"} per skipped item or record
+    skips: list = field(default_factory=list)  # (id, line or None, reason) per skipped item or record
     retry_reasons: Counter = field(default_factory=Counter)  # reason -> failed attempts retried
 
     def check(self) -> list[str]:
@@ -123,7 +123,7 @@ def forge_items_skipped(run, items, reason):
     led.items["skipped"] += len(items)
     led.tokens["skipped"] += _tokens(items)
     led.skipped[reason] = led.skipped.get(reason, 0) + len(items)
-    led.skips.extend({"id": it.id, "reason": reason} for it in items)
+    led.skips.extend((it.id, None, reason) for it in items)  # tuples: ~half a dict's memory
 
 
 @hookimpl
@@ -132,8 +132,7 @@ def forge_input_skipped(run, record):
     led.items["received"] += 1
     led.items["skipped"] += 1
     led.skipped[record.kind] = led.skipped.get(record.kind, 0) + 1
-    led.skips.append({"id": record.record_id, **({"line": record.line} if record.line is not None else {}),
-                      "reason": record.reason})
+    led.skips.append((record.record_id, record.line, record.reason))
 
 
 @hookimpl
@@ -207,4 +206,5 @@ def forge_run_end(run, report):
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]
     _write_jsonl(run, "failures.jsonl", led.failures)
-    _write_jsonl(run, "skipped.jsonl", led.skips)
+    _write_jsonl(run, "skipped.jsonl", [{"id": i, **({"line": line} if line is not None else {}), "reason": reason}
+                                        for i, line, reason in led.skips])
