@@ -7,8 +7,9 @@
 `skipped` counts items (too long, over `budget.max_tokens`) and input records (a repeated id
 dropped by `input.duplicate_ids`) that do not run; failed and skipped ones are listed with
 their ids and reasons in failures.jsonl and skipped.jsonl. `completed` counts committed
-items, those an earlier session committed (`resumed`) included; `routed` counts the tokens of every attempt, so a retried, discarded or dropped
-attempt shows as retried or discarded, never as a gap. `unfinished` is non-zero only when a
+items, those an earlier session committed (`resumed`) included; `routed` counts the tokens
+of every attempt, so a retried, discarded or dropped attempt shows as retried or discarded,
+never as a gap. `unfinished` is non-zero only when a
 run stops early. A leak shows as a difference between two large numbers in report.json.
 """
 
