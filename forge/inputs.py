@@ -45,6 +45,7 @@ MAX_DEPTH = 100  # containers nested deeper than this in a row fail it (they bre
 PARQUET_BATCH = 4096
 _CHUNK = 1 << 20  # an over-long JSONL line is skipped this many bytes at a time
 _AUTO_ID = re.compile(r"#[0-9]+")  # the ids of rows without one
+_ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key and its value token
 T = TypeVar("T")
 
 
@@ -221,29 +222,53 @@ class InputFile:
                 "limit": self.limit, "duplicate_ids": self.duplicate_ids, "max_row_bytes": self.max_row_bytes}
 
     # -- reading ---------------------------------------------------------------------
-    def _records(self) -> Iterator[_Record]:
+    def _records(self, only: set[int] | None = None) -> Iterator[_Record]:
+        """Every record up to `limit` (with `only`, JSONL lines of other rows are not parsed: a
+        placeholder stands in for them)."""
         parquet = self.path.suffix.lower() == ".parquet"
-        records = _parquet_records(self.path, self.max_row_bytes) if parquet else _jsonl_records(self.path,
-                                                                                               self.max_row_bytes)
+        records = (_parquet_records(self.path, self.max_row_bytes) if parquet
+                   else _jsonl_records(self.path, self.max_row_bytes, only))
         for rec in records:
             if self.limit is not None and rec.index >= self.limit:
                 return
             yield rec
 
-    def _ids(self) -> Iterator[tuple[int, int | None, str]]:
-        """(row index, line, canonical id) of every record with a good id."""
-        for rec in self._records():
-            if rec.data is not None:
-                rid, problem = canonical_id(rec.data.get("id"), rec.index)
-                if problem is None:
-                    yield rec.index, rec.line, rid
+    def _ids(self, only: set[int] | None = None) -> Iterator[tuple[int, int | None, str]]:
+        """(row index, line, canonical id) of every record with a good id (of those in `only`)."""
+        for rec in self._records(only):
+            rid = _good_id(rec)
+            if rid is not None and (only is None or rec.index in only):
+                yield rec.index, rec.line, rid
+
+    def _candidate_ids(self) -> Iterator[tuple[int, str]]:
+        """(row index, id) of every row that may hold an explicit id: a superset of the good ids
+        `rows` yields, cheaply. A JSONL line is matched with a regex, and parsed only where that
+        could miss (a \\u escape, which could spell the key) or be ambiguous (several "id"
+        keys); a line without `"id"` has none. The repeats among them are confirmed on the
+        rows themselves (`_ids`)."""
+        if self.path.suffix.lower() == ".parquet":
+            yield from ((index, rid) for index, _, rid in self._ids())
+            return
+        with open(self.path, "rb") as f:
+            for index, (line_no, raw, _) in enumerate(_lines(f, self.max_row_bytes)):
+                if self.limit is not None and index >= self.limit:
+                    return
+                if raw is None or (b'"id"' not in raw and b"\\u" not in raw):
+                    continue  # over the cap (a failure), or no id: '#<index>' never repeats
+                found = _ID_KEY.findall(raw)
+                if len(found) == 1 and b"\\u" not in raw:
+                    rid = _id_token(found[0], index)
+                else:
+                    rid = _good_id(_parse_line(index, line_no, raw))
+                if rid is not None:
+                    yield index, rid
 
     def _scan_ids(self) -> dict[int, str]:
         """Rows to skip as repeats (first/last), each with its reason; raise under `error`.
 
         Memory: 16 bytes per row (hash, index), then only the rows whose hash repeats."""
         hashes, indexes = _Int64s(), _Int64s()
-        for index, _, rid in self._ids():
+        for index, rid in self._candidate_ids():
             hashes.append(hash(rid))
             indexes.append(index)
         h = hashes.array()
@@ -253,9 +278,8 @@ class InputFile:
             return {}
         flagged = set(indexes.array()[np.isin(h, suspects)].tolist())
         seen: dict[str, list[tuple[int, int | None]]] = {}
-        for index, line, rid in self._ids():
-            if index in flagged:
-                seen.setdefault(rid, []).append((index, line))
+        for index, line, rid in self._ids(only=flagged):
+            seen.setdefault(rid, []).append((index, line))
         repeats = {rid: places for rid, places in seen.items() if len(places) > 1}  # a hash collision drops out
         if not repeats:
             return {}
@@ -284,6 +308,29 @@ class InputFile:
                     drop[index] = (f"{_place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
                                    f"input.duplicate_ids={policy} keeps {there}")
         return drop
+
+
+def _good_id(rec: _Record) -> str | None:
+    """The record's canonical id, or None where it has no usable one (unreadable, a bad id)."""
+    if rec.data is None:
+        return None
+    rid, problem = canonical_id(rec.data.get("id"), rec.index)
+    return rid if problem is None else None
+
+
+def _id_token(token: bytes, index: int) -> str | None:
+    """The canonical id a JSON value token spells (a string or an integer), or None."""
+    try:
+        if not token.startswith(b'"'):
+            value: Any = int(token)
+        elif b"\\" in token:
+            value = json.loads(token)
+        else:
+            value = token[1:-1].decode("utf-8")  # no escape: the bytes are the string
+    except Exception:  # noqa: BLE001  (not what `rows` reads: that line fails there)
+        return None
+    rid, problem = canonical_id(value, index)
+    return rid if problem is None else None
 
 
 def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
@@ -423,12 +470,14 @@ def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
         return sum(1 for _ in _lines(f, max_row_bytes))
 
 
-def _jsonl_records(path: Path, cap: int) -> Iterator[_Record]:
+def _jsonl_records(path: Path, cap: int, only: set[int] | None = None) -> Iterator[_Record]:
     """Lines are read as bytes, at most `cap` at a time, and decoded one by one, so a bad byte
-    or an over-long line fails only its line."""
+    or an over-long line fails only its line. With `only`, other lines are not parsed."""
     with open(path, "rb") as f:
         for index, (line_no, raw, size) in enumerate(_lines(f, cap)):
-            if raw is None:
+            if only is not None and index not in only:
+                yield _Record(index, line_no, None, "not read", "not read")
+            elif raw is None:
                 yield _Record(index, line_no, None, (f"line {line_no}: {size} bytes, over input.max_row_bytes={cap}; "
                                                      "raise input.max_row_bytes or split the row"),
                               "row over input.max_row_bytes")

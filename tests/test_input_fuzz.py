@@ -32,7 +32,11 @@ def _deep(depth: int) -> bytes:
 
 ODD_LINES = [b"", b"   ", b"\t", b"\r", BOM, BOM + b'{"text": "x"}', b'{"text": "caf\xe9"}', b"[1, 2]", b'"str"',
              b"null", b'{"text": "t", "id": 1e400}', b'{"id": ' + b"9" * 5000 + b', "text": "t"}',  # too many digits
-             _deep(101), _deep(999), _deep(1500), _deep(5000)]
+             _deep(101), _deep(999), _deep(1500), _deep(5000),
+             # ids the id scan's regex must not miss: escapes, spacing, nesting, repeated keys, -0
+             b'{"\\u0069d": "1", "text": "t"}', b'{"id": "\\u0031", "text": "t"}', b'{"id"\t :\n 1, "text": "t"}',
+             b'{"meta": {"id": "1"}, "text": "t"}', b'{"id": "2", "id": "1", "text": "t"}', b'{"id": -0, "text": "t"}',
+             b'{"text": "say \\"id\\": 1", "id": "1"}', b'{"id": "a\\"b", "text": "t"}', b'{"id": "1"}']
 lines = st.one_of(
     rows.map(lambda r: json.dumps(r).encode()),
     st.binary(max_size=30),  # anything: bad UTF-8, stray newlines, NULs
@@ -90,6 +94,8 @@ def _check(path, count: int | None, **options) -> None:
             assert "\n" not in str(exc)
             outcomes[policy] = str(exc)
             continue
+        explicit = {(index, rid) for index, _, rid in source._ids() if rid != f"#{index}"}
+        assert explicit <= set(source._candidate_ids())  # the cheap id scan misses no explicit id
         items, counted = _account(source)
         received = source.count()
         if count is not None:

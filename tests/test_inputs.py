@@ -376,3 +376,21 @@ def test_a_parquet_label_that_is_not_json_fails_its_row(tmp_path):
     reason = next(r.reason for r in records if isinstance(r, Rejected))
     assert reason.startswith("row 0 (id '#0'): 'label' must be a JSON value (a number, string, list or object), "
                              "got datetime")
+
+
+@pytest.mark.parametrize("line,repeats", [
+    ('{"\\u0069d": "1", "text": "an escaped key"}', True),
+    ('{"id": "\\u0031", "text": "an escaped value"}', True),
+    ('{"id"\t :\n 1, "text": "spaces"}'.replace("\n", " "), True),
+    ('{"id": "2", "id": "1", "text": "a repeated key: the last counts"}', True),
+    ('{"id": "1", "id": "2", "text": "a repeated key: the last counts"}', False),
+    ('{"meta": {"id": "1"}, "text": "a nested id is not the id"}', False),
+    ('{"text": "say \\"id\\": 1", "id": "x"}', False),
+])
+def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeats):
+    path = _write(tmp_path / "in.jsonl", [line, {"id": 1, "text": "the other one"}])
+    if repeats:
+        with pytest.raises(ForgeError, match="1 id repeats, e.g. '1' at lines 1 and 2"):
+            _input(path)
+    else:
+        assert len(list(_input(path).rows())) == 2
