@@ -51,7 +51,9 @@ T = TypeVar("T")
 
 @dataclass
 class InputSpec:
-    """The `input` keys every built-in function reads: the one home of their defaults."""
+    """The `input` keys every built-in function reads, and their defaults. The function YAMLs
+    name the same keys (Hydra overrides a key without '+' only if the config has it); a test
+    checks that their values are these."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
     limit: Optional[int] = positive(None)  # take only the first N rows
