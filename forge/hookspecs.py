@@ -9,7 +9,12 @@ per-run state in `run.state[<plugin name>]`, never in module globals.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from forge.run import RunContext, Skipped
 
 hookspec = pluggy.HookspecMarker("forge")
 hookimpl = pluggy.HookimplMarker("forge")
@@ -64,7 +69,8 @@ def forge_items_received(run, items):
 
 @hookspec
 def forge_items_skipped(run, items, reason):
-    """Received items that will not run (too long, over `budget.max_tokens`).
+    """Received items that will not run (too long, over `budget.max_tokens`). Input records
+    skipped before they became items come through `forge_input_skipped`.
 
     :param run: the `RunContext`.
     :param items: list of `forge.Item` skipped.
@@ -95,12 +101,23 @@ def forge_items_failed(run, items, reason):
 
 @hookspec
 def forge_input_failed(run, record_id, reason):
-    """An input record could not become an item (malformed line, no text). It counts as
-    received and failed, with zero tokens.
+    """An input record could not become an item (malformed line, bad id, no text, over
+    `input.max_row_bytes`). It counts as received and failed, with zero tokens.
 
     :param run: the `RunContext`.
     :param record_id: the record's id, or ``"line N"`` where it has none.
     :param reason: one line saying what is wrong with it.
+    """
+
+
+@hookspec
+def forge_input_skipped(run: RunContext, record: Skipped) -> None:
+    """An input record that is deliberately not run (a repeat of an id that
+    `input.duplicate_ids=first|last` drops). It counts as received and skipped, with zero tokens.
+
+    :param run: the `RunContext`.
+    :param record: the `forge.run.Skipped`: its id, its reason (where, why, what is kept
+        instead), its reason's kind (what the report counts) and its line where known.
     """
 
 

@@ -27,8 +27,8 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, check_input, count_rows, read_rows
-from forge.run import Rejected
+from forge.inputs import Column, InputFile, Row, each_row, string_problem
+from forge.run import Rejected, Skipped
 from forge.schema import one_of, positive
 from forge.store import RunStore
 from forge.functions.embed_sink import FORMATS, EmbeddingSink, load_embeddings  # noqa: F401  (the reader, re-exported)
@@ -53,14 +53,6 @@ class EmbedConfig:
     shard_size: int = positive(4096)
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class Embed(Function):
     name = "embed"
     config_schema = EmbedConfig
@@ -76,8 +68,8 @@ class Embed(Function):
         self.normalize = bool(normalize)
         self.output_format = output_format
         self.shard_size = int(shard_size)
-        self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
-        self.input_limit = input.get("limit")
+        self.input = InputFile(resolve_input(str(input["path"])), input, COLUMNS)  # refuses a bad input now
+        self.input_path, self.input_limit = self.input.path, self.input.limit
         self.source = resolve_model_source(self.model.name)
         self._config = None
         self._tokenizer = None
@@ -174,8 +166,7 @@ class Embed(Function):
             "function": self.name,
             "model": {**asdict(self.model),
                       "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()},
-            "input": {"path": str(self.input_path), "bytes": self.input_path.stat().st_size,
-                      "sha256": _file_sha256(self.input_path), "limit": self.input_limit},
+            "input": self.input.fingerprint(),
             "pooling": self.pooling,
             "normalize": self.normalize,
             "max_seq_length": self.max_seq_length,
@@ -198,8 +189,7 @@ class Embed(Function):
         return {"model": self._model_path or self.source, "input": str(self.input_path), "path": self.path()}
 
     def expected_items(self) -> int | None:
-        rows = count_rows(self.input_path)
-        return rows if self.input_limit is None else min(rows, self.input_limit)
+        return self.input.count()
 
     def warnings(self) -> list[str]:
         notes = list(self._warnings)
@@ -209,33 +199,32 @@ class Embed(Function):
         return notes
 
     # -- items --------------------------------------------------------------------
-    def records(self) -> Iterator[Item | Rejected]:
-        chunk: list[tuple[int, dict]] = []
-        for index, row in read_rows(self.input_path, self.input_limit):
-            if isinstance(row, str):
-                yield Rejected(record_id=row.split(":", 1)[0], reason=row)
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
+        chunk: list[Row] = []
+        for row in self.input.rows():
+            if not isinstance(row, Row):  # unreadable, a bad id, or a repeated id: recorded as it is
+                yield row
                 continue
-            bad = ProbeGen._check_row(index, {"id": row.get("id"), "text": row.get("text")})
-            if bad is not None:
-                yield bad
+            problem = string_problem(row.data, "text", required=True)
+            if problem is not None:
+                yield row.reject(problem)
                 continue
-            chunk.append((index, row))
+            chunk.append(row)
             if len(chunk) >= TOKENIZE_CHUNK:
-                yield from self._tokenize(chunk)
+                yield from each_row(chunk, self._tokenize, "tokenizing")
                 chunk = []
         if chunk:
-            yield from self._tokenize(chunk)
+            yield from each_row(chunk, self._tokenize, "tokenizing")
 
-    def _tokenize(self, chunk: list[tuple[int, dict]]) -> Iterator[Item]:
+    def _tokenize(self, chunk: list[Row]) -> Iterator[Item]:
         limit = self.max_seq_length
-        texts = [row["text"].lower() if self.lowercase else row["text"] for _, row in chunk]
+        texts = [row.data["text"].lower() if self.lowercase else row.data["text"] for row in chunk]
         ids = self.tokenizer(texts, add_special_tokens=True, truncation=limit is not None,
                              max_length=limit)["input_ids"]
         if limit is not None:
             self._truncated += sum(len(t) >= limit for t in ids)
-        for (index, row), tokens in zip(chunk, ids):
-            rid = str(row["id"]) if row.get("id") is not None else str(index)
-            yield Item(rid, len(tokens), None, 0, tokens, None, index)
+        for row, tokens in zip(chunk, ids):
+            yield Item(row.id, len(tokens), None, 0, tokens, None, row.index)
 
     # -- running ------------------------------------------------------------------
     def open_worker(self, device: Device, cache_tokens: int) -> "EmbedWorker":

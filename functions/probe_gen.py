@@ -20,8 +20,9 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, check_input, count_rows, read_rows
-from forge.run import Rejected
+from forge.inputs import (Column, InputFile, InputSpec, Row, each_row, json_problem,  # noqa: F401  (InputSpec: re-exported)
+                          string_problem)
+from forge.run import Rejected, Skipped
 from forge.schema import MISSING, one_of, positive
 
 EMBEDDED = "embedded:"
@@ -47,12 +48,6 @@ class ModelSpec:
         if self.revision:
             kwargs["revision"] = str(self.revision)
         return kwargs
-
-
-@dataclass
-class InputSpec:
-    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
-    limit: Optional[int] = positive(None)  # take only the first N rows
 
 
 @dataclass
@@ -117,8 +112,8 @@ class ProbeGen(Function):
         self.pooling = pooling
         self.layers = list(layers)
         self.shard_size = int(shard_size)
-        self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
-        self.input_limit = input.get("limit")
+        self.input = InputFile(resolve_input(str(input["path"])), input, COLUMNS)  # refuses a bad input now
+        self.input_path, self.input_limit = self.input.path, self.input.limit
         self.source = resolve_model_source(self.model.name)
         self._model_path: str | None = None
         self._warnings: list[str] = []
@@ -227,16 +222,11 @@ class ProbeGen(Function):
     def fingerprint(self) -> dict[str, Any]:
         config = {k: v for k, v in self.config.to_dict().items()
                   if not k.startswith("_") and k != "transformers_version"}
-        digest = hashlib.sha256()
-        with open(self.input_path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
         return {
             "function": self.name,
             "model": {**asdict(self.model),
                       "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()},
-            "input": {"path": str(self.input_path), "bytes": self.input_path.stat().st_size,
-                      "sha256": digest.hexdigest(), "limit": self.input_limit},
+            "input": self.input.fingerprint(),
             "layers": self.layers,
             "pooling": self.pooling,
             "token_rule": TOKEN_RULE,
@@ -258,67 +248,49 @@ class ProbeGen(Function):
         return {"model": self._model_path or self.source, "input": str(self.input_path), "path": self.path()}
 
     def expected_items(self) -> int | None:
-        rows = count_rows(self.input_path)
-        return rows if self.input_limit is None else min(rows, self.input_limit)
+        return self.input.count()
 
     def warnings(self) -> list[str]:
         return list(self._warnings)
 
     # -- items --------------------------------------------------------------------
-    def records(self) -> Iterator[Item | Rejected]:
-        chunk: list[tuple[int, dict]] = []
-        for index, row in read_rows(self.input_path, self.input_limit):
-            if isinstance(row, str):
-                yield Rejected(record_id=row.split(":", 1)[0], reason=row)
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
+        chunk: list[Row] = []
+        for row in self.input.rows():
+            if not isinstance(row, Row):  # unreadable, a bad id, or a repeated id: recorded as it is
+                yield row
                 continue
-            bad = self._check_row(index, row)
-            if bad is not None:
-                yield bad
+            problem = self._check_row(row.data)
+            if problem is not None:
+                yield row.reject(problem)
                 continue
-            chunk.append((index, row))
+            chunk.append(row)
             if len(chunk) >= TOKENIZE_CHUNK:
-                yield from self._tokenize(chunk)
+                yield from each_row(chunk, self._tokenize, "tokenizing")
                 chunk = []
         if chunk:
-            yield from self._tokenize(chunk)
+            yield from each_row(chunk, self._tokenize, "tokenizing")
 
     @staticmethod
-    def _check_row(index: int, row: dict) -> Rejected | None:
-        """A Rejected naming the row, the field and the fix, or None for a good row."""
-        rid = row.get("id")
-        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-            return Rejected(str(index), f"row {index}: 'id' must be a string or an integer, got "
-                                        f"{type(rid).__name__} {_short(rid)}; fix the id or leave it out")
-        rid = str(index) if rid is None else str(rid)
-        text, prefix = row.get("text"), row.get("prefix")
-        if not isinstance(text, str) or not text.strip():
-            what = ("has no 'text' field" if text is None else
-                    f"has an empty or non-string 'text' ({type(text).__name__} {_short(text)})")
-            return Rejected(rid, f"row {index} (id {rid}) {what}; every row needs a non-empty string 'text'")
-        if prefix is not None and not isinstance(prefix, str):
-            return Rejected(rid, f"row {index} (id {rid}): 'prefix' must be a string, got "
-                                 f"{type(prefix).__name__} {_short(prefix)}; fix it or leave it out")
-        for name, value in (("text", text), ("prefix", prefix)):
-            bad = _unencodable(value)
-            if bad is not None:
-                return Rejected(rid, f"row {index} (id {rid}): {name!r} holds an unpaired surrogate "
-                                     f"(\\u{ord(value[bad]):04x} at position {bad}); write the character whole "
-                                     "or drop it")
-        return None
+    def _check_row(row: dict) -> str | None:
+        """What is wrong with a row's fields, naming the field and the fix; None for a good row."""
+        return (string_problem(row, "text", required=True)
+                or string_problem(row, "prefix", required=False, empty_ok=True)
+                or json_problem(row, "label"))
 
-    def _tokenize(self, chunk: list[tuple[int, dict]]) -> Iterator[Item]:
+    def _tokenize(self, chunk: list[Row]) -> Iterator[Item]:
         tok = self.tokenizer
-        ids = tok([row["text"] for _, row in chunk], add_special_tokens=False)["input_ids"]
-        for (index, row), text_ids in zip(chunk, ids):
-            prefix = row.get("prefix") or None
-            rid = str(row["id"]) if row.get("id") is not None else str(index)
+        ids = tok([row.data["text"] for row in chunk], add_special_tokens=False)["input_ids"]
+        for row, text_ids in zip(chunk, ids):
+            prefix = row.data.get("prefix") or None
+            label = row.data.get("label")
             if prefix is None:
-                tokens = tok(row["text"], add_special_tokens=True)["input_ids"]
-                yield Item(rid, len(tokens), None, 0, tokens, row.get("label"), index)
+                tokens = tok(row.data["text"], add_special_tokens=True)["input_ids"]
+                yield Item(row.id, len(tokens), None, 0, tokens, label, row.index)
                 continue
             key, prefix_ids = self._prefix(prefix)
-            yield Item(rid, len(prefix_ids) + len(text_ids), key, len(prefix_ids),
-                       prefix_ids + text_ids, row.get("label"), index)
+            yield Item(row.id, len(prefix_ids) + len(text_ids), key, len(prefix_ids), prefix_ids + text_ids,
+                       label, row.index)
 
     def _prefix(self, prefix: str) -> tuple[str, list[int]]:
         """(prefix key, token ids) of a prefix, tokenized once."""
@@ -388,23 +360,6 @@ class ProbeOutput:
     def columns(self) -> dict[str, Any]:
         """The result fields of `result_schema` (what the generic sink commits)."""
         return {f"layer_{layer}": rows for layer, rows in self.pooled.items()}
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _unencodable(text: str | None) -> int | None:
-    """Position of the first character UTF-8 cannot encode (an unpaired surrogate, from a JSON
-    escape like \\ud800): tokenizers refuse the whole batch it is in."""
-    if not text or text.isascii():
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
 
 
 def _line(exc: BaseException) -> str:

@@ -34,13 +34,12 @@ import numpy as np
 from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, check_input, read_rows
-from forge.run import Rejected
+from forge.inputs import Column, InputFile, Row, first_line, short, string_problem, unencodable
+from forge.run import Rejected, Skipped
 from forge.schema import positive
 from forge.store import RunStore
 from forge.tables import TableWriter, load_table
-from forge.functions.probe_gen import (DTYPES, InputSpec, ModelSpec, ProbeGen, _short, _unencodable, resolve_input,
-                                 resolve_model_source)
+from forge.functions.probe_gen import DTYPES, InputSpec, ModelSpec, ProbeGen, resolve_input, resolve_model_source
 
 SUBDIR = "scores"
 QUESTIONS = "questions.parquet"
@@ -106,8 +105,8 @@ class Score(ProbeGen):
         self.target_delimiter = str(target_delimiter)
         self.add_special_tokens = bool(add_special_tokens)
         self.shard_size = int(shard_size)
-        self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
-        self.input_limit = input.get("limit")
+        self.input = InputFile(resolve_input(str(input["path"])), input, COLUMNS)  # refuses a bad input now
+        self.input_path, self.input_limit = self.input.path, self.input.limit
         self.source = resolve_model_source(self.model.name)
         self._model_path: str | None = None
         self._warnings: list[str] = []
@@ -176,29 +175,26 @@ class Score(ProbeGen):
                                       "between context and continuation)")
         return self._encoder
 
-    def records(self) -> Iterator[Item | Rejected]:
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
         counter = 0  # every item's commit key, in input order: the same on every read of the same input
         truncated = 0
-        for index, row in read_rows(self.input_path, self.input_limit):
-            if isinstance(row, str):
-                yield Rejected(record_id=row.split(":", 1)[0], reason=row)
+        for row in self.input.rows():
+            if not isinstance(row, Row):  # unreadable, a bad id, or a repeated id: recorded as it is
+                yield row
                 continue
-            parsed = self._parse_row(index, row)
+            parsed = self._parse_row(row)
             if isinstance(parsed, Rejected):
                 yield parsed
                 continue
-            qid, context, continuations, gold, norm_texts = parsed
-            multiple_choice = row.get("choices") is not None
-            made: list[Item] | str = []
-            for choice, continuation in enumerate(continuations):
-                item = self._item(qid, choice if multiple_choice else -1, len(continuations), gold, context,
-                                  continuation, norm_texts[choice])
-                if isinstance(item, str):
-                    made = item
-                    break
-                made.append(item)
-            if isinstance(made, str):
-                yield Rejected(qid, f"row {index} (id {qid}): {made}")
+            context, continuations, gold, norm_texts = parsed
+            try:
+                made = self._items(row, context, continuations, gold, norm_texts)
+            except ForgeError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (a row the tokenizer cannot take fails alone)
+                made = [f"tokenizing failed on it ({first_line(exc)}); fix or drop the row"]
+            if isinstance(made[0], str):
+                yield row.reject(made[0])
                 continue
             for item in made:
                 item.index = counter
@@ -210,45 +206,52 @@ class Score(ProbeGen):
         if truncated and note not in self._warnings:
             self._warnings.append(note)
 
-    def _parse_row(self, index: int, row: dict):
-        """(id, context, continuations, gold, texts acc_norm measures) or a Rejected naming the fix."""
-        rid = row.get("id")
-        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-            return Rejected(str(index), f"row {index}: 'id' must be a string or an integer, got "
-                                        f"{type(rid).__name__} {_short(rid)}; fix the id or leave it out")
-        qid = str(index) if rid is None else str(rid)
-        where = f"row {index} (id {qid})"
-        context, continuation, choices = row.get("context"), row.get("continuation"), row.get("choices")
-        if not isinstance(context, str):
-            what = "has no 'context'" if context is None else f"has a non-string 'context' ({_short(context)})"
-            return Rejected(qid, f"{where} {what}; every row needs a string 'context' (it may be empty)")
+    def _parse_row(self, row: Row):
+        """(context, continuations, gold, texts acc_norm measures) or a Rejected naming the fix."""
+        data = row.data
+        problem = string_problem(data, "context", required=True, empty_ok=True)
+        if problem is not None:
+            return row.reject(problem)
+        context, continuation, choices = data["context"], data.get("continuation"), data.get("choices")
         if (continuation is None) == (choices is None):
             what = "has both 'continuation' and 'choices'" if choices is not None else "has no 'continuation'"
-            return Rejected(qid, f"{where} {what}; give a string 'continuation', or a list 'choices' with 'gold'")
+            return row.reject(f"{what}; give a string 'continuation', or a list 'choices' with 'gold'")
         if choices is not None:
             if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c
                                                                                for c in choices):
-                return Rejected(qid, f"{where}: 'choices' must be a non-empty list of non-empty strings, got "
-                                     f"{_short(choices)}")
-            gold = row.get("gold")
+                return row.reject(f"'choices' must be a non-empty list of non-empty strings, got {short(choices)}")
+            gold = data.get("gold")
             if gold is not None and (isinstance(gold, bool) or not isinstance(gold, int)
                                      or not 0 <= gold < len(choices)):
-                return Rejected(qid, f"{where}: 'gold' is {_short(gold)}, not a choice index 0..{len(choices) - 1}; "
-                                     "fix it or leave it out")
+                return row.reject(f"'gold' is {short(gold)}, not a choice index 0..{len(choices) - 1}; "
+                                  "fix it or leave it out")
             continuations = [self.target_delimiter + c for c in choices]
             norm = list(choices)
             gold = -1 if gold is None else gold
         else:
             if not isinstance(continuation, str) or not continuation:
-                return Rejected(qid, f"{where} has an empty or non-string 'continuation' ({_short(continuation)}); "
-                                     "it needs at least one character")
+                return row.reject(f"has an empty or non-string 'continuation' ({short(continuation)}); "
+                                  "it needs at least one character")
             continuations, norm, gold = [continuation], [continuation], -1
-        for name, value in (("context", context), *((f"continuation {k}", c) for k, c in enumerate(continuations))):
-            bad = _unencodable(value)
+        for k, value in enumerate(continuations):
+            bad = unencodable(value)
             if bad is not None:
-                return Rejected(qid, f"{where}: {name!r} holds an unpaired surrogate (\\u{ord(value[bad]):04x} at "
-                                     f"position {bad}); write the character whole or drop it")
-        return qid, context, continuations, gold, norm
+                return row.reject(f"'continuation {k}' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at "
+                                  f"position {bad}); write the character whole or drop it")
+        return context, continuations, gold, norm
+
+    def _items(self, row: Row, context: str, continuations: list[str], gold: int,
+               norm_texts: list[str]) -> list[Item] | list[str]:
+        """The row's items (one per continuation), or [why it cannot have them]."""
+        multiple_choice = row.data.get("choices") is not None
+        made: list[Item] = []
+        for choice, continuation in enumerate(continuations):
+            item = self._item(row.id, choice if multiple_choice else -1, len(continuations), gold, context,
+                              continuation, norm_texts[choice])
+            if isinstance(item, str):
+                return [item]
+            made.append(item)
+        return made
 
     def _item(self, qid: str, choice: int, num_choices: int, gold: int, context: str, continuation: str,
               norm_text: str) -> Item | str:

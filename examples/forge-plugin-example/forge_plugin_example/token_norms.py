@@ -20,9 +20,9 @@ import numpy as np
 from forge.function import Function, ItemColumns
 from forge.functions.probe_gen import COLUMNS, InputSpec, ModelSpec, resolve_input, resolve_model_source
 from forge.geometry import Batch, Device, Item
-from forge.inputs import check_input, count_rows, read_rows
+from forge.inputs import InputFile, Row, string_problem
 from forge.results import Field, ResultSchema
-from forge.run import Rejected
+from forge.run import Rejected, Skipped
 from forge.schema import positive
 
 
@@ -42,8 +42,8 @@ class TokenNorms(Function):
     def __init__(self, model: dict, input: dict, shard_size: int = 4096):
         self.model = ModelSpec(**model)
         self.source = resolve_model_source(self.model.name)
-        self.input_path = check_input(resolve_input(str(input["path"])), columns=COLUMNS)
-        self.input_limit = input.get("limit")
+        # Forge's reader: the id rule, input.duplicate_ids and input.max_row_bytes, bad rows as failures
+        self.input = InputFile(resolve_input(str(input["path"])), input, COLUMNS)
         self.shard_size = int(shard_size)
         self._tokenizer = None
 
@@ -59,34 +59,31 @@ class TokenNorms(Function):
         return {**self.__dict__, "_tokenizer": None}
 
     # -- items ------------------------------------------------------------------
-    def records(self) -> Iterator[Item | Rejected]:
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
         prefixes: dict[str, tuple[str, list[int]]] = {}
-        for index, row in read_rows(self.input_path, self.input_limit):
-            if isinstance(row, str):
-                yield Rejected(row.split(":", 1)[0], row)
+        for row in self.input.rows():
+            if not isinstance(row, Row):  # unreadable, a bad id, or a repeated id: recorded as it is
+                yield row
                 continue
-            rid = str(row["id"]) if row.get("id") is not None else str(index)
-            text, prefix = row.get("text"), row.get("prefix") or None
-            if not isinstance(text, str) or not text.strip():
-                yield Rejected(rid, f"row {index} (id {rid}) has no non-empty string 'text'; every row needs one")
+            problem = (string_problem(row.data, "text", required=True)
+                       or string_problem(row.data, "prefix", required=False, empty_ok=True))
+            if problem is not None:
+                yield row.reject(problem)
                 continue
-            if prefix is not None and not isinstance(prefix, str):
-                yield Rejected(rid, f"row {index} (id {rid}): 'prefix' must be a string; fix it or leave it out")
-                continue
+            rid, index, text, prefix = row.id, row.index, row.data["text"], row.data.get("prefix") or None
             if prefix is None:
                 tokens = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-                yield Item(rid, len(tokens), None, 0, tokens, row.get("label"), index)
+                yield Item(rid, len(tokens), None, 0, tokens, row.data.get("label"), index)
                 continue
             if prefix not in prefixes:
                 prefixes[prefix] = (hashlib.sha1(prefix.encode()).hexdigest()[:12],
                                     self.tokenizer(prefix, add_special_tokens=True)["input_ids"])
             key, prefix_ids = prefixes[prefix]
             tokens = prefix_ids + self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            yield Item(rid, len(tokens), key, len(prefix_ids), tokens, row.get("label"), index)
+            yield Item(rid, len(tokens), key, len(prefix_ids), tokens, row.data.get("label"), index)
 
     def expected_items(self) -> int | None:
-        rows = count_rows(self.input_path)
-        return rows if self.input_limit is None else min(rows, self.input_limit)
+        return self.input.count()
 
     # -- results ----------------------------------------------------------------
     def result_schema(self) -> ResultSchema:
@@ -96,12 +93,10 @@ class TokenNorms(Function):
                             meta={"model": self.model.name})
 
     def fingerprint(self) -> dict[str, Any]:
-        digest = hashlib.sha256(self.input_path.read_bytes()).hexdigest()
-        return {"function": self.name, "model": asdict(self.model),
-                "input": {"path": str(self.input_path), "sha256": digest, "limit": self.input_limit}}
+        return {"function": self.name, "model": asdict(self.model), "input": self.input.fingerprint()}
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.source, "input": str(self.input_path),
+        return {"model": self.source, "input": str(self.input.path),
                 "path": "input embeddings of each item's tokens (any layout gives the same numbers)"}
 
     # -- running ----------------------------------------------------------------
