@@ -31,6 +31,13 @@ def _error_line(exc: Exception) -> None:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
 
 
+def _status_line(report: dict) -> None:
+    """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
+    status, error = report["status"], str(report.get("error"))
+    why = error[len(status) + 1:].lstrip() if error.startswith(f"{status}:") else error
+    err.print(f"[bold red]{status}:[/] {escape(why)}", highlight=False, soft_wrap=True)
+
+
 def _fail(exc: Exception) -> None:
     _error_line(exc)
     raise typer.Exit(2)
@@ -64,8 +71,7 @@ def run(ctx: typer.Context) -> None:
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
         if report.get("status", "finished") != "finished":
-            err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
-                      soft_wrap=True)
+            _status_line(report)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
     main = threading.current_thread() is threading.main_thread()
@@ -260,8 +266,7 @@ def plan(
         if plot is not None:
             console.print(f"plot: {plot}")
     if report.get("status", "finished") != "finished":
-        err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
-                  soft_wrap=True)
+        _status_line(report)
         raise typer.Exit(2)
 
 
