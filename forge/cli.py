@@ -455,7 +455,9 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except HydraException as exc:
-        raise ForgeError(" ".join(str(exc).split())) from None
+        from forge.schema import explain_compose_error
+
+        raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
 
 
 def print_summary(report: dict[str, Any]) -> None:

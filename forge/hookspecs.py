@@ -41,6 +41,19 @@ def forge_functions():
 
 
 @hookspec
+def forge_executors():
+    """Offer executors: where batches run (`runtime.executor` selects one).
+
+    :return: a dict mapping an executor name to a factory, or to its import path
+        ``"package.module:Class.factory"`` (imported only when used), called as
+        ``factory(function, cache_tokens, runtime, plugins=..., hook=...)``: the function, each
+        device's prefix-cache capacity in tokens, the runtime settings (a `forge.schema.Runtime`),
+        the extra plugin modules workers register, and the hook relay. It returns a
+        `forge.executors.Executor`.
+    """
+
+
+@hookspec
 def forge_config_searchpath():
     """Offer config directories: Forge's Hydra search-path plugin appends them after Forge's
     own `conf/`, so `function=<name>` and `batching=<name>` find a plugin's YAML files.

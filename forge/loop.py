@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge.columns import ItemColumns
 from forge.executors.base import Executor, Outcome, Status
@@ -30,18 +30,8 @@ from forge.indexset import IndexSet
 from forge.run import BatchStats, FailureWindow, RunContext, batch_stats
 from forge.scheduler import Scheduler
 
-
-@dataclass(frozen=True, slots=True)
-class RunPolicy:
-    """How the loop reacts to time and failure (the `runtime` config group)."""
-
-    batch_timeout_s: float | None = None  # fixed per-batch timeout; None: derived from the device's rate
-    timeout_floor_s: float = 60.0  # a derived timeout is never shorter
-    timeout_factor: float = 10.0  # derived timeout = factor x padded slots / measured slots per second
-    failure_window: int = 200  # the last finished items looked at for a recurring failure
-    max_failure_share: float = 0.5  # stop once one reason holds this share of the window
-    commit_interval_s: float = 30.0  # buffered results are written at least this often
-    drain_s: float = 10.0  # on a stop, how long in-flight batches may still finish
+if TYPE_CHECKING:
+    from forge.schema import Runtime  # the policy: timeouts, recurring failures, commits, drain
 
 
 class Stop(Exception):
@@ -123,7 +113,7 @@ class Committer:
 
 class RunLoop:
     def __init__(self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext,
-                 hook, policy: RunPolicy = RunPolicy()):
+                 hook, policy: "Runtime"):
         self.scheduler = scheduler
         self.executor = executor
         self.committer = committer

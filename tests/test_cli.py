@@ -202,7 +202,8 @@ def test_sweep_checks_every_swept_value_before_launching(cli, tmp_path):
     _one_error_line(result, BAD_CONFIG["budget.tokens_per_step=abc"])
     assert not out.exists()  # the good value's job did not run either
     result = cli.invoke(app, ["run", "--multirun", "runtime.executor=process,thread", f"output_dir={out}"])
-    _one_error_line(result, "error: config runtime.executor='thread': choose one of: process, inprocess")
+    _one_error_line(result, "error: config runtime.executor='thread': choose one of: inprocess, process, ray "
+                               "(plugins add more through forge_executors)")
     assert not out.exists()
 
 
