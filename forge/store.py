@@ -187,6 +187,7 @@ class RunStore:
         self._pending = _journal(self.where, PENDING, durable=False)
         self._commits = 0  # records this session wrote or tried to write
         self._written: set[str] = set()  # shards this session committed
+        self._previous: bytes | None = None  # run.json as an earlier session left it
         reach(run_dir, lambda: self._refuse_foreign(run_dir))  # before anything is written there
         self.lock: RunLock | None = reach(run_dir, lambda: acquire(self.where, run_dir))
         try:
@@ -200,6 +201,7 @@ class RunStore:
 
     def _open(self, run_dir, resume: bool) -> None:
         previous = _previous_run(self.where, run_dir, resume)
+        self._previous = None if previous is None else self.where.read_bytes(RUN_FILE)  # restored if abandoned
         if previous is None:
             self._refuse_foreign(run_dir)  # again, under the lock
         else:
@@ -294,14 +296,16 @@ class RunStore:
         self.where.close()
 
     def abandon(self) -> None:
-        """A session refused or interrupted before any commit: a first session leaves no run
-        behind; a resumed one leaves the run as it was."""
+        """A session refused or interrupted during start-up: a first session leaves no run
+        behind, a resumed one leaves run.json as it found it (one that committed already is
+        closed as interrupted)."""
+        if self._commits:
+            return self.close("interrupted")
         try:
-            if self.session == 0 and self._commits == 0:
+            if self._previous is None:
                 self.where.remove(RUN_FILE)
-            elif self._commits == 0:
-                self.status = "interrupted"
-                self._save()
+            else:
+                self.where.write_bytes(RUN_FILE, self._previous)
         finally:
             self._release()
 

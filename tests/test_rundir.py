@@ -311,3 +311,13 @@ def test_soak_kill9_and_concurrent_resumes_lose_and_duplicate_nothing(tmp_path):
     assert result.ok, result.problems
     assert result.ids == result.unique_ids == 400 and result.kills >= 1
     assert result.planted and result.foreign_kept
+
+
+def test_a_resume_refused_in_start_up_leaves_run_json_as_it_was(tmp_path):
+    out = tmp_path / "run"
+    run_forge(out, *FAST)
+    before = (out / "run.json").read_bytes()
+    with pytest.raises(ForgeError):
+        run_forge(out, *FAST, "resume=true", "batching=item", "+batching.bogus=1")  # refused after the store opened
+    assert (out / "run.json").read_bytes() == before
+    assert run_forge(out, *FAST, "resume=true")["items"]["resumed"] == N
