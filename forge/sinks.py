@@ -112,9 +112,10 @@ class ResultSink:
     the output's `columns` (aligned with `batch.items`), ids and input indexes from the items,
     and each item's `meta` is kept when the schema names a `meta_key`."""
 
-    def __init__(self, store: "RunStore", schema: ResultSchema):
+    def __init__(self, store: "RunStore", schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
         self.buffer = ShardBuffer(store, schema)
         self.rows_per_shard = schema.rows_per_shard
+        self.meta_of = meta_of or (lambda item: item.meta)  # what the journal keeps of an item (schema.meta_key)
 
     def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
         items = batch.items
@@ -124,7 +125,7 @@ class ResultSink:
             items = [it for it, k in zip(items, keep) if k]
             columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
                        np.asarray(values)[mask] for name, values in columns.items()}
-        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [it.meta for it in items])
+        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items])
 
     def flush(self) -> None:
         self.buffer.flush()
