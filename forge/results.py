@@ -27,6 +27,7 @@ META = "meta.json"
 FORMATS = {"safetensors": ".safetensors", "parquet": ".parquet"}
 STRING = "string"  # dtype of a text field (Parquet only)
 RESERVED = ("id", "index")  # columns every result row has
+OFFSETS = ".offsets"  # safetensors: a ragged field is its values end to end plus <name>.offsets [rows + 1]
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,16 @@ class Field:
     name: str  # column (Parquet) or tensor (safetensors) name
     dtype: str  # numpy dtype name (float32, float64, int64, int32, bool), or "string" (Parquet only)
     shape: tuple[int, ...] | None = ()  # per-item shape: () a scalar, (hidden,) a vector; None: any, same for all
+    ragged: bool = False  # a variable number of values per item (one 1-D array each: per-token values)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape),
+                "ragged": self.ragged}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Field":
         shape = d.get("shape", ())
-        return Field(d["name"], d["dtype"], None if shape is None else tuple(shape))
+        return Field(d["name"], d["dtype"], None if shape is None else tuple(shape), bool(d.get("ragged", False)))
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Results:
 
     ids: list[str]  # item ids
     index: np.ndarray  # input position of each row (int64, ascending)
-    columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings)
+    columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings and ragged fields)
     meta: list[Any] | None  # each item's meta (labels, ...) where the function keeps it
     info: dict[str, Any]  # meta.json: format, fields and the function's own meta
 
@@ -162,7 +165,8 @@ def _read_shard(where: Location, rel: str, fmt: str, wanted) -> dict[str, np.nda
         from safetensors.numpy import load, load_file
 
         tensors = load_file(str(path)) if path is not None else load(where.read_bytes(rel))
-        return {name: tensors[name] for name in wanted}
+        return {name: _split_ragged(tensors[name], tensors[name + OFFSETS]) if name + OFFSETS in tensors
+                else tensors[name] for name in wanted}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -178,6 +182,9 @@ def _numpy_column(column) -> np.ndarray:
     column = column.combine_chunks()
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         return np.asarray(column.to_pylist(), dtype=object)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):  # ragged: one array per row
+        offsets = column.offsets.to_numpy()
+        return _split_ragged(column.flatten().to_numpy(zero_copy_only=False), offsets)
     if pa.types.is_fixed_size_list(column.type):
         shape = []
         arr, kind = column, column.type
@@ -192,6 +199,10 @@ def _arrow_column(values: np.ndarray):
     """A numpy column for a pyarrow table: [rows, *shape] becomes nested fixed-size lists."""
     import pyarrow as pa
 
+    if values.dtype == object and len(values) and isinstance(values[0], np.ndarray):  # ragged
+        offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(np.int32)
+        flat = np.concatenate(values) if len(values) else np.zeros(0, np.float32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
     if values.dtype == object:
         return pa.array(values.tolist(), pa.string())
     arr = pa.array(np.ascontiguousarray(values).reshape(-1))
@@ -200,8 +211,20 @@ def _arrow_column(values: np.ndarray):
     return arr
 
 
+def ragged_array(values: list) -> np.ndarray:
+    """A 1-D object array holding one array per row (numpy would otherwise try to stack them)."""
+    out = np.empty(len(values), dtype=object)
+    for k, v in enumerate(values):
+        out[k] = v
+    return out
+
+
+def _split_ragged(flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return ragged_array([flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+
+
 def _concat(chunks: list[np.ndarray], f: Field) -> np.ndarray:
     if chunks:
         return np.concatenate(chunks)
-    dtype = object if f.dtype == STRING else np.dtype(f.dtype)
+    dtype = object if f.dtype == STRING or f.ragged else np.dtype(f.dtype)
     return np.zeros((0, *(f.shape or ())), dtype)

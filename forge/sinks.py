@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.results import FORMATS, META, STRING, Field, ResultSchema
+from forge.results import FORMATS, META, OFFSETS, STRING, Field, ResultSchema, ragged_array
 
 if TYPE_CHECKING:
     from forge.geometry import Batch
@@ -58,6 +58,11 @@ class ShardBuffer:
         if f.name not in columns:
             raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
                              f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
+        if f.ragged:
+            values = [np.asarray(v).astype(f.dtype, copy=False).reshape(-1) for v in columns[f.name]]
+            if len(values) != n:
+                raise ForgeError(f"result field {f.name!r}: the worker gave {len(values)} values for {n} item(s)")
+            return ragged_array(values)
         values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
         if f.dtype != STRING:
             if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
@@ -90,7 +95,13 @@ class ShardBuffer:
         if self.schema.format == "safetensors":
             from safetensors.numpy import save_file
 
-            tensors = {name: np.ascontiguousarray(values) for name, values in columns.items()}
+            tensors = {}
+            for f in self.schema.fields:
+                values = columns[f.name]
+                if f.ragged:  # values end to end, and where each row's start
+                    tensors[f.name + OFFSETS] = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
+                    values = np.concatenate(list(values)) if len(values) else np.zeros(0, f.dtype)
+                tensors[f.name] = np.ascontiguousarray(values)
             return lambda path: save_file(tensors, str(path))
         import pyarrow.parquet as pq
 
