@@ -50,7 +50,7 @@ from forge.token_rule import RULE as TOKEN_RULE, TokenRule
 
 __all__ = [
     "CausalLMFunction", "Column", "EncoderFunction", "Field", "ForgeError", "Forward", "InputSpec", "Item",
-    "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row",
+    "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens",
 ]
 
 TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
@@ -78,6 +78,17 @@ class Prompt:
 
 
 @dataclass
+class Tokens:
+    """A prompt's token ids, as the function's token rule makes them (`ModelFunction.tokenize`)."""
+
+    prefix: list[int]  # the shared prefix's ids ([]: none)
+    text: list[int]  # the ids after it: the item's own tokens
+    prefix_key: Optional[str] = None  # identity of the prefix (items sharing it share its KV)
+    targets: Optional[tuple[int, ...]] = None  # None: the text's tokens given the prefix (the token rule)
+    target_start: Optional[int] = None  # position whose state predicts targets[0]; None: the prefix's last
+
+
+@dataclass
 class ModelFunctionConfig:
     """The root config keys every model function reads (its constructor's parameters)."""
 
@@ -94,6 +105,7 @@ class ModelFunction(Function):
     forward: Forward = Forward()
     columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.rows)
     format: str = "parquet"  # parquet | safetensors (tensors only)
+    folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
     loader: str = "AutoModelForCausalLM"  # the transformers class that loads the weights
 
@@ -162,22 +174,38 @@ class ModelFunction(Function):
                 pending = []
         yield from self._items(pending)
 
-    def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item]:
-        rule = self.token_rule
-        alone = [p.prefix is None for _, p, _ in pending]
-        texts = iter(rule.texts([p.text for (_, p, _), a in zip(pending, alone) if not a], with_special=False))
-        wholes = iter(rule.texts([p.text for (_, p, _), a in zip(pending, alone) if a], with_special=True))
-        for (row, p, index), whole in zip(pending, alone):
+    def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
+        for (row, p, index), made in zip(pending, self.tokenize([p for _, p, _ in pending])):
             iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
+            if isinstance(made, str):
+                yield Rejected(iid, f"row {row.index} (id {iid}): {made}")
+                continue
+            tokens = made.prefix + made.text
+            first = max(len(made.prefix), 1)
+            targets = () if not self.forward.targets else \
+                tuple(tokens[first:]) if made.targets is None else tuple(made.targets)
+            start = first - 1 if made.target_start is None else made.target_start
+            meta = ItemMeta(targets, start, p.label, p.data)
+            yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
+
+    def tokenize(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+        """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
+        rule = self.token_rule
+        alone = [p.prefix is None for p in prompts]
+        texts = iter(rule.texts([p.text for p, a in zip(prompts, alone) if not a], with_special=False))
+        wholes = iter(self.encode_texts([p.text for p, a in zip(prompts, alone) if a]))
+        out: list[Tokens | str] = []
+        for p, whole in zip(prompts, alone):
             if whole:
-                key, prefix_ids, tokens = None, [], next(wholes)
+                out.append(Tokens([], next(wholes)))
             else:
                 key, prefix_ids = rule.prefix(p.prefix)
-                tokens = prefix_ids + next(texts)
-            first = max(len(prefix_ids), 1)
-            targets = tuple(tokens[first:]) if self.forward.targets else ()
-            meta = ItemMeta(targets, first - 1, p.label, p.data)
-            yield Item(iid, len(tokens), key, len(prefix_ids), tokens, meta, index)
+                out.append(Tokens(prefix_ids, next(texts), key))
+        return out
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of texts without a prefix (the token rule: alone, with the special tokens)."""
+        return self.token_rule.texts(texts, with_special=True)
 
     def expected_items(self) -> int | None:
         rows = count_rows(self.input_path)
@@ -210,7 +238,7 @@ class ModelFunction(Function):
         return {"model": self.hf.loaded_from or self.hf.source, "input": str(self.input_path), "path": self.path()}
 
     def result_schema(self) -> ResultSchema:
-        return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.name,
+        return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.folder or self.name,
                             rows_per_shard=self.shard_size, meta_key="labels" if self.keep_labels else None,
                             meta={"model": self.model.name, **self.options()})
 
@@ -227,6 +255,10 @@ class ModelFunction(Function):
     def worker_modules(self) -> list[str]:
         return ["torch", "transformers", "forge.api", type(self).__module__]
 
+    def shape_cost_model(self) -> CostModel:
+        """A first-principles memory estimate from the config's sizes (no measurement)."""
+        return shape_cost_model(self.config, self.model.torch_dtype)
+
     def _reducing_worker(self, views):
         from forge.runtime.views import ReducingWorker
 
@@ -242,10 +274,7 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.hf_compat import num_layers
 
         n = num_layers(self.config)
-        bad = [x for x in self.forward.layers if not isinstance(x, int) or not 0 <= x <= n]
-        if bad:
-            raise ForgeError(f"layers={list(self.forward.layers)}: the model has {n} layers; choose layers in "
-                             f"0..{n} (0 = embeddings)")
+        check_layers(self.forward.layers, n)
         self.caps = self._capabilities(causal_lm_class(self.config))
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
@@ -300,7 +329,7 @@ class CausalLMFunction(ModelFunction):
         except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
             self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
                       "batching=memory plans from a first-principles estimate of its shape")
-            base = shape_cost_model(self.config, self.model.torch_dtype)
+            base = self.shape_cost_model()
         extra = self.extra_bytes_per_token()
         if self.forward.targets:
             vocab = int(getattr(text_config(self.config), "vocab_size", 0) or 0)
@@ -330,7 +359,9 @@ class EncoderFunction(ModelFunction):
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         super().__init__(model, input, shard_size, too_long)
         from forge.runtime.encoder import encoder_capabilities, encoder_class
+        from forge.runtime.hf_compat import num_layers
 
+        check_layers(self.forward.layers, num_layers(self.config))
         if self.forward.targets:
             raise ForgeError(f"{self.name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
         if encoder_class(self.config) is None:
@@ -367,7 +398,7 @@ class EncoderFunction(ModelFunction):
         except Exception as exc:  # noqa: BLE001
             self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
                       "batching=memory plans from a first-principles estimate of its shape")
-            return shape_cost_model(self.config, self.model.torch_dtype)
+            return self.shape_cost_model()
 
     def open_worker(self, device: Device, cache_tokens: int):
         from transformers import AutoModel
@@ -376,6 +407,14 @@ class EncoderFunction(ModelFunction):
 
         model = self.hf.load(AutoModel, device.torch_device, self.caps.attn)
         return self._reducing_worker(EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id))
+
+
+def check_layers(layers: tuple[int, ...], n: int) -> None:
+    """Hidden-state indices must name one of the model's 0..n (negative ones count from the end: -1 = n)."""
+    bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not -(n + 1) <= x <= n]
+    if bad:
+        raise ForgeError(f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
+                         "(0 = embeddings; -1 = the final one)")
 
 
 def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:

@@ -18,6 +18,11 @@ from forge.inputs import Column, read_rows
 from forge.run import Rejected
 
 
+@dataclass(frozen=True)
+class MayBeEmpty(Column):
+    """A required string column whose value may be the empty string (score's `context`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     """One good input row."""
@@ -47,7 +52,8 @@ def check(index: int, row: dict, columns: Mapping[str, Column]) -> Row | Rejecte
         if name == "id" or "string" not in column.kinds:
             continue
         value = row.get(name)
-        if column.required and (not isinstance(value, str) or not value.strip()):
+        empty_ok = isinstance(column, MayBeEmpty) and isinstance(value, str)
+        if column.required and not empty_ok and (not isinstance(value, str) or not value.strip()):
             what = (f"has no {name!r} field" if value is None else
                     f"has an empty or non-string {name!r} ({type(value).__name__} {short(value)})")
             return Rejected(rid, f"row {index} (id {rid}) {what}; every row needs a non-empty string {name!r}")

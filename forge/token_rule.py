@@ -8,6 +8,9 @@ hash of the prefix) groups the items that share it, and its KV can be run once a
 An EOS the tokenizer appends to every text is dropped from prefixes (it would sit between
 prefix and text). A prefix ending in whitespace is warned about: BPE merges across the
 boundary, so tokenizing apart can differ from tokenizing the joined string.
+
+`PairEncoder` is the other rule Forge ships: lm-evaluation-harness's (context, continuation)
+encoding, for functions that score continuations as lm-eval does (`score`).
 """
 
 from __future__ import annotations
@@ -58,3 +61,37 @@ class TokenRule:
         self._warn("the tokenizer appends EOS to every text: Forge drops it from prefixes (it would sit "
                    "between prefix and text) and keeps it at the end of rows without a prefix")
         return ids[:-1]
+
+
+class PairEncoder:
+    """lm-evaluation-harness's encoding of (context, continuation) with one tokenizer (`_encode_pair`).
+
+    The context's trailing whitespace moves to the start of the continuation; ``ctx = enc(context)``,
+    ``whole = enc(context + continuation)`` and the continuation's tokens are ``whole[len(ctx):]``.
+    ``enc`` adds what the tokenizer puts before every text (a BOS) unless ``add_special_tokens`` is
+    false, and never keeps a trailing EOS. An empty context is the BOS (or EOS when there is none)."""
+
+    RULE = "lm-eval encode_pair: trailing context whitespace to continuation; cont = enc(ctx+cont)[len(enc(ctx)):] (v1)"
+
+    def __init__(self, tokenizer, add_special_tokens: bool):
+        self.tok = tokenizer
+        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = tokenizer("a", add_special_tokens=True)["input_ids"]
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+        self.start = list(full[:at]) if add_special_tokens else []  # what precedes every text (BOS)
+        self.dropped_eos = add_special_tokens and len(full) > at + len(plain)
+        bos = tokenizer.bos_token_id
+        self.empty_context = [bos if bos is not None else tokenizer.eos_token_id]
+
+    def enc(self, text: str) -> list[int]:
+        return self.start + list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ctx = self.enc(context) if context else []
+        if not ctx:  # nothing to predict the first token from: the BOS (or EOS) stands in
+            return list(self.empty_context), list(self.tok(continuation, add_special_tokens=False)["input_ids"])
+        whole = self.enc(context + continuation)
+        return ctx, whole[len(ctx):]

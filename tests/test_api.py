@@ -8,7 +8,7 @@ import forge
 import forge.api as api
 
 PUBLIC = ["CausalLMFunction", "Column", "EncoderFunction", "Field", "ForgeError", "Forward", "InputSpec", "Item",
-          "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row"]
+          "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens"]
 
 
 def test_the_public_names_are_exactly_these():
@@ -25,6 +25,7 @@ def test_the_item_view_and_specs_keep_their_fields():
     assert names(api.Prompt) == ["text", "prefix", "label", "data", "suffix"]
     assert names(api.ModelSpec) == ["name", "torch_dtype", "attn_implementation", "revision", "trust_remote_code"]
     assert names(api.ModelFunctionConfig) == ["model", "input", "shard_size"]
+    assert names(api.Tokens) == ["prefix", "text", "prefix_key", "targets", "target_start"]
 
 
 def test_the_bases_share_code_through_their_parent_not_a_sibling():

@@ -206,8 +206,13 @@ class EncoderViews:
     hidden states at the requested layers, its own tokens in order (an encoder has no prefix)."""
 
     def __init__(self, model: Any, caps: EncoderCaps, layers: list[int], pad_token_id: int = 0):
+        from forge.runtime.hf_compat import num_layers
+
         self.runner = EncoderRunner(model, caps, "mean", False, pad_token_id)
         self.layers = list(layers)
+        n = num_layers(model.config)
+        # the final index is last_hidden_state itself: other layers need output_hidden_states
+        self.source = {layer: None if layer % (n + 1) == n else layer % (n + 1) for layer in self.layers}
 
     def run(self, batch: Batch):
         from forge.runtime.views import ItemMeta, ItemView, ViewBatch
@@ -216,14 +221,16 @@ class EncoderViews:
         if not items:
             return ViewBatch([], 0, False)
         with torch.inference_mode():
-            hidden, _, rows_t, starts_t, lens = self.runner.forward(batch, self.layers)
+            fetch = sorted({i for i in self.source.values() if i is not None})
+            hidden, _, rows_t, starts_t, lens = self.runner.forward(batch, fetch)
         views = []
         empty = torch.empty(0, dtype=torch.long)
         for k, item in enumerate(items):
             r, s, n = int(rows_t[k]), int(starts_t[k]), int(lens[k])
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
             views.append(ItemView(item.id, item.index, list(item.tokens), 0,
-                                  {layer: hidden[layer][r, s:s + n] for layer in self.layers}, {}, empty, None, None,
+                                  {layer: hidden[i][r, s:s + n] for layer, i in self.source.items()}, {}, empty,
+                                  None, None,
                                   meta.label, meta.data))
         return ViewBatch(views, 0, False)
 

@@ -17,7 +17,7 @@ is invisible here: views of the same item in two layouts are equal up to float r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -81,6 +81,8 @@ class CausalViews:
             self.head.verify(runner.base, int(getattr(text_config(runner.config), "vocab_size", 8) or 8))
 
     def run(self, batch: Batch) -> ViewBatch:
+        if batch.split_prefix and not batch.prefix_len:
+            batch = replace(batch, split_prefix=False)  # nothing to split off: rows hold whole sequences
         with torch.inference_mode():
             states = self.runner.forward_tokens(batch)
             if states is None:
@@ -97,8 +99,8 @@ class CausalViews:
         prefix_split = {layer: entry.last_hidden[i].to(dev) for layer, i in layers} if entry is not None else {}
         logprobs, greedy = self._targets(items, states, off) if self.head is not None else (None, None)
         views = []
-        for k, item in enumerate(items):
-            row, start, n = int(states.item_row[k]), int(states.starts[k]), int(states.lens[k])
+        places = zip(states.item_row.tolist(), states.starts.tolist(), states.lens.tolist())
+        for k, (item, (row, start, n)) in enumerate(zip(items, places)):
             own_from = item.prefix_len - off
             hidden, prefix_state = {}, {}
             for layer, i in layers:
@@ -185,7 +187,8 @@ class ReducingWorker:
         from forge.function import ItemColumns
 
         out = self.views.run(batch)
-        values = [self.reduce(view) for view in out.views]
+        with torch.inference_mode():
+            values = [self.reduce(view) for view in out.views]
         return ItemColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
 
     def close(self) -> None:
