@@ -5,8 +5,9 @@
     run_dir/commits.jsonl (or commits/*.json)  one record per shard: file, index, ids (and per-item meta)
 
 A result is one row per committed item: its `id`, its input `index` and one value per
-field. `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back
-in input order, whichever sink wrote them (`forge.sinks`). `run_dir` is a local path or an
+field (a scalar, a fixed shape, a string, or ragged: one 1-D array of any length per item).
+`load` reads only journaled shards (`forge.store.read_journal`) and puts rows back in input
+order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them. `run_dir` is a local path or an
 fsspec URL (`forge.location`).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -126,36 +127,45 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
     return info
 
 
-def load(run_dir, folder: str | None = None) -> Results:
-    """The committed results of a run, rows in input order. `folder` picks one results folder
-    when a run has several (default: its only one)."""
-    if folder is None:
-        folders = result_folders(run_dir)
-        if len(folders) != 1:
-            raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
-                             + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
-        folder = folders[0]
+def _folder(run_dir, folder: str | None) -> str:
+    if folder is not None:
+        return folder
+    folders = result_folders(run_dir)
+    if len(folders) != 1:
+        raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
+                         + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
+    return folders[0]
+
+
+def shards(run_dir, folder: str | None = None) -> Iterator[Results]:
+    """The committed results of a run shard by shard, in commit order (each shard's rows in its
+    own order), one shard in memory at a time: for results larger than memory."""
+    folder = _folder(run_dir, folder)
     info = read_info(run_dir, folder)
     fields = [Field.from_dict(d) for d in info["fields"]]
     meta_key = info.get("meta_key")
-    ids: list[str] = []
-    index: list[int] = []
-    meta: list[Any] = []
-    parts: dict[str, list] = {f.name: [] for f in fields}
     where = open_location(run_dir)
     for line in read_journal(run_dir):
         if posixpath.dirname(line["file"]) != folder:
             continue
-        ids += line["ids"]
-        index += line["index"]
-        if meta_key:
-            meta += line.get(meta_key, [None] * len(line["ids"]))
-        for name, values in _read_shard(where, line["file"], info["format"], parts).items():
-            parts[name].append(values)
-    order = np.argsort(np.asarray(index, np.int64), kind="stable")
-    columns = {f.name: _concat(parts[f.name], f)[order] for f in fields}
-    return Results([ids[i] for i in order], np.asarray(index, np.int64)[order], columns,
-                   [meta[i] for i in order] if meta_key else None, info)
+        values = _read_shard(where, line["file"], info["format"], [f.name for f in fields])
+        meta = line.get(meta_key, [None] * len(line["ids"])) if meta_key else None
+        yield Results(list(line["ids"]), np.asarray(line["index"], np.int64), values, meta, info)
+
+
+def load(run_dir, folder: str | None = None) -> Results:
+    """The committed results of a run, rows in input order: any function's, from a local path
+    or an fsspec URL. `folder` picks one results folder when a run has several (default: its only one)."""
+    folder = _folder(run_dir, folder)
+    info = read_info(run_dir, folder)
+    fields = [Field.from_dict(d) for d in info["fields"]]
+    parts = list(shards(run_dir, folder))
+    ids = [i for part in parts for i in part.ids]
+    index = np.concatenate([part.index for part in parts]) if parts else np.zeros(0, np.int64)
+    order = np.argsort(index, kind="stable")
+    columns = {f.name: _concat([part.columns[f.name] for part in parts], f)[order] for f in fields}
+    meta = [m for part in parts for m in part.meta] if info.get("meta_key") else None
+    return Results([ids[i] for i in order], index[order], columns, [meta[i] for i in order] if meta else meta, info)
 
 
 def _read_shard(where: Location, rel: str, fmt: str, wanted) -> dict[str, np.ndarray]:
