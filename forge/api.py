@@ -39,7 +39,7 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, count_rows
+from forge.inputs import Column, check_input, count_rows
 from forge.modelspec import DTYPES, HFModel, InputSpec, ModelSpec, file_sha256, first_line, resolve_input
 from forge.results import Field, ResultSchema
 from forge.rows import Row, read as read_rows_checked
@@ -107,14 +107,10 @@ class ModelFunction(Function):
     format: str = "parquet"  # parquet | safetensors (tensors only)
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
-    loader: str = "AutoModelForCausalLM"  # the transformers class that loads the weights
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         self.hf = HFModel(ModelSpec(**model))
-        self.input_path = resolve_input(str(input["path"]))
-        from forge.inputs import check_input
-
-        check_input(self.input_path, columns=self.columns)
+        self.input_path = check_input(resolve_input(str(input["path"])), columns=self.columns)
         self.input_limit = input.get("limit")
         self.shard_size = int(shard_size)
         if too_long == "truncate" and self.forward.targets:
@@ -353,7 +349,6 @@ class EncoderFunction(ModelFunction):
     """A function over a bidirectional encoder (BERT-style): whole texts, in rows or packed rows."""
 
     columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
-    loader = "AutoModel"
     causal = False
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):

@@ -134,7 +134,7 @@ class Score(CausalLMFunction):
         c: Choice = view.data
         return {"question": c.question, "choice": c.choice, "num_choices": c.num_choices, "gold": c.gold,
                 "loglik": view.logprobs.double().sum(), "num_tokens": view.targets.numel(),
-                "greedy": bool(view.greedy.all()), "num_bytes": c.num_bytes, "truncated": c.truncated}
+                "greedy": view.greedy.all(), "num_bytes": c.num_bytes, "truncated": c.truncated}
 
     def open_sink(self, store):
         return _QuestionSink(super().open_sink(store), store)
