@@ -30,7 +30,8 @@ import numpy as np
 
 from benchmarks.bench_strategies import LAYERS, LIMITS, BenchFunction, load_model
 from benchmarks.workloads import items as workload_items
-from forge.engine import RunSpec, RuntimeSpec, execute
+from forge.engine import RunSpec, execute
+from forge.schema import RayRuntime, Runtime
 from forge.geometry import Batch, Device, Item
 from forge.plugins import make_plugin_manager
 
@@ -41,7 +42,8 @@ def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     devices = [Device(f"cpu{i}", LIMITS, torch_device="cpu") for i in range(actors)]
     spec = RunSpec(function=BenchFunction(items), mode="token", mode_options={}, devices=devices,
-                   cache_tokens=32768, run_dir=out, runtime=RuntimeSpec(executor=executor, cpus_per_actor=1))
+                   cache_tokens=32768, run_dir=out,
+                   runtime=RayRuntime(cpus_per_actor=1) if executor == "ray" else Runtime(executor=executor))
     report = execute(spec, make_plugin_manager())
     assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return {"wall_s": report["wall_s"], "useful_tokens_per_s": report["useful_tokens_per_s"],

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from benchmarks.workloads import items as workload_items
-from forge.engine import RunSpec, RuntimeSpec, execute
+from forge.engine import RunSpec, execute
+from forge.schema import Runtime
 from forge.function import Function
 from forge.geometry import Batch, Device, Item, Limits
 from forge.plugins import make_plugin_manager
@@ -129,7 +130,7 @@ def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, exec
     run_dir = tmp / f"{s.name}-{executor}".replace(" ", "_").replace(",", "")
     shutil.rmtree(run_dir, ignore_errors=True)
     spec = RunSpec(function=fn, mode=s.mode, mode_options=dict(s.options), devices=[device],
-                   cache_tokens=s.cache_tokens, run_dir=run_dir, runtime=RuntimeSpec(executor=executor))
+                   cache_tokens=s.cache_tokens, run_dir=run_dir, runtime=Runtime(executor=executor))
     report = execute(spec, make_plugin_manager())
     assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return report

@@ -39,11 +39,11 @@ from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.geometry import Batch, Device, Item
-from forge.inputs import Column, check_input, count_rows
-from forge.modelspec import DTYPES, HFModel, InputSpec, ModelSpec, file_sha256, first_line, resolve_input
+from forge.inputs import Column, InputFile, InputSpec, Row
+from forge.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
 from forge.results import Field, ResultSchema
-from forge.rows import Row, read as read_rows_checked
-from forge.run import Rejected
+from forge.rows import read as read_rows_checked
+from forge.run import Rejected, Skipped
 from forge.runtime.views import ItemMeta, ItemView
 from forge.schema import positive
 from forge.token_rule import RULE as TOKEN_RULE, TokenRule
@@ -110,8 +110,8 @@ class ModelFunction(Function):
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         self.hf = HFModel(ModelSpec(**model))
-        self.input_path = check_input(resolve_input(str(input["path"])), columns=self.columns)
-        self.input_limit = input.get("limit")
+        self.input = InputFile(resolve_input(str(input["path"])), input, self.columns)  # refuses a bad input now
+        self.input_path = self.input.path
         self.shard_size = int(shard_size)
         if too_long == "truncate" and self.forward.targets:
             raise ForgeError(f"too_long=truncate cuts items from the right, which would cut the targets {self.name} "
@@ -137,9 +137,9 @@ class ModelFunction(Function):
         return {**self.__dict__, "_rule": None, "_warnings": []}
 
     # -- reading rows ---------------------------------------------------------------
-    def rows(self) -> Iterator[Row | Rejected]:
-        """Every input row, checked (`forge.rows`): the one place rows are read and validated."""
-        return read_rows_checked(self.input_path, self.input_limit, self.columns)
+    def rows(self) -> Iterator[Row | Rejected | Skipped]:
+        """Every input record, checked (`forge.rows`): the one place rows are read and validated."""
+        return read_rows_checked(self.input, self.columns)
 
     def prompts(self, row: Row) -> list[Prompt] | str:
         """What a row becomes (or why it cannot become anything): by default one prompt."""
@@ -151,15 +151,15 @@ class ModelFunction(Function):
             self._rule = TokenRule(self.tokenizer)
         return self._rule
 
-    def records(self) -> Iterator[Item | Rejected]:
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
         """Items in input order. An item's commit key (`Item.index`) counts items, a rejected row
         counting one, so a function that makes one item per row keys each by its row's position."""
         pending: list[tuple[Row, Prompt, int]] = []
         counter = 0
         for row in self.rows():
-            made = row if isinstance(row, Rejected) else self.prompts(row)
-            if isinstance(made, (Rejected, str)):
-                yield made if isinstance(made, Rejected) else Rejected(row.id, f"row {row.index} (id {row.id}): {made}")
+            made = row if not isinstance(row, Row) else self.prompts(row)
+            if isinstance(made, (Rejected, Skipped, str)):
+                yield made if not isinstance(made, str) else row.reject(made)
                 counter += 1
                 continue
             for p in made:
@@ -171,10 +171,10 @@ class ModelFunction(Function):
         yield from self._items(pending)
 
     def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
-        for (row, p, index), made in zip(pending, self.tokenize([p for _, p, _ in pending])):
+        for (row, p, index), made in zip(pending, self._tokenized([p for _, p, _ in pending])):
             iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
             if isinstance(made, str):
-                yield Rejected(iid, f"row {row.index} (id {iid}): {made}")
+                yield Rejected(iid, f"{row.where}: {made}")
                 continue
             tokens = made.prefix + made.text
             first = max(len(made.prefix), 1)
@@ -183,6 +183,24 @@ class ModelFunction(Function):
             start = first - 1 if made.target_start is None else made.target_start
             meta = ItemMeta(targets, start, p.label, p.data)
             yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
+
+    def _tokenized(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+        """`tokenize(prompts)`, or, where it raises, each prompt alone: only a prompt the
+        tokenizer cannot take fails (with the error); a ForgeError is not a row's fault."""
+        try:
+            return self.tokenize(prompts)
+        except ForgeError:
+            raise
+        except Exception:  # noqa: BLE001  (some prompt is odd: find it)
+            out: list[Tokens | str] = []
+            for p in prompts:
+                try:
+                    out += self.tokenize([p])
+                except ForgeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    out.append(f"tokenizing failed on it ({first_line(exc)}); fix or drop the row")
+            return out
 
     def tokenize(self, prompts: list[Prompt]) -> list["Tokens | str"]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
@@ -204,8 +222,7 @@ class ModelFunction(Function):
         return self.token_rule.texts(texts, with_special=True)
 
     def expected_items(self) -> int | None:
-        rows = count_rows(self.input_path)
-        return rows if self.input_limit is None else min(rows, self.input_limit)
+        return self.input.count()
 
     def warnings(self) -> list[str]:
         return [*self._warnings, *(self._rule.warnings if self._rule else [])]
@@ -222,8 +239,7 @@ class ModelFunction(Function):
 
     def fingerprint(self) -> dict[str, Any]:
         return {"function": self.name, "model": self.hf.identity(),
-                "input": {"path": str(self.input_path), "bytes": self.input_path.stat().st_size,
-                          "sha256": file_sha256(self.input_path), "limit": self.input_limit},
+                "input": self.input.fingerprint(),
                 "token_rule": TOKEN_RULE, **self.options()}
 
     def path(self) -> str:

@@ -31,6 +31,13 @@ def _error_line(exc: Exception) -> None:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
 
 
+def _status_line(report: dict) -> None:
+    """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
+    status, error = report["status"], str(report.get("error"))
+    why = error[len(status) + 1:].lstrip() if error.startswith(f"{status}:") else error
+    err.print(f"[bold red]{status}:[/] {escape(why)}", highlight=False, soft_wrap=True)
+
+
 def _fail(exc: Exception) -> None:
     _error_line(exc)
     raise typer.Exit(2)
@@ -64,8 +71,7 @@ def run(ctx: typer.Context) -> None:
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
         if report.get("status", "finished") != "finished":
-            err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
-                      soft_wrap=True)
+            _status_line(report)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
     main = threading.current_thread() is threading.main_thread()
@@ -260,8 +266,7 @@ def plan(
         if plot is not None:
             console.print(f"plot: {plot}")
     if report.get("status", "finished") != "finished":
-        err.print(f"[bold red]{report['status']}:[/] {escape(str(report.get('error')))}", highlight=False,
-                  soft_wrap=True)
+        _status_line(report)
         raise typer.Exit(2)
 
 
@@ -450,7 +455,9 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except HydraException as exc:
-        raise ForgeError(" ".join(str(exc).split())) from None
+        from forge.schema import explain_compose_error
+
+        raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
 
 
 def print_summary(report: dict[str, Any]) -> None:

@@ -12,11 +12,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from forge.devices import resolve_devices
-from forge.engine import RunSpec, RuntimeSpec
-from forge.loop import RunPolicy
+from forge.engine import RunSpec
 from forge.errors import ForgeError
 from forge.location import hydra_dir
-from forge.schema import validate
+from forge.schema import RUNTIMES, Runtime, validate
 
 # conf/config.yaml: Hydra's own files go to output_dir when it is local, else to a local staging folder
 OmegaConf.register_new_resolver("forge_hydra_dir", hydra_dir, replace=True)
@@ -92,15 +91,10 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     )
 
 
-POLICY_KEYS = ("batch_timeout_s", "timeout_floor_s", "timeout_factor", "failure_window", "max_failure_share",
-               "commit_interval_s")
-
-
-def build_runtime(runtime: dict[str, Any]) -> RuntimeSpec:
-    """The runtime group as plain values: executor settings and the loop's policy."""
-    policy = RunPolicy(**{k: runtime[k] for k in POLICY_KEYS if runtime.get(k) is not None})
-    rest = {k: v for k, v in runtime.items() if k not in POLICY_KEYS}
-    return RuntimeSpec(**rest, policy=policy)
+def build_runtime(runtime: dict[str, Any]) -> Runtime:
+    """The runtime group's settings (validated plain values) as its schema's dataclass: the
+    typed spec the engine, the loop and the executor read."""
+    return RUNTIMES.get(runtime.get("executor"), Runtime)(**runtime)
 
 
 def _replace_limits(device, limits):

@@ -27,34 +27,12 @@ from forge.errors import ForgeError
 from forge.executors import Executor, InProcessExecutor
 from forge.function import Function
 from forge.geometry import Device, Item
-from forge.loop import Committer, RunLoop, RunPolicy, Stop
-from forge.plugins import batching_modes
+from forge.loop import Committer, RunLoop, Stop
+from forge.plugins import batching_modes, executors, load_object
 from forge.run import RunContext
 from forge.scheduler import Scheduler
+from forge.schema import Runtime
 from forge.store import RunStore
-
-EXECUTORS = ("process", "inprocess", "ray")
-
-
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """Where and how batches run (the `runtime` config group), as plain values."""
-
-    executor: str = "process"  # process | inprocess | ray
-    max_in_flight: int = 2  # batches queued per worker
-    startup_timeout_s: float = 600.0  # a worker that has not loaded by then is replaced
-    kill_grace_s: float = 5.0  # a timed-out worker may still answer this long before it is killed
-    max_restarts: int = 3  # worker restarts per device before the device is retired
-    max_attempts: int = 3  # runs of an item lost with its worker before it fails
-    address: str | None = None  # ray: a cluster to join ("auto", "ray://host:10001"); None: start a local one
-    num_cpus: int | None = None  # ray: CPUs of the local instance (None: all)
-    cpus_per_actor: float = 1.0  # ray: CPUs each device's actor reserves (and torch threads of a CPU actor)
-    policy: RunPolicy = RunPolicy()  # timeouts, recurring failures, commit interval
-
-    def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise ForgeError(f"runtime.executor={self.executor!r}; choose one of: {', '.join(EXECUTORS)}")
-
 
 @dataclass
 class RunSpec:
@@ -70,7 +48,7 @@ class RunSpec:
     max_tokens: int | None = None  # stop admitting once this many tokens were received
     run_dir: Path | str | None = None  # outputs: a local path or an fsspec URL (s3://...); None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # resolved config, for the report
-    runtime: RuntimeSpec = RuntimeSpec()  # executor, timeouts, restarts
+    runtime: Runtime = field(default_factory=Runtime)  # executor, timeouts, restarts (forge.schema's defaults)
     resume: bool = False  # finish the run in run_dir, skipping what it committed
     fail_fast: bool = False  # the first bad record stops the run
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
@@ -143,22 +121,16 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
     return run, scheduler
 
 
-def make_executor(spec: RunSpec, cache_tokens: int, hook) -> Executor:
-    rt = spec.runtime
-    if rt.executor == "inprocess":
-        return InProcessExecutor(spec.function, cache_tokens, hook)
-    if rt.executor == "ray":
-        from forge.executors.ray import RayExecutor
-
-        return RayExecutor(spec.function, cache_tokens, plugins=spec.plugins, address=rt.address,
-                           num_cpus=rt.num_cpus, cpus_per_actor=rt.cpus_per_actor, max_in_flight=rt.max_in_flight,
-                           max_restarts=rt.max_restarts, startup_timeout_s=rt.startup_timeout_s,
-                           kill_grace_s=rt.kill_grace_s)
-    from forge.executors.process import ProcessExecutor
-
-    return ProcessExecutor(spec.function, cache_tokens, plugins=spec.plugins, max_in_flight=rt.max_in_flight,
-                           max_restarts=rt.max_restarts, startup_timeout_s=rt.startup_timeout_s,
-                           kill_grace_s=rt.kill_grace_s)
+def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) -> Executor:
+    """The executor `runtime.executor` names, from the ones plugins register (forge_executors)."""
+    offered = executors(pm)
+    name = spec.runtime.executor
+    if name not in offered:
+        raise ForgeError(f"runtime.executor={name!r}; choose one of: {', '.join(sorted(offered))} "
+                         "(plugins add more through forge_executors)")
+    ref, plugin = offered[name]
+    factory = load_object(ref, f"executor {name} (plugin {plugin})")
+    return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
 
 
 def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
@@ -188,10 +160,9 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         raise
     status = "interrupted"  # what run.json says if anything below escapes
     try:
-        policy = spec.runtime.policy
-        committer = Committer(sink, set(store.committed), sink.rows_per_shard, policy.commit_interval_s)
-        executor = make_executor(spec, scheduler.cache_tokens, pm.hook)
-        loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=policy)
+        committer = Committer(sink, set(store.committed), sink.rows_per_shard, spec.runtime.commit_interval_s)
+        executor = make_executor(spec, scheduler.cache_tokens, pm)
+        loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=spec.runtime)
         run.timings["loop_at"] = time.time()
         status, error = _drive(loop, executor, list(scheduler.devices.values()))
         try:

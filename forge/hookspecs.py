@@ -9,7 +9,12 @@ per-run state in `run.state[<plugin name>]`, never in module globals.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from forge.run import RunContext, Skipped
 
 hookspec = pluggy.HookspecMarker("forge")
 hookimpl = pluggy.HookimplMarker("forge")
@@ -32,6 +37,19 @@ def forge_functions():
         `forge.function.Function` subclass, or to an import path ``"package.module:Class"``
         that is imported only when the function is used (so listing stays cheap). A config
         that names a registered function needs no `_target_`.
+    """
+
+
+@hookspec
+def forge_executors():
+    """Offer executors: where batches run (`runtime.executor` selects one).
+
+    :return: a dict mapping an executor name to a factory, or to its import path
+        ``"package.module:Class.factory"`` (imported only when used), called as
+        ``factory(function, cache_tokens, runtime, plugins=..., hook=...)``: the function, each
+        device's prefix-cache capacity in tokens, the runtime settings (a `forge.schema.Runtime`),
+        the extra plugin modules workers register, and the hook relay. It returns a
+        `forge.executors.Executor`.
     """
 
 
@@ -64,7 +82,8 @@ def forge_items_received(run, items):
 
 @hookspec
 def forge_items_skipped(run, items, reason):
-    """Received items that will not run (too long, over `budget.max_tokens`).
+    """Received items that will not run (too long, over `budget.max_tokens`). Input records
+    skipped before they became items come through `forge_input_skipped`.
 
     :param run: the `RunContext`.
     :param items: list of `forge.Item` skipped.
@@ -95,12 +114,23 @@ def forge_items_failed(run, items, reason):
 
 @hookspec
 def forge_input_failed(run, record_id, reason):
-    """An input record could not become an item (malformed line, no text). It counts as
-    received and failed, with zero tokens.
+    """An input record could not become an item (malformed line, bad id, no text, over
+    `input.max_row_bytes`). It counts as received and failed, with zero tokens.
 
     :param run: the `RunContext`.
     :param record_id: the record's id, or ``"line N"`` where it has none.
     :param reason: one line saying what is wrong with it.
+    """
+
+
+@hookspec
+def forge_input_skipped(run: RunContext, record: Skipped) -> None:
+    """An input record that is deliberately not run (a repeat of an id that
+    `input.duplicate_ids=first|last` drops). It counts as received and skipped, with zero tokens.
+
+    :param run: the `RunContext`.
+    :param record: the `forge.run.Skipped`: its id, its reason (where, why, what is kept
+        instead), its reason's kind (what the report counts) and its line where known.
     """
 
 

@@ -1,22 +1,64 @@
-"""Reading input rows: JSONL (one object per line) or Parquet.
+"""Reading input rows: JSONL (one object per line) or Parquet, with one rule for ids.
 
-Yields (row_index, row) for good rows and (row_index, reason) for bad ones, so a
-malformed line (invalid UTF-8, invalid JSON, not an object) becomes a recorded failure and
-the run goes on. A Parquet file's schema is checked up front (`check_input(columns=...)`):
-a wrong column type would fail every row, so it is one error before any work.
+Model: a record is one non-blank JSONL line or one Parquet row, and `InputFile.rows` turns
+each into exactly one of: a `Row` (parsed, with its canonical id), a `Rejected` (it cannot be
+read, or its id is bad: a recorded failure naming its line and the fix) or a `Skipped` (a
+repeat of an id that `input.duplicate_ids=first|last` drops). Nothing in a row can raise out
+of the reader: any exception parsing it becomes its failure, and a row over
+`input.max_row_bytes` is refused before it is parsed (JSONL lines are read in bounded pieces,
+never whole; Parquet row sizes come from the string and binary columns, vectorised). A
+Parquet row group that cannot be read fails its rows, counted from the file's metadata.
+
+Ids: an integer and a string of the same text are the same id (`1` and `"1"` are "1"); a row
+without one gets `#<row index>`, a form an explicit id may not take, so the two never collide;
+any other type is a bad id. Repeated ids are found before any work by a scan over the ids
+(64-bit hashes in numpy, repeats confirmed on the id strings): `error` refuses the input in
+one line, `first` and `last` keep one row of each id and skip the others, each with its line.
+
+Forge reads the input more than once (its hash, its row count, the id scan, its rows), so
+it must be a regular file. A Parquet file's schema is checked up front
+(`check_input(columns=...)`): a wrong column type would fail every row, so it is one error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, TypeVar
+
+import numpy as np
 
 from forge.errors import ForgeError
+from forge.run import Rejected, Skipped, reason_kind
+from forge.schema import MISSING, one_of, positive
 
 SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")
 BOM = b"\xef\xbb\xbf"
+DUPLICATE_POLICIES = ("error", "first", "last")
+MAX_ROW_BYTES = 1 << 20  # input.max_row_bytes' default: 1 MiB
+MAX_DEPTH = 100  # containers nested deeper than this in a row fail it (they break repr, pickle, JSON)
+PARQUET_BATCH = 4096
+_CHUNK = 1 << 20  # an over-long JSONL line is skipped this many bytes at a time
+_AUTO_ID = re.compile(r"#[0-9]+")  # the ids of rows without one
+_ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key and its value token
+T = TypeVar("T")
+
+
+@dataclass
+class InputSpec:
+    """The `input` keys every built-in function reads, and their defaults. The function YAMLs
+    name the same keys (Hydra overrides a key without '+' only if the config has it); a test
+    checks that their values are these."""
+
+    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
+    limit: Optional[int] = positive(None)  # take only the first N rows
+    duplicate_ids: str = one_of("error", *DUPLICATE_POLICIES)  # a repeated id: refuse | keep first | keep last
+    max_row_bytes: int = positive(MAX_ROW_BYTES)  # a longer row fails before it is parsed or tokenized
 
 
 @dataclass(frozen=True)
@@ -27,13 +69,47 @@ class Column:
     kinds: tuple[str, ...] = ("string",)  # among "string", "integer"
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A parsed row: its place in the input, its canonical id and its fields."""
+
+    index: int  # zero-based row index (blank lines are not rows)
+    line: int | None  # JSONL line number (from 1); None for Parquet
+    id: str  # the row's own id as a string, or "#<index>" where it has none
+    data: dict  # the row's fields as parsed
+
+    @property
+    def where(self) -> str:
+        return f"{_place(self.index, self.line)} (id {short(self.id)})"
+
+    def reject(self, problem: str, kind: str | None = None) -> Rejected:
+        """This row as a recorded failure: `problem` says what is wrong and the fix."""
+        return Rejected(self.id, f"{self.where}: {problem}", kind or reason_kind(problem))
+
+
+class _Record(NamedTuple):
+    """What a format reader yields: a row's fields, or why it has none."""
+
+    index: int
+    line: int | None
+    data: dict | None
+    problem: str | None = None  # one line, starting with the place ("line N" or "row N")
+    kind: str | None = None  # the problem without its place, e.g. "invalid JSON"
+
+
+# -- checks before any work ---------------------------------------------------------------
+
+
 def check_input(path: Path, key: str = "input.path", columns: Mapping[str, Column] | None = None) -> Path:
-    """The path, if it is a non-empty JSONL or Parquet file; a Parquet file's schema must also
-    fit `columns` (JSONL rows are checked one by one as they are read)."""
+    """The path, if it is a non-empty regular JSONL or Parquet file; a Parquet file's schema
+    must also fit `columns` (JSONL rows are checked one by one as they are read)."""
     if not path.exists():
         raise ForgeError(f"{key}={path}: no such file; point {key} at a JSONL or Parquet file")
     if path.is_dir():
         raise ForgeError(f"{key}={path} is a directory; point it at a JSONL or Parquet file")
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise ForgeError(f"{key}={path} is not a regular file (a FIFO, socket or device?); Forge reads the input "
+                         "more than once (its hash, its row count, its rows): write it to a file first")
     if path.suffix.lower() not in SUFFIXES:
         raise ForgeError(f"{key}={path}: unknown format {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
     if path.stat().st_size == 0:
@@ -51,10 +127,8 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
     try:
         schema = pq.read_schema(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"{key}={path}: not a readable Parquet file ({_first_line(exc)})") from None
-    kinds = {"string": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
-             or getattr(pa.types, "is_string_view", lambda _: False)(t),
-             "integer": pa.types.is_integer}
+        raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
+    kinds = {"string": _is_string, "integer": pa.types.is_integer}
     for name, column in columns.items():
         if name not in schema.names:
             if column.required:
@@ -71,69 +145,529 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
                              f"(cast it, e.g. with pyarrow or pandas, and write the file again)")
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]
+def check_spec(spec: InputSpec) -> None:
+    """One ForgeError line for a bad `input` setting (the config schema checks them too; a
+    function built in code gets the same lines)."""
+    if spec.duplicate_ids not in DUPLICATE_POLICIES:
+        raise ForgeError(f"input.duplicate_ids={spec.duplicate_ids!r}; choose one of: {', '.join(DUPLICATE_POLICIES)}")
+    for key, value in (("max_row_bytes", spec.max_row_bytes), ("limit", spec.limit)):
+        if value is None and key == "limit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ForgeError(f"input.{key}={value!r}: must be a positive integer")
 
 
-def read_rows(path: Path, limit: int | None = None) -> Iterator[tuple[int, dict | str]]:
-    """(zero-based row index, row dict) or (row index, 'line N: reason') for each row."""
-    check_input(path)
-    rows = _parquet_rows(path) if path.suffix.lower() == ".parquet" else _jsonl_rows(path)
-    for index, row in rows:
-        if limit is not None and index >= limit:
-            return
-        yield index, row
+def _spec(keys: Mapping[str, Any]) -> InputSpec:
+    known = [f.name for f in dataclasses.fields(InputSpec)]
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        raise ForgeError(f"input: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(known)}")
+    return InputSpec(**keys)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
-    """Lines are read as bytes and decoded one by one, so a bad byte fails only its line."""
-    index = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
+def _is_string(t) -> bool:
+    import pyarrow as pa
+
+    return (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or getattr(pa.types, "is_string_view", lambda _: False)(t))
+
+
+# -- the input, as the functions read it --------------------------------------------------
+
+
+class InputFile:
+    """One input file with its `input` settings: checked, its ids scanned, read as records.
+
+    The constructor does every check that can refuse the input (path, format, schema, repeated
+    ids under `duplicate_ids=error`), so a bad input is one line before any work."""
+
+    def __init__(self, path: Path, spec: InputSpec | Mapping[str, Any], columns: Mapping[str, Column] | None = None):
+        self.spec = spec if isinstance(spec, InputSpec) else _spec(spec)
+        check_spec(self.spec)
+        self.path = check_input(path, columns=columns)
+        self.limit = self.spec.limit
+        self.max_row_bytes = self.spec.max_row_bytes
+        self.duplicate_ids = self.spec.duplicate_ids
+        self._drop = self._scan_ids()  # row index -> why it is skipped (a repeated id)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_drop": {}}  # workers never read rows
+
+    def rows(self) -> Iterator[Row | Rejected | Skipped]:
+        """Every record of the input, in order, as exactly one Row, Rejected or Skipped."""
+        for rec in self._records():
+            if rec.data is None:
+                yield Rejected(_place(rec.index, rec.line), rec.problem or "", rec.kind or "")
                 continue
-            if line_no == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM):]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield index, (f"line {line_no}: invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                              "save the file as UTF-8")
-                index += 1
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield index, (f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                              "each line must be one JSON object")
+            rid, problem = canonical_id(rec.data.get("id"), rec.index)
+            if problem is not None:
+                where = _place(rec.index, rec.line)
+                yield Rejected(where, f"{where}: {problem}", "bad id")
+            elif rec.index in self._drop:
+                yield Skipped(rid, self._drop[rec.index], f"duplicate id (input.duplicate_ids={self.duplicate_ids})",
+                              rec.line)
             else:
-                if isinstance(row, dict):
-                    yield index, row
+                yield Row(rec.index, rec.line, rid, rec.data)
+
+    def count(self) -> int:
+        """Records in the input (up to `limit`): what `rows` yields."""
+        rows = count_rows(self.path, self.max_row_bytes)
+        return rows if self.limit is None else min(rows, self.limit)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What of the input decides results: its content and the settings that pick rows."""
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return {"path": str(self.path), "bytes": self.path.stat().st_size, "sha256": digest.hexdigest(),
+                "limit": self.limit, "duplicate_ids": self.duplicate_ids, "max_row_bytes": self.max_row_bytes}
+
+    # -- reading ---------------------------------------------------------------------
+    def _records(self, only: set[int] | None = None) -> Iterator[_Record]:
+        """Every record up to `limit` (with `only`, JSONL lines of other rows are not parsed: a
+        placeholder stands in for them)."""
+        parquet = self.path.suffix.lower() == ".parquet"
+        records = (_parquet_records(self.path, self.max_row_bytes) if parquet
+                   else _jsonl_records(self.path, self.max_row_bytes, only))
+        for rec in records:
+            if self.limit is not None and rec.index >= self.limit:
+                return
+            yield rec
+
+    def _ids(self, only: set[int] | None = None) -> Iterator[tuple[int, int | None, str]]:
+        """(row index, line, canonical id) of every record with a good id (of those in `only`)."""
+        for rec in self._records(only):
+            rid = _good_id(rec)
+            if rid is not None and (only is None or rec.index in only):
+                yield rec.index, rec.line, rid
+
+    def _candidate_ids(self) -> Iterator[tuple[int, str]]:
+        """(row index, id) of every row that may hold an explicit id: a superset of the good ids
+        `rows` yields, cheaply. A JSONL line is matched with a regex, and parsed only where that
+        could miss (a \\u escape, which could spell the key) or be ambiguous (several "id"
+        keys); a line without `"id"` has none. The repeats among them are confirmed on the
+        rows themselves (`_ids`)."""
+        if self.path.suffix.lower() == ".parquet":
+            yield from ((index, rid) for index, _, rid in self._ids())
+            return
+        with open(self.path, "rb") as f:
+            for index, (line_no, raw, _) in enumerate(_lines(f, self.max_row_bytes)):
+                if self.limit is not None and index >= self.limit:
+                    return
+                if raw is None or (b'"id"' not in raw and b"\\u" not in raw):
+                    continue  # over the cap (a failure), or no id: '#<index>' never repeats
+                found = _ID_KEY.findall(raw)
+                if len(found) == 1 and b"\\u" not in raw:
+                    rid = _id_token(found[0], index)
                 else:
-                    yield index, (f"line {line_no}: expected a JSON object, got {type(row).__name__}; "
-                                  'write each row as {"text": ...}')
-            index += 1
+                    rid = _good_id(_parse_line(index, line_no, raw))
+                if rid is not None:
+                    yield index, rid
+
+    def _scan_ids(self) -> dict[int, str]:
+        """Rows to skip as repeats (first/last), each with its reason; raise under `error`.
+
+        Memory: 16 bytes per row (hash, index), then only the rows whose hash repeats."""
+        hashes, indexes = _Int64s(), _Int64s()
+        for index, rid in self._candidate_ids():
+            hashes.append(hash(rid))
+            indexes.append(index)
+        h = hashes.array()
+        uniq, counts = np.unique(h, return_counts=True)
+        suspects = uniq[counts > 1]
+        if not len(suspects):
+            return {}
+        flagged = set(indexes.array()[np.isin(h, suspects)].tolist())
+        seen: dict[str, list[tuple[int, int | None]]] = {}
+        for index, line, rid in self._ids(only=flagged):
+            seen.setdefault(rid, []).append((index, line))
+        repeats = {rid: places for rid, places in seen.items() if len(places) > 1}  # a hash collision drops out
+        if not repeats:
+            return {}
+        if self.duplicate_ids == "error":
+            raise ForgeError(self._repeats_line(repeats))
+        return self._dropped(repeats)
+
+    def _repeats_line(self, repeats: dict[str, list[tuple[int, int | None]]]) -> str:
+        rid, places = next(iter(repeats.items()))
+        unit = "lines" if places[0][1] is not None else "rows"
+        spots = [str(line if line is not None else index) for index, line in places[:3]]
+        listed = (", ".join(spots[:-1]) + " and " + spots[-1]) if len(places) <= 3 else ", ".join(spots) + ", ..."
+        n = len(repeats)
+        return (f"input.path={self.path}: {n} {'id repeats' if n == 1 else 'ids repeat'}, e.g. {short(rid)} at "
+                f"{unit} {listed}; make ids unique, or set input.duplicate_ids=first or input.duplicate_ids=last "
+                "to keep one row of each")
+
+    def _dropped(self, repeats: dict[str, list[tuple[int, int | None]]]) -> dict[int, str]:
+        drop: dict[int, str] = {}
+        policy = self.duplicate_ids
+        for rid, places in repeats.items():
+            kept = places[0] if policy == "first" else places[-1]
+            there = _place(*kept)
+            for index, line in places:
+                if (index, line) != kept:
+                    drop[index] = (f"{_place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
+                                   f"input.duplicate_ids={policy} keeps {there}")
+        return drop
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+def _good_id(rec: _Record) -> str | None:
+    """The record's canonical id, or None where it has no usable one (unreadable, a bad id)."""
+    if rec.data is None:
+        return None
+    rid, problem = canonical_id(rec.data.get("id"), rec.index)
+    return rid if problem is None else None
+
+
+def _id_token(token: bytes, index: int) -> str | None:
+    """The canonical id a JSON value token spells (a string or an integer), or None."""
+    try:
+        if not token.startswith(b'"'):
+            value: Any = int(token)
+        elif b"\\" in token:
+            value = json.loads(token)
+        else:
+            value = token[1:-1].decode("utf-8")  # no escape: the bytes are the string
+    except Exception:  # noqa: BLE001  (not what `rows` reads: that line fails there)
+        return None
+    rid, problem = canonical_id(value, index)
+    return rid if problem is None else None
+
+
+def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
+    """(the row's id as a string, None) or (_, the problem with it)."""
+    if value is None:
+        return f"#{index}", None
+    if type(value) is str and value.isascii() and not value.startswith("#"):
+        return value, None  # the common case
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return "", (f"'id' must be a string or an integer, got {type(value).__name__} {short(value)}; "
+                    "fix the id or leave it out")
+    if isinstance(value, int):
+        return str(value), None
+    if _AUTO_ID.fullmatch(value):
+        return "", (f"'id' {short(value)} has the form '#<digits>', which is reserved for rows without an id; "
+                    "rename it")
+    bad = unencodable(value)
+    if bad is not None:
+        return "", (f"'id' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
+                    "write the character whole or drop it")
+    return value, None
+
+
+# -- shared checks of fields ---------------------------------------------------------------
+
+
+def string_problem(row: Mapping[str, Any], name: str, *, required: bool, empty_ok: bool = False) -> str | None:
+    """What is wrong with `row[name]` as a string field (missing, not a string, empty, an
+    unpaired surrogate), in words with the fix; None when it is fine."""
+    value = row.get(name)
+    need = f"a string {name!r} (it may be empty)" if empty_ok else f"a non-empty string {name!r}"
+    fix = f"every row needs {need}" if required else "fix it or leave it out"
+    if value is None:
+        return f"has no {name!r} field; {fix}" if required else None
+    if not isinstance(value, str):
+        if empty_ok:
+            return f"{name!r} must be a string, got {type(value).__name__} {short(value)}; {fix}"
+        return f"has an empty or non-string {name!r} ({type(value).__name__} {short(value)}); {fix}"
+    if not empty_ok and not value.strip():
+        return f"has an empty or non-string {name!r} ({short(value)}); {fix}"
+    bad = unencodable(value)
+    if bad is not None:
+        return (f"{name!r} holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
+                "write the character whole or drop it")
+    return None
+
+
+def json_problem(row: Mapping[str, Any], name: str) -> str | None:
+    """What is wrong with `row[name]` as a value Forge keeps as it is (a label, in the run's
+    journal): it must be JSON. A JSONL row always is; a Parquet value may not be (bytes, a
+    timestamp)."""
+    value = row.get(name)
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return (f"{name!r} must be a JSON value (a number, string, list or object), got {type(value).__name__} "
+                f"({first_line(exc)}); convert the column or leave it out")
+    return None
+
+
+def each_row(rows: list[Row], make: Callable[[list[Row]], Iterable[T]], what: str) -> Iterator[T | Rejected]:
+    """`make(rows)` (a function's batched step, e.g. tokenizing), or, where it raises, `make([row])`
+    for each row alone, so only a row it raises for fails, with the error. A ForgeError (a
+    setting, a model that will not load) is not a row's fault and is raised."""
+    try:
+        made = list(make(rows))
+    except ForgeError:
+        raise
+    except Exception:  # noqa: BLE001  (some row is odd: find it)
+        for row in rows:
+            try:
+                one = list(make([row]))
+            except ForgeError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                yield row.reject(f"{what} failed on it ({first_line(exc)}); fix or drop the row", f"{what} failed")
+            else:
+                yield from one
+        return
+    yield from made
+
+
+def unencodable(text: str | None) -> int | None:
+    """Position of the first character UTF-8 cannot encode (an unpaired surrogate, from a JSON
+    escape like \\ud800): tokenizers refuse the whole batch it is in."""
+    if not text or text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """A bounded repr of a row's value for a message; never raises (long strings and
+    containers are cut before their repr is taken)."""
+    try:
+        if isinstance(value, str):
+            text = repr(value[:limit])
+        elif isinstance(value, (list, tuple, dict)) and len(value) > 8:
+            return f"<{type(value).__name__} of {len(value)}>"
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+            return f"<int of {value.bit_length()} bits>"
+        else:
+            text = repr(value)
+    except Exception:  # noqa: BLE001  (a deep or odd value: its type is enough)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- the format readers -------------------------------------------------------------------
+
+
+def read_rows(path: Path, limit: int | None = None,
+              max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, dict | str]]:
+    """(zero-based row index, row dict) or (row index, 'line N: reason') for each row, ids
+    untouched (`InputFile.rows` applies the id rules)."""
+    check_input(path)
+    parquet = path.suffix.lower() == ".parquet"
+    for rec in _parquet_records(path, max_row_bytes) if parquet else _jsonl_records(path, max_row_bytes):
+        if limit is not None and rec.index >= limit:
+            return
+        yield rec.index, (rec.data if rec.data is not None else rec.problem or "")
+
+
+def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
+    """Records in a JSONL (non-blank lines) or Parquet file (from its metadata)."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        return sum(meta.row_group(group).num_rows for group in range(meta.num_row_groups))  # as they are read
+    with open(path, "rb") as f:
+        return sum(1 for _ in _lines(f, max_row_bytes))
+
+
+def _jsonl_records(path: Path, cap: int, only: set[int] | None = None) -> Iterator[_Record]:
+    """Lines are read as bytes, at most `cap` at a time, and decoded one by one, so a bad byte
+    or an over-long line fails only its line. With `only`, other lines are not parsed."""
+    with open(path, "rb") as f:
+        for index, (line_no, raw, size) in enumerate(_lines(f, cap)):
+            if only is not None and index not in only:
+                yield _Record(index, line_no, None, "not read", "not read")
+            elif raw is None:
+                yield _Record(index, line_no, None, (f"line {line_no}: {size} bytes, over input.max_row_bytes={cap}; "
+                                                     "raise input.max_row_bytes or split the row"),
+                              "row over input.max_row_bytes")
+            else:
+                yield _parse_line(index, line_no, raw)
+
+
+def _lines(f, cap: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, bytes without the line end, size) of each non-blank line; bytes are None
+    for a line over `cap` bytes, which is skipped to its end in bounded pieces. A BOM at the
+    start of the file is dropped before anything else is looked at."""
+    if f.read(len(BOM)) != BOM:
+        f.seek(0)
+    line_no = 0
+    while True:
+        raw = f.readline(cap + 2)  # cap bytes and "\r\n"
+        if not raw:
+            return
+        line_no += 1
+        if raw.endswith(b"\n") or len(raw) < cap + 2:
+            body = raw.rstrip(b"\r\n")
+            if body.strip():
+                yield line_no, (body if len(body) <= cap else None), len(body)
+            continue
+        size, blank = len(raw), not raw.strip()
+        while not raw.endswith(b"\n"):
+            raw = f.readline(_CHUNK)
+            if not raw:
+                break
+            size += len(raw)
+            blank = blank and not raw.strip()
+        if not blank:
+            yield line_no, None, size - (len(raw) - len(raw.rstrip(b"\r\n")))
+
+
+def _parse_line(index: int, line_no: int, raw: bytes) -> _Record:
+    where = f"line {line_no}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _Record(index, line_no, None, (f"{where}: invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                              f"{exc.start + 1}); save the file as UTF-8"), "invalid UTF-8")
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _Record(index, line_no, None, (f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                                              "each line must be one JSON object"), "invalid JSON")
+    except RecursionError:
+        return _Record(index, line_no, None, f"{where}: nested too deeply to parse; flatten the row",
+                       "nested too deeply")
+    except Exception as exc:  # noqa: BLE001  (e.g. an integer of more digits than Python converts)
+        return _Record(index, line_no, None, (f"{where}: cannot be parsed ({first_line(exc)}); each line must "
+                                              "be one JSON object"), "unparseable JSON")
+    if not isinstance(row, dict):
+        return _Record(index, line_no, None, (f"{where}: expected a JSON object, got {type(row).__name__}; "
+                                              'write each row as {"text": ...}'), "not a JSON object")
+    if _deeper_than(row, MAX_DEPTH):
+        return _Record(index, line_no, None, f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the row",
+                       "nested too deeply")
+    return _Record(index, line_no, row)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether containers nest more than `limit` levels (iterative: no recursion to overflow)."""
+    if isinstance(value, dict) and not any(isinstance(v, (dict, list)) for v in value.values()):
+        return False  # a flat row: the common case
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _parquet_records(path: Path, cap: int) -> Iterator[_Record]:
+    """Row group by row group; a group (or the rest of one) that cannot be read fails its rows."""
     import pyarrow.parquet as pq
 
     try:
         file = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"input.path={path}: not a readable Parquet file ({_first_line(exc)})") from None
-    index = 0
-    for batch in file.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
-            yield index, row
-            index += 1
+        raise ForgeError(f"input.path={path}: not a readable Parquet file ({first_line(exc)})") from None
+    start = 0
+    for group in range(file.metadata.num_row_groups):
+        n = file.metadata.row_group(group).num_rows
+        done, why = 0, "it holds fewer rows than its metadata says"
+        try:
+            batches = iter(file.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group]))
+        except Exception as exc:  # noqa: BLE001
+            batches, why = iter(()), first_line(exc)
+        while done < n:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001  (corrupt pages, bad compression, ...)
+                why = first_line(exc)
+                break
+            take = min(batch.num_rows, n - done)
+            yield from _batch_records(batch.slice(0, take), start + done, cap)
+            done += take
+        for index in range(start + done, start + n):
+            yield _Record(index, None, None, (f"row {index}: row group {group} of the Parquet file cannot be read "
+                                              f"({why}); write the file again"), "unreadable Parquet row group")
+        start += n
 
 
-def count_rows(path: Path) -> int:
-    """Rows in a JSONL (non-blank lines) or Parquet file (from its metadata)."""
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
+def _batch_records(batch, start: int, cap: int) -> Iterator[_Record]:
+    sizes = _row_sizes(batch)
+    over = sizes > cap
+    if over.any():
+        import pyarrow as pa
 
-        return pq.ParquetFile(path).metadata.num_rows
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        kept = batch.filter(pa.array(~over))
+    else:
+        kept = batch
+    rows = iter(_pylist(kept))
+    for k in range(batch.num_rows):
+        index = start + k
+        if over[k]:
+            yield _Record(index, None, None, (f"row {index}: {int(sizes[k])} bytes, over input.max_row_bytes={cap}; "
+                                              "raise input.max_row_bytes or split the row"),
+                          "row over input.max_row_bytes")
+            continue
+        row = next(rows)
+        if isinstance(row, dict):
+            yield _Record(index, None, row)
+        else:
+            yield _Record(index, None, None, f"row {index}: cannot be read ({row}); write the file again",
+                          "unreadable Parquet row")
+
+
+def _row_sizes(batch) -> np.ndarray:
+    """Bytes per row in the batch's string and binary columns (pyarrow.compute, no row made)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sizes = np.zeros(batch.num_rows, np.int64)
+    for column in batch.columns:
+        try:
+            if pa.types.is_dictionary(column.type):
+                column = column.dictionary_decode()
+            t = column.type
+            if _is_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+                sizes += pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        except Exception:  # noqa: BLE001  (a column pyarrow cannot measure counts as 0 bytes)
+            continue
+    return sizes
+
+
+def _pylist(batch) -> list[dict | str]:
+    """The batch's rows as dicts; a row that cannot become one is the reason, in one line."""
+    try:
+        return batch.to_pylist()
+    except Exception:  # noqa: BLE001  (one bad value: find it row by row)
+        out: list[dict | str] = []
+        for k in range(batch.num_rows):
+            try:
+                out.append(batch.slice(k, 1).to_pylist()[0])
+            except Exception as exc:  # noqa: BLE001
+                out.append(first_line(exc))
+        return out
+
+
+class _Int64s:
+    """An append-only int64 column, kept as numpy chunks (8 bytes per value)."""
+
+    def __init__(self, chunk: int = 1 << 16):
+        self.chunks: list[np.ndarray] = []
+        self.buf: list[int] = []
+        self.chunk = chunk
+
+    def append(self, value: int) -> None:
+        self.buf.append(value)
+        if len(self.buf) >= self.chunk:
+            self.chunks.append(np.array(self.buf, np.int64))
+            self.buf = []
+
+    def array(self) -> np.ndarray:
+        return np.concatenate([*self.chunks, np.array(self.buf, np.int64)])
+
+
+def _place(index: int, line: int | None) -> str:
+    return f"line {line}" if line is not None else f"row {index}"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception in one line: its message's first line, or its type."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]

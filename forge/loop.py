@@ -6,7 +6,8 @@ the executor under a ticket; every outcome the executor collects comes back thro
 discarded and counted) and the scheduler hears how it went; anything else goes to the
 scheduler, which re-routes the batch whole, splits it, or fails its item with the reason.
 The loop stops when the work is done, or early with a reason: interrupted (Ctrl-C), a
-recurring failure, a stall (work waits, nothing runs, no device can take it), every
+recurring failure (one reason filling `max_failure_share` of the last `failure_window` items
+finished, or one kind of bad record filling it of the last records read), a stall (work waits, nothing runs, no device can take it), every
 device retired, or a shard that cannot be written. `forge run`, `forge plan` and the
 benchmarks all drive this loop; only the executor differs.
 """
@@ -17,30 +18,20 @@ import itertools
 import signal
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge.columns import ItemColumns
 from forge.executors.base import Executor, Outcome, Status
 from forge.geometry import Batch, Device, Item
 from forge.indexset import IndexSet
-from forge.run import BatchStats, RunContext, batch_stats
+from forge.run import BatchStats, FailureWindow, RunContext, batch_stats
 from forge.scheduler import Scheduler
 
-
-@dataclass(frozen=True, slots=True)
-class RunPolicy:
-    """How the loop reacts to time and failure (the `runtime` config group)."""
-
-    batch_timeout_s: float | None = None  # fixed per-batch timeout; None: derived from the device's rate
-    timeout_floor_s: float = 60.0  # a derived timeout is never shorter
-    timeout_factor: float = 10.0  # derived timeout = factor x padded slots / measured slots per second
-    failure_window: int = 200  # the last finished items looked at for a recurring failure
-    max_failure_share: float = 0.5  # stop once one reason holds this share of the window
-    commit_interval_s: float = 30.0  # buffered results are written at least this often
-    drain_s: float = 10.0  # on a stop, how long in-flight batches may still finish
+if TYPE_CHECKING:
+    from forge.schema import Runtime  # the policy: timeouts, recurring failures, commits, drain
 
 
 class Stop(Exception):
@@ -122,7 +113,7 @@ class Committer:
 
 class RunLoop:
     def __init__(self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext,
-                 hook, policy: RunPolicy = RunPolicy()):
+                 hook, policy: "Runtime"):
         self.scheduler = scheduler
         self.executor = executor
         self.committer = committer
@@ -137,8 +128,9 @@ class RunLoop:
         self.halt: tuple[str, str] | None = None  # (status, reason): stop at the next turn (signals set it too)
         self._tickets = itertools.count()
         self._rates: dict[str, float] = {}  # device -> padded slots per second, measured
-        self._recent: deque[str | None] = deque(maxlen=max(1, policy.failure_window))  # None: completed
-        self._recent_failures: Counter = Counter()
+        self.window = FailureWindow(policy.failure_window, policy.max_failure_share)  # items finished
+        # records read: admission adds each one's outcome (a separate window, since it reads ahead of the work)
+        run.input_window = FailureWindow(policy.failure_window, policy.max_failure_share)
         self.scheduler_s = 0.0  # time spent deciding what runs
 
     # -- the loop ---------------------------------------------------------------
@@ -148,6 +140,8 @@ class RunLoop:
             if self.halt:
                 self._stop(*self.halt)
             scheduled = self._schedule()
+            if self._bad_input():
+                continue
             if not self.in_flight and not self.executor.in_flight():
                 if self.scheduler.done:
                     break
@@ -164,8 +158,19 @@ class RunLoop:
             if self.committer.due():
                 self._flush()
         self._flush()
+        if self.run.input_window is not None:
+            self.run.input_window.judge_partial("input records")  # an input shorter than the window
+            self._bad_input()
         if self.halt:
             self._stop(*self.halt)
+
+    def _bad_input(self) -> bool:
+        """Stop (at the next turn) once one kind of bad record fills the input window."""
+        window = self.run.input_window
+        if window is None or window.stop is None or self.halt is not None:
+            return False
+        self.halt = ("stopped", f"stopped: {window.stop}; fix the input, or raise runtime.max_failure_share")
+        return True
 
     def _schedule(self) -> bool:
         scheduled = False
@@ -267,23 +272,9 @@ class RunLoop:
 
     def _finished(self, reasons: list[str | None]) -> None:
         """Count finished items; stop when one failure reason fills the recent window."""
-        recent, counts = self._recent, self._recent_failures
-        if not any(reasons) and not any(counts.values()):
-            recent.extend(reasons)  # all completed and no failure in the window: nothing to count (C speed)
-            return
-        for reason in reasons:
-            if len(recent) == recent.maxlen:
-                old = recent.popleft()
-                if old is not None:
-                    counts[old] -= 1
-            recent.append(reason)
-            if reason is not None:
-                counts[reason] += 1
-        if not any(reasons):
-            return
-        reason, n = counts.most_common(1)[0]
-        if n >= self.policy.max_failure_share * recent.maxlen and self.halt is None:
-            self.halt = ("stopped", f"stopped: {n} of the last {recent.maxlen} items failed with: {reason}")
+        self.window.add(reasons)
+        if self.window.stop is not None and self.halt is None:
+            self.halt = ("stopped", f"stopped: {self.window.stop}")
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

@@ -2,8 +2,9 @@
 
 Model: `ModelSpec` (config key `model`) names a Hugging Face model by hub id, local path,
 `embedded:<name>` (shipped with Forge, weights made at first use) or `module:<package>/<dir>`
-(a model directory inside an installed Python package). `InputSpec` (config key `input`) names
-a JSONL or Parquet file (or `embedded:<name>`). `HFModel` loads what a spec names, lazily and
+(a model directory inside an installed Python package); `resolve_input` turns an input path
+(or `embedded:<name>`) into a file (the `input` node itself is `forge.inputs.InputSpec`).
+`HFModel` loads what a spec names, lazily and
 once: the config, the tokenizer and, on a worker, the weights; each failure is one ForgeError
 line naming the fix. Nothing here knows about functions or batches.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from forge.errors import ForgeError
-from forge.schema import MISSING, one_of, positive
+from forge.schema import MISSING, one_of
 
 EMBEDDED = "embedded:"
 MODULE = "module:"  # model.name=module:<package>/<dir>: a model directory inside an installed Python package
@@ -39,14 +40,6 @@ class ModelSpec:
         if self.revision:
             kwargs["revision"] = str(self.revision)
         return kwargs
-
-
-@dataclass
-class InputSpec:
-    """The `input` config node: the rows to read."""
-
-    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
-    limit: Optional[int] = positive(None)  # take only the first N rows
 
 
 def resolve_model_source(name: str) -> str:
@@ -84,14 +77,6 @@ def resolve_input(path: str) -> Path:
 
         return ASSETS_DIR / f"{path[len(EMBEDDED):]}.jsonl"
     return Path(path).expanduser()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def first_line(exc: BaseException) -> str:

@@ -48,7 +48,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     executor.start(spec.devices)
     kept = _Kept() if keep_batches else None
     loop = RunLoop(scheduler, executor, Committer(kept, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,
-                   policy=spec.runtime.policy)
+                   policy=spec.runtime)
     status, error = "finished", None
     try:
         loop.run_until_done()

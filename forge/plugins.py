@@ -55,6 +55,11 @@ def batching_modes(pm: pluggy.PluginManager) -> dict[str, tuple[object, str]]:
     return _offers(pm, "forge_batching_modes", "batching mode")
 
 
+def executors(pm: pluggy.PluginManager) -> dict[str, tuple[object, str]]:
+    """Every registered executor: name -> (factory or "module:Class.factory", plugin's name)."""
+    return _offers(pm, "forge_executors", "executor")
+
+
 def functions(pm: pluggy.PluginManager) -> dict[str, tuple[object, str]]:
     """Every registered function: name -> (class or "module:Class" import path, plugin's name)."""
     return _offers(pm, "forge_functions", "function")

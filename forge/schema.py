@@ -118,33 +118,48 @@ class Devices:
 
 @dataclass
 class Runtime:
-    """conf/runtime/local.yaml: one worker per device on this machine."""
+    """Where and how batches run, and how the run loop reacts to time and failure: the one
+    home of every runtime setting and its default. conf/runtime/local.yaml extends it (its
+    defaults list names `schema_local`, registered by `store_schemas`) and only selects;
+    core code gets an instance of it (`forge.config.build_runtime`)."""
 
-    executor: str = one_of("process", "process", "inprocess")
-    max_in_flight: int = positive(2)
-    batch_timeout_s: Optional[float] = positive(None)
-    timeout_floor_s: float = positive(60.0)
-    timeout_factor: float = positive(10.0)
-    startup_timeout_s: float = positive(600.0)
-    kill_grace_s: float = non_negative(5.0)
-    max_restarts: int = non_negative(3)
-    max_attempts: int = positive(3)
-    commit_interval_s: float = positive(30.0)
-    failure_window: int = positive(200)
-    max_failure_share: float = share(0.5)
+    executor: str = "process"  # a registered executor (forge_executors): process | inprocess | ray
+    max_in_flight: int = positive(2)  # batches queued per worker (one runs while the next waits)
+    batch_timeout_s: Optional[float] = positive(None)  # null: derived per batch from its size and the device's rate
+    timeout_floor_s: float = positive(60.0)  # a derived timeout is never shorter
+    timeout_factor: float = positive(10.0)  # derived timeout = factor x padded slots / measured slots per second
+    startup_timeout_s: float = positive(600.0)  # a worker that has not loaded its model by then is replaced
+    kill_grace_s: float = non_negative(5.0)  # a timed-out worker may still answer this long before it is killed
+    max_restarts: int = non_negative(3)  # worker restarts per device before the device is retired
+    max_attempts: int = positive(3)  # runs of an item lost with its worker (crash, hang) before it fails
+    commit_interval_s: float = positive(30.0)  # results buffered for a shard are written at least this often
+    failure_window: int = positive(200)  # the last items (and input records) looked at for a recurring failure
+    max_failure_share: float = share(0.5)  # stop once one reason holds this share of the window
+    drain_s: float = non_negative(10.0)  # on a stop (Ctrl-C, a recurring failure), how long batches in flight may finish
 
 
 @dataclass
 class RayRuntime(Runtime):
-    """conf/runtime/ray.yaml: one Ray actor per device, on a cluster or a local Ray instance."""
+    """conf/runtime/ray.yaml (`schema_ray`): one Ray actor per device, on a cluster or a local
+    Ray instance."""
 
-    executor: str = one_of("ray", "ray")
+    executor: str = "ray"
     address: Optional[str] = None  # null: start a local instance; "auto" or an address: join a cluster
     num_cpus: Optional[int] = positive(None)  # CPUs of a local instance (null: all)
-    cpus_per_actor: float = positive(1.0)
+    cpus_per_actor: float = positive(1.0)  # CPUs each device's actor reserves (and torch threads of a CPU actor)
 
 
 RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other value: Runtime (local)
+
+
+def store_schemas() -> None:
+    """Register the runtime schemas with Hydra's ConfigStore, as the options `schema_local`
+    and `schema_ray` of the runtime group, which conf/runtime/*.yaml extend."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group="runtime", name="schema_local", node=Runtime)
+    store.store(group="runtime", name="schema_ray", node=RayRuntime)
 
 
 @dataclass
@@ -216,7 +231,34 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     except OmegaConfBaseException as exc:
         raise ForgeError(_explain(exc, schema_cls, cfg)) from None
     _check_values(schema_cls, plain, "")
+    _check_executor((plain.get("runtime") or {}).get("executor"))
     return plain
+
+
+def _check_executor(name) -> None:
+    """runtime.executor must name an executor a plugin registers (forge_executors)."""
+    from forge.plugins import executors, make_plugin_manager
+
+    offered = executors(make_plugin_manager())
+    if name is not None and name not in offered:
+        raise ForgeError(f"config runtime.executor={_show(name)}: choose one of: {', '.join(sorted(offered))} "
+                         "(plugins add more through forge_executors)")
+
+
+def explain_compose_error(exc: BaseException) -> str | None:
+    """One line for a value or key Hydra refused while composing onto a typed node (the
+    runtime group extends its schema), in the words `validate` uses; None if it is another error."""
+    cause = exc.__cause__
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigKeyError) and key and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
+        parent, _, name = key.rpartition(".")
+        valid = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
+        return f"config: unknown key {name!r} in {parent or 'the root'}; valid keys: {valid}"
+    if isinstance(cause, ValidationError) and key:
+        expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
+        if expected:
+            return f"config {key}={_show(_raw(cause.value))}: expected {expected}"
+    return None
 
 
 def _structured(schema_cls: type, typed_root: bool = True) -> DictConfig:
@@ -242,6 +284,11 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
 
 def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
     hints = typing.get_type_hints(schema_cls)
+    if prefix and prefix.rstrip(".") not in OPEN_NODES:  # a typed node: Hydra lets `+key=` through to it
+        valid = [f.name for f in dataclasses.fields(schema_cls)]
+        unknown = [k for k in plain if k not in valid]
+        if unknown:
+            raise ForgeError(f"config: unknown key {unknown[0]!r} in {prefix.rstrip('.')}; valid keys: {', '.join(valid)}")
     for f in dataclasses.fields(schema_cls):
         value = plain.get(f.name)
         key = f"{prefix}{f.name}"

@@ -49,7 +49,11 @@ class ForgeSearchPathPlugin(SearchPathPlugin):
 
 
 def register() -> None:
-    """Make sure Hydra uses the plugin (a no-op when its namespace scan found it already)."""
+    """Make sure Hydra uses the plugin (a no-op when its namespace scan found it already), and
+    knows the schemas Forge's YAML extends (`forge.schema.store_schemas`)."""
     from hydra.core.plugins import Plugins
 
+    from forge.schema import store_schemas
+
     Plugins.instance().register(ForgeSearchPathPlugin)
+    store_schemas()

@@ -4,9 +4,12 @@
     tokens: received = completed + failed + skipped + truncated + unfinished
             routed   = run_completed + failed_in_batches + retried + discarded
 
-`completed` counts committed items, those an earlier session committed (`resumed`)
-included; `routed` counts the tokens of every attempt, so a retried, discarded or dropped
-attempt shows as retried or discarded, never as a gap. `unfinished` is non-zero only when a
+`skipped` counts items (too long, over `budget.max_tokens`) and input records (a repeated id
+dropped by `input.duplicate_ids`) that do not run; failed and skipped ones are listed with
+their ids and reasons in failures.jsonl and skipped.jsonl. `completed` counts committed
+items, those an earlier session committed (`resumed`) included; `routed` counts the tokens
+of every attempt, so a retried, discarded or dropped attempt shows as retried or discarded,
+never as a gap. `unfinished` is non-zero only when a
 run stops early. A leak shows as a difference between two large numbers in report.json.
 """
 
@@ -32,7 +35,8 @@ class Ledger:
     tokens: dict = field(default_factory=lambda: dict.fromkeys(TOKEN_KEYS, 0))
     failed_in_batches: int = 0  # tokens of routed items that failed (the rest failed before routing)
     failures: list = field(default_factory=list)  # {"id", "reason"} per failed item
-    skipped: dict = field(default_factory=dict)  # reason -> items
+    skipped: dict = field(default_factory=dict)  # reason (kind, for input records) -> items
+    skips: list = field(default_factory=list)  # (id, line or None, reason) per skipped item or record
     retry_reasons: Counter = field(default_factory=Counter)  # reason -> failed attempts retried
 
     def check(self) -> list[str]:
@@ -55,6 +59,13 @@ class Ledger:
 
 def ledger_of(run) -> Ledger:
     return run.state[NAME]
+
+
+def _write_jsonl(run, name: str, rows: list[dict]) -> None:
+    if run.run_dir is not None and rows:
+        from forge.location import open_location  # a local path or an fsspec URL
+
+        open_location(run.run_dir).write_bytes(name, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def _tokens(items) -> int:
@@ -113,6 +124,16 @@ def forge_items_skipped(run, items, reason):
     led.items["skipped"] += len(items)
     led.tokens["skipped"] += _tokens(items)
     led.skipped[reason] = led.skipped.get(reason, 0) + len(items)
+    led.skips.extend((it.id, None, reason) for it in items)  # tuples: ~half a dict's memory
+
+
+@hookimpl
+def forge_input_skipped(run, record):
+    led = ledger_of(run)
+    led.items["received"] += 1
+    led.items["skipped"] += 1
+    led.skipped[record.kind] = led.skipped.get(record.kind, 0) + 1
+    led.skips.append((record.record_id, record.line, record.reason))
 
 
 @hookimpl
@@ -185,8 +206,6 @@ def forge_run_end(run, report):
     report["balanced"] = not problems
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]
-    if run.run_dir is not None and led.failures:
-        from forge.location import open_location  # a local path or an fsspec URL
-
-        open_location(run.run_dir).write_bytes("failures.jsonl",
-                                               "".join(json.dumps(f) + "\n" for f in led.failures).encode())
+    _write_jsonl(run, "failures.jsonl", led.failures)
+    _write_jsonl(run, "skipped.jsonl", [{"id": i, **({"line": line} if line is not None else {}), "reason": reason}
+                                        for i, line, reason in led.skips])

@@ -79,6 +79,26 @@ def test_run_bad_input_is_one_clear_line(cli, tmp_path):
     assert "no such file" in result.output and "Traceback" not in result.output
 
 
+def test_run_on_an_input_of_only_bad_rows_stops_with_exit_code_2(cli, tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"text": "broken\n' * 3)
+    out = tmp_path / "run"
+    result = cli.invoke(app, ["run", f"output_dir={out}", f"input.path={data}", *SMALL])
+    assert result.exit_code == 2, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "stopped" and "failed with: invalid JSON" in report["error"]
+
+
+def test_run_on_repeated_ids_is_refused_in_one_line_before_any_work(cli, tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": 1, "text": "a"}\n{"id": "1", "text": "b"}\n{"text": "c"}\n{"id": "2", "text": "d"}\n')
+    out = tmp_path / "run"
+    result = cli.invoke(app, ["run", f"output_dir={out}", f"input.path={data}", *SMALL])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "1 id repeats, e.g. '1' at lines 1 and 2" in " ".join(result.output.split())
+    assert not (out / "report.json").exists()
+
+
 def test_multirun_sweeps_modes(cli, tmp_path):
     result = cli.invoke(app, ["run", "-m", "batching=item,token", f"output_dir={tmp_path}", "input.limit=20", *SMALL])
     assert result.exit_code == 0, result.output
@@ -182,7 +202,8 @@ def test_sweep_checks_every_swept_value_before_launching(cli, tmp_path):
     _one_error_line(result, BAD_CONFIG["budget.tokens_per_step=abc"])
     assert not out.exists()  # the good value's job did not run either
     result = cli.invoke(app, ["run", "--multirun", "runtime.executor=process,thread", f"output_dir={out}"])
-    _one_error_line(result, "error: config runtime.executor='thread': choose one of: process, inprocess")
+    _one_error_line(result, "error: config runtime.executor='thread': choose one of: inprocess, process, ray "
+                               "(plugins add more through forge_executors)")
     assert not out.exists()
 
 

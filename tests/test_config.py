@@ -132,7 +132,8 @@ BAD = {
     "runtime.max_in_flight=0": "config runtime.max_in_flight=0: must be a positive integer",
     "runtime.max_failure_share=0": "config runtime.max_failure_share=0.0: must be a share in (0, 1]",
     "runtime.kill_grace_s=-1": "config runtime.kill_grace_s=-1.0: must be 0 or more",
-    "runtime.executor=thread": "config runtime.executor='thread': choose one of: process, inprocess",
+    "runtime.executor=thread": "config runtime.executor='thread': choose one of: inprocess, process, ray "
+                               "(plugins add more through forge_executors)",
     "too_long=drop": "config too_long='drop': choose one of: skip, truncate, error",
     "model.torch_dtype=int8": "config model.torch_dtype='int8': choose one of: float32, float16, bfloat16",
     # unknown keys
@@ -140,7 +141,8 @@ BAD = {
               "batching, devices, runtime, resume, fail_fast, plugins, model, input, shard_size, layers, pooling",
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
                           "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
-                          "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share",
+                          "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "
+                          "drain_s",
     "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
                                     "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
     "+model.branch=main": "config: unknown key 'branch' in model; valid keys: name, torch_dtype, "
@@ -205,3 +207,25 @@ def test_a_function_name_that_disagrees_with_its_target_is_refused():
         assert result.exit_code == 2, result.output
         assert "function.name='nope', but function._target_=" in result.output and "is the function 'probe_gen'" \
             in result.output
+
+
+def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
+    """conf/runtime/*.yaml extend forge.schema's Runtime / RayRuntime and restate no value; what
+    a run gets is the schema's default unless overridden, every field settable (drain_s too)."""
+    import dataclasses
+
+    import yaml
+
+    from forge.config import conf_dir
+    from forge.schema import RayRuntime, Runtime
+
+    for path, schema in ((conf_dir() / "runtime" / "local.yaml", Runtime), (conf_dir() / "runtime" / "ray.yaml",
+                                                                            RayRuntime)):
+        assert set(yaml.safe_load(path.read_text())) == {"defaults"}, f"{path.name} restates a default"
+        got = spec_for(f"runtime={path.stem}").runtime
+        assert type(got) is schema and got == schema()
+    for f in dataclasses.fields(Runtime):
+        if f.name != "executor" and f.type in ("int", "float", "Optional[float]"):
+            value = 7 if f.type == "int" else 0.25
+            assert getattr(spec_for(f"runtime.{f.name}={value}").runtime, f.name) == value, f.name
+    assert spec_for("runtime.drain_s=3").runtime.drain_s == 3.0

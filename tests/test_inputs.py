@@ -138,3 +138,259 @@ def test_a_file_that_is_not_parquet_is_one_line(tmp_path):
     with pytest.raises(ForgeError, match="not a readable Parquet file") as info:
         probe_gen(path)
     assert "\n" not in str(info.value)
+
+
+# -- ids: one rule, and repeats are refused or resolved before any work ----------------------
+
+MIXED_IDS = [{"id": 1, "text": "one"}, {"id": "1", "text": "one again"}, {"text": "no id"}, {"id": "2", "text": "two"}]
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _input(path, **options):
+    from forge.inputs import InputFile
+
+    return InputFile(path, {"path": str(path), **options})
+
+
+def test_an_integer_and_a_string_of_the_same_text_are_one_id_and_repeats_are_refused_in_one_line(tmp_path):
+    path = _write(tmp_path / "in.jsonl", MIXED_IDS)
+    with pytest.raises(ForgeError) as info:
+        probe_gen(path)  # the constructor: before any work
+    assert str(info.value) == (
+        f"input.path={path}: 1 id repeats, e.g. '1' at lines 1 and 2; make ids unique, or set "
+        "input.duplicate_ids=first or input.duplicate_ids=last to keep one row of each")
+
+
+@pytest.mark.parametrize("policy,kept_line,dropped_line", [("first", 1, 2), ("last", 2, 1)])
+def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_line(tmp_path, policy, kept_line,
+                                                                                 dropped_line):
+    from forge.run import Skipped
+
+    path = _write(tmp_path / "in.jsonl", MIXED_IDS)
+    records = list(probe_gen(path, duplicate_ids=policy).records())
+    items = [r for r in records if isinstance(r, Item)]
+    skipped = [r for r in records if isinstance(r, Skipped)]
+    # a row without an id is '#<row index>': it can never collide with an explicit id
+    assert sorted(it.id for it in items) == ["#2", "1", "2"]
+    assert next(it for it in items if it.id == "1").index == kept_line - 1
+    assert len(skipped) == 1 and skipped[0].record_id == "1" and skipped[0].line == dropped_line
+    assert skipped[0].reason == (f"line {dropped_line} (id '1'): id '1' is also at line {kept_line}; "
+                                 f"input.duplicate_ids={policy} keeps line {kept_line}")
+
+
+def test_an_explicit_id_in_the_form_of_a_missing_one_is_rejected(tmp_path):
+    path = _write(tmp_path / "in.jsonl", [{"text": "a"}, {"id": "#0", "text": "b"}, {"id": "#x", "text": "c"}])
+    records = list(probe_gen(path).records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#x"]
+    rejected = [r for r in records if isinstance(r, Rejected)]
+    assert len(rejected) == 1 and rejected[0].record_id == "line 2"
+    assert "reserved for rows without an id" in rejected[0].reason
+
+
+def test_a_hash_collision_is_not_a_repeat(tmp_path, monkeypatch):
+    import builtins
+
+    import forge.inputs
+
+    monkeypatch.setattr(forge.inputs, "hash", lambda value: 7, raising=False)  # every id hashes alike
+    assert forge.inputs.hash is not builtins.hash
+    path = _write(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": "t"} for i in range(50)])
+    assert sum(1 for r in _input(path).rows()) == 50  # no refusal: the strings differ
+
+
+def test_the_id_scan_honours_the_limit(tmp_path):
+    path = _write(tmp_path / "in.jsonl", [{"id": "a", "text": "1"}, {"id": "b", "text": "2"}, {"id": "a", "text": "3"}])
+    assert len(list(_input(path, limit=2).rows())) == 2  # the repeat lies past the limit
+    with pytest.raises(ForgeError, match="ids? repeats?"):
+        _input(path)
+
+
+def test_parquet_ids_follow_the_same_rule(tmp_path):
+    import pyarrow as pa
+
+    path = _parquet(tmp_path / "in.parquet", text=["a", "b", "c"], id=pa.array([1, None, 1]))
+    with pytest.raises(ForgeError, match=r"e\.g\. '1' at rows 0 and 2"):
+        probe_gen(path)
+    from forge.run import Skipped
+
+    records = list(probe_gen(path, duplicate_ids="last").records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#1", "1"]
+    assert [r.reason for r in records if isinstance(r, Skipped)] == [
+        "row 0 (id '1'): id '1' is also at row 2; input.duplicate_ids=last keeps row 2"]
+
+
+def test_the_duplicate_policy_and_the_row_cap_decide_results_so_they_are_in_the_fingerprint(tmp_path):
+    path = _write(tmp_path / "in.jsonl", [{"text": "a"}])
+    fp = probe_gen(path).fingerprint()["input"]
+    assert fp["duplicate_ids"] == "error" and fp["max_row_bytes"] == 1 << 20
+    assert probe_gen(path, duplicate_ids="first").fingerprint()["input"]["duplicate_ids"] == "first"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("input.duplicate_ids=second", r"config input\.duplicate_ids='second': choose one of: error, first, last"),
+    ("input.max_row_bytes=0", r"config input\.max_row_bytes=0: must be a positive integer"),
+    ("input.max_row_bytes=null", r"config input\.max_row_bytes=null: expected an integer"),
+])
+def test_bad_input_settings_are_one_line(override, message):
+    from conftest import spec_for
+
+    with pytest.raises(ForgeError, match=message):
+        spec_for(override)
+
+
+def test_the_function_yaml_names_every_input_key_with_the_schema_default():
+    """Hydra needs a key in the composed config to override it without '+': each function's
+    YAML names the `input` keys, and its values are the schema's defaults (the one home)."""
+    import dataclasses
+
+    import yaml
+
+    from forge.config import conf_dir
+    from forge.inputs import InputSpec
+
+    defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}
+    for function in ("probe_gen", "score", "embed"):
+        node = yaml.safe_load((conf_dir() / "function" / f"{function}.yaml").read_text())["input"]
+        assert {k: v for k, v in node.items() if k != "path"} == defaults, function
+
+
+# -- nothing in a row raises out of the reader ---------------------------------------------
+
+
+def test_a_deeply_nested_row_is_its_own_failure(tmp_path):
+    deep = '{"text": "t", "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    mid = '{"text": "t", "label": ' + "[" * 300 + "]" * 300 + "}"  # parses, but would break repr, pickle, JSON
+    huge_int = '{"text": "t", "id": ' + "9" * 5000 + "}"  # more digits than Python converts
+    path = _write(tmp_path / "in.jsonl", [{"text": "before"}, deep, mid, huge_int, {"text": "after"}])
+    records = list(probe_gen(path).records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#4"]
+    reasons = {r.record_id: r.reason for r in records if isinstance(r, Rejected)}
+    assert reasons["line 2"] == "line 2: nested too deeply to parse; flatten the row"
+    assert reasons["line 3"] == "line 3: nested more than 100 levels deep; flatten the row"
+    assert reasons["line 4"].startswith("line 4: cannot be parsed (") and "\n" not in reasons["line 4"]
+
+
+def test_odd_values_in_messages_are_short_and_never_raise():
+    from forge.inputs import short
+
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    assert short(nested) in ("<list>", "[" * 37 + "...")  # its type or a cut repr, never a RecursionError
+    assert short("x" * 10_000) == "'" + "x" * 36 + "..." and short(list(range(100))) == "<list of 100>"
+
+
+def test_a_bom_then_a_blank_line_is_not_a_row(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf\n{"text": "first"}\n\xef\xbb\xbf{"text": "a BOM later is bad UTF-8... or JSON"}\n')
+    rows = list(read_rows(path))
+    assert rows[0] == (0, {"text": "first"})
+    assert len(rows) == 2 and isinstance(rows[1][1], str) and rows[1][1].startswith("line 3: invalid JSON")
+
+
+def test_a_fifo_is_refused_in_one_line(tmp_path):
+    import os
+
+    path = tmp_path / "in.jsonl"
+    os.mkfifo(path)
+    with pytest.raises(ForgeError) as info:
+        probe_gen(path)
+    assert str(info.value) == (f"input.path={path} is not a regular file (a FIFO, socket or device?); Forge reads the "
+                               "input more than once (its hash, its row count, its rows): write it to a file first")
+
+
+def test_a_row_over_max_row_bytes_fails_before_it_is_parsed_and_the_next_line_reads(tmp_path):
+    path = tmp_path / "in.jsonl"
+    long_line = json.dumps({"text": "word " * 1000}).encode()  # 5014 bytes
+    path.write_bytes(b'{"text": "short"}\n' + long_line + b'\r\n' + b"x" * 3_000_000 + b'\n{"text": "after"}')
+    rows = list(read_rows(path, max_row_bytes=1000))
+    assert rows[0] == (0, {"text": "short"}) and rows[3] == (3, {"text": "after"})
+    assert rows[1] == (1, f"line 2: {len(long_line)} bytes, over input.max_row_bytes=1000; raise "
+                          "input.max_row_bytes or split the row")
+    assert rows[2][1].startswith("line 3: 3000000 bytes, over input.max_row_bytes=1000")
+    from forge.inputs import count_rows
+
+    assert count_rows(path, 1000) == 4
+
+
+def test_a_parquet_row_over_max_row_bytes_fails_before_it_is_parsed(tmp_path):
+    path = _parquet(tmp_path / "in.parquet", text=["short", "x" * 5000, "fine"], id=["a", "b", "c"],
+                    note=["n" * 1000, "", None])
+    records = list(probe_gen(path, max_row_bytes=1000).records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["c"]
+    reasons = [r.reason for r in records if isinstance(r, Rejected)]
+    assert reasons == ["row 0: 1006 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
+                       "row 1: 5001 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row"]
+
+
+def test_an_unreadable_parquet_row_group_fails_its_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(30)]}), path, row_group_size=10,
+                   compression="none")
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = meta.data_page_offset
+    data[start + 8:start + 200] = b"\xff" * 192  # the second row group's page: garbage
+    path.write_bytes(bytes(data))
+    rows = list(read_rows(path))
+    assert [i for i, _ in rows] == list(range(30))
+    bad = [i for i, r in rows if isinstance(r, str)]
+    assert set(bad) <= set(range(10, 20)) and bad, rows[10:20]
+    assert all(r.startswith(f"row {i}: row group 1 of the Parquet file cannot be read (") for i, r in rows if i in bad)
+
+
+def test_a_row_the_tokenizer_raises_for_fails_alone(tmp_path):
+    path = _write(tmp_path / "in.jsonl", [{"text": "fine"}, {"text": "BOOM"}, {"text": "also fine", "prefix": "P: "}])
+    function = probe_gen(path)
+    real = function.tokenizer
+
+    class Tokenizer:  # the real one, but it raises for one text
+        def __call__(self, text, **kwargs):
+            if "BOOM" in (text if isinstance(text, str) else " ".join(text)):
+                raise ValueError("cannot take this\nsecond line")
+            return real(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    function.hf._tokenizer = Tokenizer()
+    records = list(function.records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#2"]
+    assert [r.reason for r in records if isinstance(r, Rejected)] == [
+        "line 2 (id '#1'): tokenizing failed on it (cannot take this); fix or drop the row"]
+
+
+def test_a_parquet_label_that_is_not_json_fails_its_row(tmp_path):
+    import datetime
+
+    path = _parquet(tmp_path / "in.parquet", text=["a", "b"], label=[datetime.datetime(2020, 1, 1), None])
+    records = list(probe_gen(path).records())
+    assert [r.id for r in records if isinstance(r, Item)] == ["#1"]
+    reason = next(r.reason for r in records if isinstance(r, Rejected))
+    assert reason.startswith("row 0 (id '#0'): 'label' must be a JSON value (a number, string, list or object), "
+                             "got datetime")
+
+
+@pytest.mark.parametrize("line,repeats", [
+    ('{"\\u0069d": "1", "text": "an escaped key"}', True),
+    ('{"id": "\\u0031", "text": "an escaped value"}', True),
+    ('{"id"\t :\n 1, "text": "spaces"}'.replace("\n", " "), True),
+    ('{"id": "2", "id": "1", "text": "a repeated key: the last counts"}', True),
+    ('{"id": "1", "id": "2", "text": "a repeated key: the last counts"}', False),
+    ('{"meta": {"id": "1"}, "text": "a nested id is not the id"}', False),
+    ('{"text": "say \\"id\\": 1", "id": "x"}', False),
+])
+def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeats):
+    path = _write(tmp_path / "in.jsonl", [line, {"id": 1, "text": "the other one"}])
+    if repeats:
+        with pytest.raises(ForgeError, match="1 id repeats, e.g. '1' at lines 1 and 2"):
+            _input(path)
+    else:
+        assert len(list(_input(path).rows())) == 2

@@ -150,3 +150,74 @@ def _stats():
     from forge.run import BatchStats
 
     return BatchStats(0.0, 0, 0, 16)
+
+
+# -- bad input counts toward max_failure_share; skipped and failed ids are listed -------------
+
+
+def test_an_input_of_only_bad_rows_stops_the_run_with_its_reason(tmp_path):
+    data = write_rows(tmp_path / "in.jsonl", ['{"text": "broken'] * 5)
+    report = run_forge(tmp_path / "run", *SMALL, f"input.path={data}")
+    assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
+    assert report["items"]["failed"] == report["items"]["received"] == 5
+    assert report["error"].startswith("stopped: 5 of the last 5 input records failed with: invalid JSON "
+                                      "(e.g. line 1: invalid JSON (")
+    assert report["error"].endswith("; fix the input, or raise runtime.max_failure_share")
+
+
+def test_a_long_bad_input_stops_while_it_is_read(tmp_path):
+    data = write_rows(tmp_path / "in.jsonl", GOOD[:3] + [{"id": i, "label": 1} for i in range(3000)])
+    report = plan_forge(*SMALL, f"input.path={data}")
+    assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
+    assert report["items"]["received"] < 3003  # it stopped reading
+    assert "of the last 200 input records failed with: has no 'text' field" in report["error"]
+
+
+def test_bad_rows_below_the_share_do_not_stop_the_run(tmp_path):
+    rows = [row if i % 3 else '{"text": "broken' for i, row in enumerate(GOOD * 10)]  # a third bad, read ahead
+    report = plan_forge(*SMALL, f"input.path={write_rows(tmp_path / 'in.jsonl', rows)}")
+    assert report["status"] == "finished" and report["balanced"]
+    assert report["items"]["failed"] == 100 and report["items"]["completed"] == 200
+
+
+def test_fail_fast_stops_at_the_first_bad_row(tmp_path):
+    data = write_rows(tmp_path / "in.jsonl", GOOD[:3] + ['{"text": "broken'])
+    with pytest.raises(ForgeError, match="line 4: invalid JSON .*fail_fast=true stops at the first bad record"):
+        plan_forge(*SMALL, f"input.path={data}", "fail_fast=true")
+
+
+def test_skipped_ids_are_listed_with_their_line_and_reason(tmp_path):
+    rows = [{"id": 1, "text": "one"}, {"id": "1", "text": "one again"}, {"text": "word " * 3000, "id": "huge"},
+            '{"text": "broken'] + GOOD[:5]
+    out = tmp_path / "run"
+    report = run_forge(out, *SMALL, f"input.path={write_rows(tmp_path / 'in.jsonl', rows)}",
+                       "input.duplicate_ids=first")
+    assert report["status"] == "finished" and report["balanced"], report["imbalance"]
+    assert report["items"] == {"received": 9, "completed": 6, "failed": 1, "skipped": 2, "unfinished": 0,
+                               "resumed": 0}
+    assert report["skipped_reasons"] == {"duplicate id (input.duplicate_ids=first)": 1,
+                                         "too_long (> max_seq_len=1024)": 1}
+    skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert skipped == [
+        {"id": "1", "line": 2, "reason": "line 2 (id '1'): id '1' is also at line 1; input.duplicate_ids=first keeps "
+                                         "line 1"},
+        {"id": "huge", "reason": "too_long (> max_seq_len=1024)"}]
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert [f["id"] for f in failures] == ["line 4"]
+
+
+def test_resume_keeps_the_same_rows_of_repeated_ids_and_refuses_another_policy(tmp_path):
+    rows = [{"id": "a", "text": "first a"}, {"id": "b", "text": "b"}, {"id": "a", "text": "second a"}] + GOOD[:5]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "run"
+    first = run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=last", "layers=[1]")
+    assert first["status"] == "finished" and first["items"]["completed"] == 7 and first["items"]["skipped"] == 1
+    again = run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=last", "layers=[1]", "resume=true")
+    assert again["balanced"] and again["items"]["resumed"] == 7 and again["items"]["skipped"] == 1
+
+    from forge import load_activations
+
+    ids, _, _ = load_activations(out)
+    assert sorted(ids) == sorted(["a", "b", *(f"#{i}" for i in range(3, 8))])
+    with pytest.raises(ForgeError, match="resume refused: input.duplicate_ids"):
+        run_forge(out, *SMALL, f"input.path={data}", "input.duplicate_ids=first", "layers=[1]", "resume=true")

@@ -72,11 +72,12 @@ def same_output(run_dir, clean):
 
 def test_runtime_ray_without_ray_is_one_line(monkeypatch):
     from forge.engine import make_executor
+    from forge.plugins import make_plugin_manager
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
     spec = spec_for(*FAST, *RAY)
     with pytest.raises(ForgeError, match=r"^runtime=ray needs Ray, an optional extra: pip install -e '\.\[ray\]'$"):
-        make_executor(spec, 0, hook=None)
+        make_executor(spec, 0, make_plugin_manager())
 
 
 def test_ray_schema_is_its_own():

@@ -18,6 +18,7 @@ from forge.plugins import make_plugin_manager
 from forge.run import RunContext
 from forge.scheduler import Scheduler
 from forge.builtin import ledger
+from forge.schema import Runtime
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]
 
@@ -54,7 +55,7 @@ def drive(source, window, executor=None):
     executor = executor or SimExecutor(packer.overhead_tokens)
     executor.start(DEVICES)
     committer = Committer(None, set(), 1 << 62, float("inf"))
-    loop = RunLoop(sched, executor, committer, run=run, hook=pm.hook)
+    loop = RunLoop(sched, executor, committer, run=run, hook=pm.hook, policy=Runtime())
     loop.run_until_done()
     return ledger.ledger_of(run), seen.batches, sched, committer
 

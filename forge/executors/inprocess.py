@@ -22,6 +22,12 @@ class InProcessExecutor(Executor):
         self.workers: dict = {}
         self._queue: deque[tuple[int, Device, Batch]] = deque()
 
+    @classmethod
+    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
+                     hook=None) -> "InProcessExecutor":
+        """The executor `runtime.executor=inprocess` builds (a forge_executors factory)."""
+        return cls(function, cache_tokens, hook)
+
     def start(self, devices: list[Device]) -> None:
         for device in devices:
             t0 = time.perf_counter()

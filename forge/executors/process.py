@@ -52,14 +52,22 @@ class _Slot(Slot):
 
 
 class ProcessExecutor(SlotExecutor):
-    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), max_in_flight: int = 2,
-                 max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
+    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...], max_in_flight: int,
+                 max_restarts: int, startup_timeout_s: float, kill_grace_s: float):
         super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
                          startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
         self.function = function
         self.cache_tokens = cache_tokens
         self.plugins = tuple(plugins)
         self._threads = 1
+
+    @classmethod
+    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
+                     hook=None) -> "ProcessExecutor":
+        """The executor `runtime.executor=process` builds (a forge_executors factory)."""
+        return cls(function, cache_tokens, plugins=plugins, max_in_flight=runtime.max_in_flight,
+                   max_restarts=runtime.max_restarts, startup_timeout_s=runtime.startup_timeout_s,
+                   kill_grace_s=runtime.kill_grace_s)
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:

@@ -46,9 +46,18 @@ class _Slot(Slot):
 class RayExecutor(SlotExecutor):
     worker = "actor"
 
-    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...] = (), address: str | None = None,
-                 num_cpus: int | None = None, cpus_per_actor: float = 1.0, max_in_flight: int = 2,
-                 max_restarts: int = 3, startup_timeout_s: float = 600.0, kill_grace_s: float = 5.0):
+    @classmethod
+    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
+                     hook=None) -> "RayExecutor":
+        """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
+        return cls(function, cache_tokens, plugins=plugins, address=runtime.address, num_cpus=runtime.num_cpus,
+                   cpus_per_actor=runtime.cpus_per_actor,
+                   max_in_flight=runtime.max_in_flight, max_restarts=runtime.max_restarts,
+                   startup_timeout_s=runtime.startup_timeout_s, kill_grace_s=runtime.kill_grace_s)
+
+    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...], address: str | None,
+                 num_cpus: int | None, cpus_per_actor: float, max_in_flight: int, max_restarts: int,
+                 startup_timeout_s: float, kill_grace_s: float):
         super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
                          startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
         self.ray = import_ray()
