@@ -28,3 +28,11 @@ def test_the_readme_points_at_the_guide():
     readme = (ROOT / "README.md").read_text()
     plugins = readme[readme.index("## Plugins"):]
     assert "docs/functions.md" in plugins[:plugins.index("\n## ", 5)]
+
+
+def test_the_guides_testing_example_runs(tmp_path):
+    guide = (ROOT / "docs" / "functions.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", guide, flags=re.S) if "check_modes(" in b)
+    namespace: dict = {}
+    exec(compile(block, "docs/functions.md", "exec"), namespace)
+    namespace["test_surprisal_is_exact_in_every_mode"](tmp_path)

@@ -75,6 +75,11 @@ def test_their_function_is_exact_in_every_mode(tmp_path):
                         limits=["devices=auto", "devices.limits.max_batch_tokens=512",
                                 "devices.limits.max_seq_len=256", "budget.tokens_per_step=512"])
     assert set(check.results) == {"item", "token-cache", "token-nocache", "token-packed", "memory"}
+    # it uses the prefix cache: in token mode the rows sharing a prefix take it from the cache
+    from forge.testing import run_function
+
+    report = run_function("token_norms", tmp_path / "rows.jsonl", tmp_path / "cached", ["batching=token"])
+    assert report["tokens"]["cache_hit"] > 0 and report["items"]["completed"] == len(rows)
 
 
 def test_their_function_imports_only_the_public_api():

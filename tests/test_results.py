@@ -106,3 +106,16 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
         assert res.ids == [f"i{k}" for k in range(5)] and res.columns["n"].tolist() == [1, 2, 3, 4, 5]
         for got, want in zip(res.columns["per_token"], values):
             assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("function,field", [("score", "loglik"), ("embed", "embedding"), ("surprisal", "mean_nll"),
+                                            ("probe_gen", "layer_4")])
+def test_load_reads_any_functions_results(tmp_path, function, field):
+    """One reader for every built-in (the README's promise): no folder needed, rows in input order."""
+    from forge.results import load, shards
+
+    report = run_forge(tmp_path, f"function={function}", "input.limit=8", *(["layers=[4]"] if function == "probe_gen" else []))
+    res = load(tmp_path)
+    assert len(res) == report["items"]["completed"] > 0 and field in res.columns
+    assert list(res.index) == sorted(res.index)
+    assert sum(len(part) for part in shards(tmp_path)) == len(res)

@@ -12,7 +12,7 @@ first token after a split-off prefix, the prefix's last state, which the prefix 
 
 The LM head runs only at target positions, in chunks; log_softmax is float32. Which layout ran
 is invisible here: views of the same item in two layouts are equal up to float rounding
-(tests/test_views.py, tests/test_fidelity.py).
+(tests/test_views.py, tests/test_fidelity.py, tests/test_surprisal.py).
 """
 
 from __future__ import annotations
