@@ -77,7 +77,7 @@ def run_forge(path: Path, out: Path, packed: bool, packed_row_tokens: int, max_b
     from forge.config import build_spec
     from forge.engine import execute
     from forge.plugins import make_plugin_manager
-    from forge.functions.embed_sink import load_embeddings
+    from forge.functions.embed import load_embeddings
 
     shutil.rmtree(out, ignore_errors=True)
     overrides = ["function=embed", "model=minilm", f"input.path={path}", "batching=token",

@@ -10,7 +10,19 @@ from forge.errors import ForgeError  # noqa: E402
 from forge.geometry import Batch, Device, Item, Limits
 from forge.hookspecs import hookimpl
 
-__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "hookimpl", "load_activations"]
+__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "hookimpl", "load_activations",
+           # the public function API (forge.api), imported on first use: `import forge` stays light
+           "CausalLMFunction", "Column", "EncoderFunction", "Field", "Forward", "InputSpec", "ItemView",
+           "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens"]
+_API = frozenset(__all__[7:])
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from forge import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'forge' has no attribute {name!r}")
 
 
 def load_activations(run_dir):

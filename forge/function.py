@@ -1,5 +1,10 @@
 """The function seam: what a Forge function provides to the engine.
 
+Authors do not implement this ABC directly: `forge.api` (`CausalLMFunction`, `EncoderFunction`)
+implements it once for every function over a Hugging Face model, and a function declares only
+its result fields, what its forward pass must give and a reduction of one item's view
+(docs/functions.md). This module is the engine's side of that contract.
+
 A function is a class (this ABC) plus a YAML file in a `conf/function/` directory. It
 declares:
 

@@ -5,8 +5,9 @@
     run_dir/commits.jsonl (or commits/*.json)  one record per shard: file, index, ids (and per-item meta)
 
 A result is one row per committed item: its `id`, its input `index` and one value per
-field. `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back
-in input order, whichever sink wrote them (`forge.sinks`). `run_dir` is a local path or an
+field (a scalar, a fixed shape, a string, or ragged: one 1-D array of any length per item).
+`load` reads only journaled shards (`forge.store.read_journal`) and puts rows back in input
+order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them. `run_dir` is a local path or an
 fsspec URL (`forge.location`).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -27,6 +28,7 @@ META = "meta.json"
 FORMATS = {"safetensors": ".safetensors", "parquet": ".parquet"}
 STRING = "string"  # dtype of a text field (Parquet only)
 RESERVED = ("id", "index")  # columns every result row has
+OFFSETS = ".offsets"  # safetensors: a ragged field is its values end to end plus <name>.offsets [rows + 1]
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,16 @@ class Field:
     name: str  # column (Parquet) or tensor (safetensors) name
     dtype: str  # numpy dtype name (float32, float64, int64, int32, bool), or "string" (Parquet only)
     shape: tuple[int, ...] | None = ()  # per-item shape: () a scalar, (hidden,) a vector; None: any, same for all
+    ragged: bool = False  # a variable number of values per item (one 1-D array each: per-token values)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape),
+                "ragged": self.ragged}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Field":
         shape = d.get("shape", ())
-        return Field(d["name"], d["dtype"], None if shape is None else tuple(shape))
+        return Field(d["name"], d["dtype"], None if shape is None else tuple(shape), bool(d.get("ragged", False)))
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class Results:
 
     ids: list[str]  # item ids
     index: np.ndarray  # input position of each row (int64, ascending)
-    columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings)
+    columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings and ragged fields)
     meta: list[Any] | None  # each item's meta (labels, ...) where the function keeps it
     info: dict[str, Any]  # meta.json: format, fields and the function's own meta
 
@@ -123,36 +127,45 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
     return info
 
 
-def load(run_dir, folder: str | None = None) -> Results:
-    """The committed results of a run, rows in input order. `folder` picks one results folder
-    when a run has several (default: its only one)."""
-    if folder is None:
-        folders = result_folders(run_dir)
-        if len(folders) != 1:
-            raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
-                             + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
-        folder = folders[0]
+def _folder(run_dir, folder: str | None) -> str:
+    if folder is not None:
+        return folder
+    folders = result_folders(run_dir)
+    if len(folders) != 1:
+        raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
+                         + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
+    return folders[0]
+
+
+def shards(run_dir, folder: str | None = None) -> Iterator[Results]:
+    """The committed results of a run shard by shard, in commit order (each shard's rows in its
+    own order), one shard in memory at a time: for results larger than memory."""
+    folder = _folder(run_dir, folder)
     info = read_info(run_dir, folder)
     fields = [Field.from_dict(d) for d in info["fields"]]
     meta_key = info.get("meta_key")
-    ids: list[str] = []
-    index: list[int] = []
-    meta: list[Any] = []
-    parts: dict[str, list] = {f.name: [] for f in fields}
     where = open_location(run_dir)
     for line in read_journal(run_dir):
         if posixpath.dirname(line["file"]) != folder:
             continue
-        ids += line["ids"]
-        index += line["index"]
-        if meta_key:
-            meta += line.get(meta_key, [None] * len(line["ids"]))
-        for name, values in _read_shard(where, line["file"], info["format"], parts).items():
-            parts[name].append(values)
-    order = np.argsort(np.asarray(index, np.int64), kind="stable")
-    columns = {f.name: _concat(parts[f.name], f)[order] for f in fields}
-    return Results([ids[i] for i in order], np.asarray(index, np.int64)[order], columns,
-                   [meta[i] for i in order] if meta_key else None, info)
+        values = _read_shard(where, line["file"], info["format"], [f.name for f in fields])
+        meta = line.get(meta_key, [None] * len(line["ids"])) if meta_key else None
+        yield Results(list(line["ids"]), np.asarray(line["index"], np.int64), values, meta, info)
+
+
+def load(run_dir, folder: str | None = None) -> Results:
+    """The committed results of a run, rows in input order: any function's, from a local path
+    or an fsspec URL. `folder` picks one results folder when a run has several (default: its only one)."""
+    folder = _folder(run_dir, folder)
+    info = read_info(run_dir, folder)
+    fields = [Field.from_dict(d) for d in info["fields"]]
+    parts = list(shards(run_dir, folder))
+    ids = [i for part in parts for i in part.ids]
+    index = np.concatenate([part.index for part in parts]) if parts else np.zeros(0, np.int64)
+    order = np.argsort(index, kind="stable")
+    columns = {f.name: _concat([part.columns[f.name] for part in parts], f)[order] for f in fields}
+    meta = [m for part in parts for m in part.meta] if info.get("meta_key") else None
+    return Results([ids[i] for i in order], index[order], columns, [meta[i] for i in order] if meta else meta, info)
 
 
 def _read_shard(where: Location, rel: str, fmt: str, wanted) -> dict[str, np.ndarray]:
@@ -162,7 +175,8 @@ def _read_shard(where: Location, rel: str, fmt: str, wanted) -> dict[str, np.nda
         from safetensors.numpy import load, load_file
 
         tensors = load_file(str(path)) if path is not None else load(where.read_bytes(rel))
-        return {name: tensors[name] for name in wanted}
+        return {name: _split_ragged(tensors[name], tensors[name + OFFSETS]) if name + OFFSETS in tensors
+                else tensors[name] for name in wanted}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -178,6 +192,9 @@ def _numpy_column(column) -> np.ndarray:
     column = column.combine_chunks()
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         return np.asarray(column.to_pylist(), dtype=object)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):  # ragged: one array per row
+        offsets = column.offsets.to_numpy()
+        return _split_ragged(column.flatten().to_numpy(zero_copy_only=False), offsets)
     if pa.types.is_fixed_size_list(column.type):
         shape = []
         arr, kind = column, column.type
@@ -192,6 +209,10 @@ def _arrow_column(values: np.ndarray):
     """A numpy column for a pyarrow table: [rows, *shape] becomes nested fixed-size lists."""
     import pyarrow as pa
 
+    if values.dtype == object and len(values) and isinstance(values[0], np.ndarray):  # ragged
+        offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(np.int32)
+        flat = np.concatenate(values) if len(values) else np.zeros(0, np.float32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
     if values.dtype == object:
         return pa.array(values.tolist(), pa.string())
     arr = pa.array(np.ascontiguousarray(values).reshape(-1))
@@ -200,8 +221,20 @@ def _arrow_column(values: np.ndarray):
     return arr
 
 
+def ragged_array(values: list) -> np.ndarray:
+    """A 1-D object array holding one array per row (numpy would otherwise try to stack them)."""
+    out = np.empty(len(values), dtype=object)
+    for k, v in enumerate(values):
+        out[k] = v
+    return out
+
+
+def _split_ragged(flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return ragged_array([flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+
+
 def _concat(chunks: list[np.ndarray], f: Field) -> np.ndarray:
     if chunks:
         return np.concatenate(chunks)
-    dtype = object if f.dtype == STRING else np.dtype(f.dtype)
+    dtype = object if f.dtype == STRING or f.ragged else np.dtype(f.dtype)
     return np.zeros((0, *(f.shape or ())), dtype)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.results import FORMATS, META, STRING, Field, ResultSchema
+from forge.results import FORMATS, META, OFFSETS, STRING, Field, ResultSchema, ragged_array
 
 if TYPE_CHECKING:
     from forge.geometry import Batch
@@ -58,6 +58,11 @@ class ShardBuffer:
         if f.name not in columns:
             raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
                              f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
+        if f.ragged:
+            values = [np.asarray(v).astype(f.dtype, copy=False).reshape(-1) for v in columns[f.name]]
+            if len(values) != n:
+                raise ForgeError(f"result field {f.name!r}: the worker gave {len(values)} values for {n} item(s)")
+            return ragged_array(values)
         values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
         if f.dtype != STRING:
             if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
@@ -90,7 +95,13 @@ class ShardBuffer:
         if self.schema.format == "safetensors":
             from safetensors.numpy import save_file
 
-            tensors = {name: np.ascontiguousarray(values) for name, values in columns.items()}
+            tensors = {}
+            for f in self.schema.fields:
+                values = columns[f.name]
+                if f.ragged:  # values end to end, and where each row's start
+                    tensors[f.name + OFFSETS] = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
+                    values = np.concatenate(list(values)) if len(values) else np.zeros(0, f.dtype)
+                tensors[f.name] = np.ascontiguousarray(values)
             return lambda path: save_file(tensors, str(path))
         import pyarrow.parquet as pq
 
@@ -112,9 +123,10 @@ class ResultSink:
     the output's `columns` (aligned with `batch.items`), ids and input indexes from the items,
     and each item's `meta` is kept when the schema names a `meta_key`."""
 
-    def __init__(self, store: "RunStore", schema: ResultSchema):
+    def __init__(self, store: "RunStore", schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
         self.buffer = ShardBuffer(store, schema)
         self.rows_per_shard = schema.rows_per_shard
+        self.meta_of = meta_of or (lambda item: item.meta)  # what the journal keeps of an item (schema.meta_key)
 
     def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
         items = batch.items
@@ -124,7 +136,7 @@ class ResultSink:
             items = [it for it, k in zip(items, keep) if k]
             columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
                        np.asarray(values)[mask] for name, values in columns.items()}
-        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [it.meta for it in items])
+        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items])
 
     def flush(self) -> None:
         self.buffer.flush()

@@ -9,4 +9,5 @@ def forge_functions():
         "probe_gen": "forge.functions.probe_gen:ProbeGen",
         "score": "forge.functions.score:Score",
         "embed": "forge.functions.embed:Embed",
+        "surprisal": "forge.functions.surprisal:Surprisal",
     }

@@ -10,7 +10,7 @@ import torch
 
 from conftest import SMALL, plan_forge, run_forge
 from forge.errors import ForgeError
-from forge.functions.embed_sink import load_embeddings
+from forge.functions.embed import load_embeddings
 
 N_GOOD = 60
 N_DECODER = 30

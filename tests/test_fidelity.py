@@ -302,3 +302,63 @@ def test_eos_appending_tokenizer(tmp_path, data):
         else:
             assert item.tokens[-1] == 2  # a row without a prefix keeps the tokenizer's own EOS
     assert sum("appends EOS" in w for w in fn.warnings()) == 1
+
+
+# -- surprisal: target log-probabilities through the same matrix --------------------------------
+_SURPRISAL_REFS: dict[str, dict] = {}
+
+
+def _surprisal_refs(name: str, data) -> dict:
+    """{item id: (sum_nll, num_tokens)} from the family's full forward pass, one row at a time."""
+    if name not in _SURPRISAL_REFS:
+        path, _ = family(name, data)
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        refs = {}
+        for row in _rows():
+            if row.get("prefix"):
+                prefix = tok(row["prefix"])["input_ids"]
+                ids, first = prefix + tok(row["text"], add_special_tokens=False)["input_ids"], len(prefix)
+            else:
+                ids, first = tok(row["text"])["input_ids"], 1
+            with torch.inference_mode():
+                logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+            nll = [-logp[p - 1, ids[p]].item() for p in range(first, len(ids))]
+            refs[row["id"]] = (sum(nll), len(nll))
+        _SURPRISAL_REFS[name] = refs
+    return _SURPRISAL_REFS[name]
+
+
+SURPRISAL_MODES = ["item", "token-cache", "token-nocache", "token-packed", "memory"]
+
+
+@pytest.mark.parametrize("mode", SURPRISAL_MODES)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
+    from forge.results import load
+
+    path, _ = family(name, data)
+    key = ("surprisal", mode)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose(*SMALL[:-1], *MODES[mode], "function=surprisal", "model=hf", "model.name=DIR",
+                                 f"input.path={data[1]}", "runtime.executor=inprocess")
+    cfg = copy.deepcopy(_COMPOSED[key])
+    cfg.model.name = str(path)
+    from forge.config import build_spec
+    from forge.engine import execute
+    from forge.plugins import make_plugin_manager
+
+    if (name, mode) in REFUSED:
+        with pytest.raises(ForgeError, match=REFUSED[name, mode]):
+            execute(build_spec(cfg, tmp_path), make_plugin_manager())
+        assert not (tmp_path / "report.json").exists()
+        return
+    report = execute(build_spec(cfg, tmp_path), make_plugin_manager())
+    refs = _surprisal_refs(name, data)
+    assert report["items"]["completed"] == len(refs) and report["items"]["failed"] == 0, report.get("failures")
+    res = load(tmp_path)
+    for k, rid in enumerate(res.ids):
+        sum_nll, n = refs[rid]
+        assert res.columns["num_tokens"][k] == n
+        assert abs(res.columns["sum_nll"][k] - sum_nll) < TOL * n, (name, mode, rid)
+        assert abs(res.columns["mean_nll"][k] - sum_nll / n) < TOL, (name, mode, rid)

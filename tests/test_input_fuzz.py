@@ -55,12 +55,14 @@ def _oracle_count(data: bytes, limit: int | None) -> int:
 
 
 def _as_item(record):
-    """probe_gen's row check, and a stand-in for its tokenizer (no model needed)."""
-    from forge.functions.probe_gen import ProbeGen
+    """probe_gen's row check (every model function's: forge.rows), and a stand-in for its
+    tokenizer (no model needed)."""
+    from forge.api import TEXT_COLUMNS
+    from forge.rows import check
 
     if not isinstance(record, Row):
         return record
-    problem = ProbeGen._check_row(record.data)
+    problem = check(record.data, TEXT_COLUMNS)
     if problem is not None:
         return record.reject(problem)
     return Item(record.id, len(record.data["text"]) + 1, None, 0, None, record.data.get("label"), record.index)

@@ -253,9 +253,11 @@ def test_the_function_yaml_names_every_input_key_with_the_schema_default():
     from forge.inputs import InputSpec
 
     defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}
-    for function in ("probe_gen", "score", "embed"):
-        node = yaml.safe_load((conf_dir() / "function" / f"{function}.yaml").read_text())["input"]
-        assert {k: v for k, v in node.items() if k != "path"} == defaults, function
+    paths = sorted((conf_dir() / "function").glob("*.yaml"))
+    assert {p.stem for p in paths} >= {"probe_gen", "score", "embed", "surprisal"}
+    for path in paths:
+        node = yaml.safe_load(path.read_text())["input"]
+        assert {k: v for k, v in node.items() if k != "path"} == defaults, path.name
 
 
 # -- nothing in a row raises out of the reader ---------------------------------------------
@@ -360,7 +362,7 @@ def test_a_row_the_tokenizer_raises_for_fails_alone(tmp_path):
         def __getattr__(self, name):
             return getattr(real, name)
 
-    function._tokenizer = Tokenizer()
+    function.hf._tokenizer = Tokenizer()
     records = list(function.records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#2"]
     assert [r.reason for r in records if isinstance(r, Rejected)] == [

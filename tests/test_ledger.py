@@ -78,14 +78,14 @@ def test_budget_max_tokens_skips_the_rest(tmp_path):
 def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):
     from forge.runtime.causal_lm import CausalLMRunner
 
-    real = CausalLMRunner.run
+    real = CausalLMRunner.forward_tokens  # what every function's worker runs a batch through
 
     def flaky(self, batch):
         if any(it.index == 7 for it in batch.items):  # the eighth row
             raise RuntimeError("simulated device fault")
         return real(self, batch)
 
-    monkeypatch.setattr(CausalLMRunner, "run", flaky)
+    monkeypatch.setattr(CausalLMRunner, "forward_tokens", flaky)
     report = run_forge(tmp_path, *SMALL, "input.limit=40", "runtime.executor=inprocess")
     assert report["balanced"], report["imbalance"]
     assert report["items"]["failed"] == 1 and report["items"]["completed"] == 39

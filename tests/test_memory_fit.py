@@ -70,7 +70,7 @@ def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
     kv = 4 * 2 * 4 * 64 * 4  # layers x (K, V) x kv heads x head dim x float32
     assert kv <= cost.kv_bytes_per_token < 2 * kv  # a row's cache, and GQA/attention transients over its keys
     assert cost.weight_bytes >= 4_200_000 * 4 and not fn.warnings()
-    (path,) = memory_fit.cache_dir().glob("*-float32-sdpa-h1-last-*.json")
+    (path,) = memory_fit.cache_dir().glob(f"{memory_fit.config_hash(fn.config)}-float32-sdpa-h1-last-*.json")
     record = json.loads(path.read_text())
     assert len(record["sweep"]) == len(FIT_SHAPES) and record["target"]["dtype"] == "float32"
 

@@ -26,6 +26,9 @@ def _forge(*args, cwd):
                           cwd=cwd, timeout=600)
 
 
+LAYER = 4
+
+
 def test_forge_run_their_function_with_their_mode(tmp_path):
     out = tmp_path / "run"
     result = _forge("run", "function=token_norms", "batching=sorted", "batching.batch_size=16", f"input.limit={N}",
@@ -36,27 +39,62 @@ def test_forge_run_their_function_with_their_mode(tmp_path):
     assert report["balanced"], report.get("imbalance")
     assert report["items"]["completed"] == N and report["batches"] == -(-N // 16)
 
+    import torch
     from forge.functions.assets import embedded_dataset_path, embedded_model_source, materialize_model
     from forge.results import load
-    from safetensors.numpy import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     res = load(out)
     rows = [json.loads(line) for line in open(embedded_dataset_path())][:N]
     assert res.ids == [r["id"] for r in rows]  # input order, whatever order batches ran in
-    # the same numbers computed directly: the embedding table, each row tokenized alone
+    # the same numbers computed directly: each row alone through transformers, its text's tokens
     source = embedded_model_source()
-    table = load_file(str(materialize_model(source) / "model.safetensors"))["model.embed_tokens.weight"]
     tok = AutoTokenizer.from_pretrained(str(source))
-    for k, row in enumerate(rows):
-        if row.get("prefix"):
-            ids = tok(row["prefix"])["input_ids"] + tok(row["text"], add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(row["text"])["input_ids"]
-        norms = np.linalg.norm(table[ids], axis=1)
-        assert res.columns["num_tokens"][k] == len(ids)
-        assert abs(res.columns["mean_norm"][k] - norms.mean()) < 1e-5
-        assert abs(res.columns["max_norm"][k] - norms.max()) < 1e-5
+    model = AutoModelForCausalLM.from_pretrained(str(materialize_model(source))).eval()
+    for k, row in enumerate(rows[:40]):
+        prefix = tok(row["prefix"])["input_ids"] if row.get("prefix") else []
+        ids = prefix + tok(row["text"], add_special_tokens=not prefix)["input_ids"]
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[LAYER][0]
+        norms = hidden[len(prefix):].norm(dim=-1).numpy()
+        assert res.columns["num_tokens"][k] == len(norms)
+        assert np.abs(res.columns["norms"][k] - norms).max() < 1e-4
+        assert abs(res.columns["mean_norm"][k] - norms.mean()) < 1e-4
+        assert abs(res.columns["max_norm"][k] - norms.max()) < 1e-4
+
+
+def test_their_function_is_exact_in_every_mode(tmp_path):
+    """forge.testing: every batching mode (prefix cache on and off, packed) equals one item at a time."""
+    from forge.functions.assets import embedded_dataset_path
+    from forge.testing import check_modes
+
+    rows = [json.loads(line) for line in open(embedded_dataset_path())]
+    short = sorted({r["prefix"] for r in rows if r.get("prefix")}, key=len)[:2]
+    rows = [r for r in rows if r.get("prefix") in short][:16] + [r for r in rows if not r.get("prefix")][:2]
+    check = check_modes("token_norms", rows, tmp_path, tol=1e-4,
+                        limits=["devices=auto", "devices.limits.max_batch_tokens=512",
+                                "devices.limits.max_seq_len=256", "budget.tokens_per_step=512"])
+    assert set(check.results) == {"item", "token-cache", "token-nocache", "token-packed", "memory"}
+    # it uses the prefix cache: in token mode the rows sharing a prefix take it from the cache
+    from forge.testing import run_function
+
+    report = run_function("token_norms", tmp_path / "rows.jsonl", tmp_path / "cached", ["batching=token"])
+    assert report["tokens"]["cache_hit"] > 0 and report["items"]["completed"] == len(rows)
+
+
+def test_their_function_imports_only_the_public_api():
+    import ast
+
+    import forge_plugin_example.token_norms as module
+
+    allowed = {"forge", "forge.api"}
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) else []
+        for name in names:
+            assert not name.startswith("forge") or name in allowed, f"token_norms imports {name}"
+    source = Path(module.__file__).read_text()
+    assert "forge.functions" not in source and "forge.runtime" not in source
 
 
 def test_forge_ls_lists_their_function_and_mode(tmp_path):

@@ -73,3 +73,49 @@ def _dataset():
     from forge.functions.assets import embedded_dataset_path
 
     return embedded_dataset_path()
+
+
+def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
+    """`shards` yields each committed shard; `load` is their rows in input order; ragged fields
+    (a variable number of values per item) round-trip in Parquet and safetensors."""
+    import numpy as np
+
+    from forge.geometry import Batch, Item
+    from forge.function import ItemColumns
+    from forge.results import Field, ResultSchema, load, shards
+    from forge.sinks import open_sink
+    from forge.store import RunStore
+
+    for fmt in ("parquet", "safetensors"):
+        run = tmp_path / fmt
+        store = RunStore(run, {"function": "test"})
+        schema = ResultSchema((Field("n", "int64"), Field("per_token", "float32", ragged=True)), format=fmt,
+                              folder="res", rows_per_shard=2)
+        sink = open_sink(store, schema)
+        items = [Item(f"i{k}", 1, index=k) for k in range(5)]
+        values = [np.arange(k + 1, dtype=np.float32) * (k + 1) for k in range(5)]
+        for lo in (3, 0):  # committed out of order
+            batch = Batch([[it] for it in items[lo:lo + 3]], 1)
+            sink.write(batch, ItemColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
+                                           "per_token": values[lo:lo + 3]}), None)
+            sink.flush()
+        sink.close()
+        parts = list(shards(run))
+        assert [p.ids for p in parts] == [["i3", "i4"], ["i0", "i1", "i2"]]
+        res = load(run)
+        assert res.ids == [f"i{k}" for k in range(5)] and res.columns["n"].tolist() == [1, 2, 3, 4, 5]
+        for got, want in zip(res.columns["per_token"], values):
+            assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("function,field", [("score", "loglik"), ("embed", "embedding"), ("surprisal", "mean_nll"),
+                                            ("probe_gen", "layer_4")])
+def test_load_reads_any_functions_results(tmp_path, function, field):
+    """One reader for every built-in (the README's promise): no folder needed, rows in input order."""
+    from forge.results import load, shards
+
+    report = run_forge(tmp_path, f"function={function}", "input.limit=8", *(["layers=[4]"] if function == "probe_gen" else []))
+    res = load(tmp_path)
+    assert len(res) == report["items"]["completed"] > 0 and field in res.columns
+    assert list(res.index) == sorted(res.index)
+    assert sum(len(part) for part in shards(tmp_path)) == len(res)

@@ -75,7 +75,7 @@ class RowStates:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+def _check_layers(layers: Sequence[int], num_layers: int, allow_empty: bool = False) -> list[int]:
     """Layer indices resolved into 0..num_layers (negative ones count from the end)."""
     out = []
     for layer in layers:
@@ -87,7 +87,7 @@ def _check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
                 f"(0 = embeddings, {num_layers} = final normed output)"
             )
         out.append(layer % (num_layers + 1))
-    if not out:
+    if not out and not allow_empty:
         raise ValueError("layers must name at least one layer")
     return out
 
@@ -125,6 +125,7 @@ class CausalLMRunner:
         cache_tokens: int = 0,
         pad_token_id: int = 0,
         caps: Capabilities | None = None,
+        allow_no_layers: bool = False,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -134,7 +135,7 @@ class CausalLMRunner:
         self.pad_token_id = int(pad_token_id)
         self.num_layers = num_layers(self.config)
         self.layers = list(layers)
-        self._layer_idx = _check_layers(self.layers, self.num_layers)
+        self._layer_idx = _check_layers(self.layers, self.num_layers, allow_no_layers)
         self._hs_select = sorted(set(self._layer_idx))
         self.cache = PrefixCache(cache_tokens)
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
@@ -251,13 +252,14 @@ class CausalLMRunner:
             input_ids=prefix.view(1, P).to(self.device),
             position_ids=torch.arange(P, device=self.device).view(1, P),
             use_cache=True,
-            output_hidden_states=self._hs_select,
+            output_hidden_states=self._hs_select or False,
             **{self._cache_kw: kv_cache},
         )
         produced = output_cache(out)
         kv = cache_key_values(produced if produced is not None else kv_cache)
         last = {i: out.hidden_states[i][0, -1].float().cpu() for i in self._hs_select}
-        entry = PrefixEntry(key_values=kv, length=P, tokens=prefix.clone(), last_hidden=last)
+        entry = PrefixEntry(key_values=kv, length=P, tokens=prefix.clone(), last_hidden=last,
+                            last_state=out.last_hidden_state[0, -1].clone())
         if use_cache:
             self.cache.put(key, entry)
         return entry, False
@@ -372,7 +374,7 @@ class CausalLMRunner:
             input_ids=input_ids.to(dev),
             attention_mask=mask,
             position_ids=position_ids.to(dev),
-            output_hidden_states=self._hs_select,
+            output_hidden_states=self._hs_select or False,
             **kwargs,
         )
         hidden = {i: out.hidden_states[i] for i in self._hs_select}

@@ -125,10 +125,25 @@ class EncoderRunner:
             return self._run(batch)
 
     def _run(self, batch: Batch) -> torch.Tensor:
-        items = batch.items
-        n = len(items)
+        n = len(batch.items)
         if n == 0:
             return torch.empty(0, self.hidden_size)
+        hidden, (tok_item, tok_row, tok_col), rows_t, starts_t, lens = self.forward(batch)
+        hidden = hidden[None]
+        if self.pooling == "mean":
+            sums = torch.zeros(n, hidden.shape[-1], dtype=torch.float32, device=self.device)
+            sums.index_add_(0, tok_item.to(self.device), hidden[tok_row.to(self.device), tok_col.to(self.device)].float())
+            vectors = sums / lens.to(self.device, torch.float32)[:, None]
+        else:
+            col = starts_t if self.pooling == "cls" else starts_t + lens - 1
+            vectors = hidden[rows_t.to(self.device), col.to(self.device)]
+        return pool_and_normalize(vectors, self.normalize).cpu()
+
+    def forward(self, batch: Batch, layers: list[int] | None = None):
+        """The batch's forward pass: ({layer: [rows, padded_len, hidden]} (None: last_hidden_state),
+        (tok_item, tok_row, tok_col), each item's row, first slot and length)."""
+        items = batch.items
+        n = len(items)
         if batch.prefix_len and batch.split_prefix:
             raise ValueError("an encoder batch cannot split off a prefix")
         seqs = [torch.as_tensor(it.tokens, dtype=torch.long).reshape(-1) for it in items]
@@ -177,17 +192,50 @@ class EncoderRunner:
         else:
             mask = (torch.arange(S)[None, :] < torch.tensor(used)[:, None]).long()
             kwargs["attention_mask"] = mask.to(self.device)
+        if layers:
+            kwargs["output_hidden_states"] = True
         out = self.model(input_ids=input_ids.to(self.device), **kwargs)
-        hidden = out.last_hidden_state
+        hidden = {None: out.last_hidden_state}
+        for layer in layers or ():
+            hidden[layer] = out.hidden_states[layer]
+        return hidden, (tok_item, tok_row, tok_col), rows_t, starts_t, lens
 
-        if self.pooling == "mean":
-            sums = torch.zeros(n, hidden.shape[-1], dtype=torch.float32, device=self.device)
-            sums.index_add_(0, tok_item.to(self.device), hidden[tok_row.to(self.device), tok_col.to(self.device)].float())
-            vectors = sums / lens.to(self.device, torch.float32)[:, None]
-        else:
-            col = starts_t if self.pooling == "cls" else starts_t + lens - 1
-            vectors = hidden[rows_t.to(self.device), col.to(self.device)]
-        return pool_and_normalize(vectors, self.normalize).cpu()
+
+class EncoderViews:
+    """Item views (`forge.runtime.views.ItemView`) of batches run through an encoder: each text's
+    hidden states at the requested layers, its own tokens in order (an encoder has no prefix)."""
+
+    def __init__(self, model: Any, caps: EncoderCaps, layers: list[int], pad_token_id: int = 0):
+        from forge.runtime.hf_compat import num_layers
+
+        self.runner = EncoderRunner(model, caps, "mean", False, pad_token_id)
+        self.layers = list(layers)
+        n = num_layers(model.config)
+        # the final index is last_hidden_state itself: other layers need output_hidden_states
+        self.source = {layer: None if layer % (n + 1) == n else layer % (n + 1) for layer in self.layers}
+
+    def run(self, batch: Batch):
+        from forge.runtime.views import ItemMeta, ItemView, ViewBatch
+
+        items = batch.items
+        if not items:
+            return ViewBatch([], 0, False)
+        with torch.inference_mode():
+            fetch = sorted({i for i in self.source.values() if i is not None})
+            hidden, _, rows_t, starts_t, lens = self.runner.forward(batch, fetch)
+        views = []
+        empty = torch.empty(0, dtype=torch.long)
+        for k, item in enumerate(items):
+            r, s, n = int(rows_t[k]), int(starts_t[k]), int(lens[k])
+            meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
+            views.append(ItemView(item.id, item.index, list(item.tokens), 0,
+                                  {layer: hidden[i][r, s:s + n] for layer, i in self.source.items()}, {}, empty,
+                                  None, None,
+                                  meta.label, meta.data))
+        return ViewBatch(views, 0, False)
+
+    def close(self) -> None:
+        self.runner = None
 
 
 def reference_embedding(model: Any, tokens, pooling: str, normalize: bool) -> torch.Tensor:

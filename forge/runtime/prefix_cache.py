@@ -18,7 +18,9 @@ class PrefixEntry:
 
     `tokens` (the prefix's token ids, CPU) lets a user of the cache check that a key still
     means the same tokens; `last_hidden` ({layer: hidden state of the prefix's last token})
-    serves items whose whole sequence is the prefix. Neither is required by the cache.
+    serves items whose whole sequence is the prefix; `last_state` (the base decoder's final
+    state at the prefix's last position, on the device) predicts the token after the prefix,
+    so scoring a text's first token needs no shifted layout. None is required by the cache.
     The tensors are never modified after they are stored: users build new objects from them.
     """
 
@@ -26,6 +28,7 @@ class PrefixEntry:
     length: int
     tokens: Any = None
     last_hidden: dict[int, Any] = field(default_factory=dict)
+    last_state: Any = None
 
 
 class PrefixCache(TokenLRU):

@@ -1,0 +1,445 @@
+"""The public function API: what a Forge function is written on (built-ins and plugins alike).
+
+A function reads rows, runs a model over them and writes one result row per item. Forge owns
+everything that is the same for every function of a model kind; the author writes four things:
+
+* ``fields``: the result fields (`Field`: name, dtype, per-item shape; ``None`` for ragged);
+* ``forward``: what the forward pass must give (`Forward`: hidden states at chosen layers,
+  the log-probabilities of the target tokens, or both);
+* ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item;
+* optionally ``prompts(row)``: a `Row` -> the `Prompt`s it becomes (default: one, from its
+  ``text``, ``prefix`` and ``label``), and ``options()``: the function's own settings.
+
+Class hierarchy (shared code lives in an intermediate base, never in a sibling)::
+
+    forge.function.Function          the engine's seam (records, workers, sinks, fingerprints)
+      ModelFunction                  model spec, input, rows, token rule, fingerprint, results
+        CausalLMFunction             causal LMs: prefix cache, packing, target log-probs, memory
+        EncoderFunction              bidirectional encoders: whole texts, rows or packed rows
+
+Token rule (`forge.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
+special tokens, its text alone without them; a text without a prefix, alone with them. Targets
+(`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
+first from the prefix's last token); without a prefix, every token after the first.
+
+Accounting (the runtime's, never the author's): a batch that runs its shared prefix once
+reports those prefix tokens as computed; a prefix taken from the device's cache counts as a
+hit (0 computed); rows of whole sequences compute every token of every item. Tokens per item
+are its `Item.num_tokens`, prefix included.
+
+Every name this module exports is listed in ``__all__`` and held stable by tests/test_api.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Optional
+
+from forge.batching.memory import CostModel
+from forge.errors import ForgeError
+from forge.function import Function
+from forge.geometry import Batch, Device, Item
+from forge.inputs import Column, InputFile, InputSpec, Row
+from forge.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
+from forge.results import Field, ResultSchema
+from forge.rows import read as read_rows_checked
+from forge.run import Rejected, Skipped
+from forge.runtime.views import ItemMeta, ItemView
+from forge.schema import positive
+from forge.token_rule import RULE as TOKEN_RULE, TokenRule
+
+__all__ = [
+    "CausalLMFunction", "Column", "EncoderFunction", "Field", "ForgeError", "Forward", "InputSpec", "Item",
+    "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens",
+]
+
+TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
+LOGIT_COPIES = 3  # target scoring holds float32 [tokens, vocab] logits about three times (cast, log_softmax, argmax)
+TEXT_COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What a function needs from the forward pass; Forge computes nothing else."""
+
+    layers: tuple[int, ...] = ()  # hidden-state indices kept for each item (0 = embeddings, N = final normed)
+    targets: bool = False  # log-probabilities of each item's target tokens (the LM head runs only there)
+
+
+@dataclass
+class Prompt:
+    """What one input row becomes: an item to run (a row may become several)."""
+
+    text: str  # the text, tokenized without special tokens after a prefix (with them alone)
+    prefix: Optional[str] = None  # a shared prefix (few-shot examples): run once per batch, cacheable
+    label: Any = None  # kept with the item (and in the journal by functions that keep labels)
+    data: Any = None  # the function's own per-item metadata, handed back in `ItemView.data`
+    suffix: Optional[str] = None  # the item id is "<row id>/<suffix>" (rows that become several items)
+
+
+@dataclass
+class Tokens:
+    """A prompt's token ids, as the function's token rule makes them (`ModelFunction.tokenize`)."""
+
+    prefix: list[int]  # the shared prefix's ids ([]: none)
+    text: list[int]  # the ids after it: the item's own tokens
+    prefix_key: Optional[str] = None  # identity of the prefix (items sharing it share its KV)
+    targets: Optional[tuple[int, ...]] = None  # None: the text's tokens given the prefix (the token rule)
+    target_start: Optional[int] = None  # position whose state predicts targets[0]; None: the prefix's last
+
+
+@dataclass
+class ModelFunctionConfig:
+    """The root config keys every model function reads (its constructor's parameters)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    input: InputSpec = field(default_factory=InputSpec)
+    shard_size: int = positive(4096)
+
+
+class ModelFunction(Function):
+    """Everything a function over one Hugging Face model shares, whatever the model's kind."""
+
+    config_schema = ModelFunctionConfig
+    fields: tuple[Field, ...] = ()  # the result fields, in column order
+    forward: Forward = Forward()
+    columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.rows)
+    format: str = "parquet"  # parquet | safetensors (tensors only)
+    folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
+    keep_labels: bool = False  # journal each item's label (key "labels")
+
+    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
+        self.hf = HFModel(ModelSpec(**model))
+        self.input = InputFile(resolve_input(str(input["path"])), input, self.columns)  # refuses a bad input now
+        self.input_path = self.input.path
+        self.shard_size = int(shard_size)
+        if too_long == "truncate" and self.forward.targets:
+            raise ForgeError(f"too_long=truncate cuts items from the right, which would cut the targets {self.name} "
+                             "scores; use too_long=skip or error")
+        self._rule: TokenRule | None = None
+        self._warnings: list[str] = []
+
+    # -- what the model is ----------------------------------------------------------
+    @property
+    def model(self) -> ModelSpec:
+        return self.hf.spec
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def tokenizer(self):
+        return self.hf.tokenizer
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a worker process needs: the tokenizer and token rule are rebuilt there on demand."""
+        return {**self.__dict__, "_rule": None, "_warnings": []}
+
+    # -- reading rows ---------------------------------------------------------------
+    def rows(self) -> Iterator[Row | Rejected | Skipped]:
+        """Every input record, checked (`forge.rows`): the one place rows are read and validated."""
+        return read_rows_checked(self.input, self.columns)
+
+    def prompts(self, row: Row) -> list[Prompt] | str:
+        """What a row becomes (or why it cannot become anything): by default one prompt."""
+        return [Prompt(row.data["text"], row.data.get("prefix") or None, row.data.get("label"))]
+
+    @property
+    def token_rule(self) -> TokenRule:
+        if self._rule is None:
+            self._rule = TokenRule(self.tokenizer)
+        return self._rule
+
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
+        """Items in input order. An item's commit key (`Item.index`) counts items, a rejected row
+        counting one, so a function that makes one item per row keys each by its row's position."""
+        pending: list[tuple[Row, Prompt, int]] = []
+        counter = 0
+        for row in self.rows():
+            made = row if not isinstance(row, Row) else self.prompts(row)
+            if isinstance(made, (Rejected, Skipped, str)):
+                yield made if not isinstance(made, str) else row.reject(made)
+                counter += 1
+                continue
+            for p in made:
+                pending.append((row, p, counter))
+                counter += 1
+            if len(pending) >= TOKENIZE_CHUNK:
+                yield from self._items(pending)
+                pending = []
+        yield from self._items(pending)
+
+    def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
+        for (row, p, index), made in zip(pending, self._tokenized([p for _, p, _ in pending])):
+            iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
+            if isinstance(made, str):
+                yield Rejected(iid, f"{row.where}: {made}")
+                continue
+            tokens = made.prefix + made.text
+            first = max(len(made.prefix), 1)
+            targets = () if not self.forward.targets else \
+                tuple(tokens[first:]) if made.targets is None else tuple(made.targets)
+            start = first - 1 if made.target_start is None else made.target_start
+            meta = ItemMeta(targets, start, p.label, p.data)
+            yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
+
+    def _tokenized(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+        """`tokenize(prompts)`, or, where it raises, each prompt alone: only a prompt the
+        tokenizer cannot take fails (with the error); a ForgeError is not a row's fault."""
+        try:
+            return self.tokenize(prompts)
+        except ForgeError:
+            raise
+        except Exception:  # noqa: BLE001  (some prompt is odd: find it)
+            out: list[Tokens | str] = []
+            for p in prompts:
+                try:
+                    out += self.tokenize([p])
+                except ForgeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    out.append(f"tokenizing failed on it ({first_line(exc)}); fix or drop the row")
+            return out
+
+    def tokenize(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+        """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
+        rule = self.token_rule
+        alone = [p.prefix is None for p in prompts]
+        texts = iter(rule.texts([p.text for p, a in zip(prompts, alone) if not a], with_special=False))
+        wholes = iter(self.encode_texts([p.text for p, a in zip(prompts, alone) if a]))
+        out: list[Tokens | str] = []
+        for p, whole in zip(prompts, alone):
+            if whole:
+                out.append(Tokens([], next(wholes)))
+            else:
+                key, prefix_ids = rule.prefix(p.prefix)
+                out.append(Tokens(prefix_ids, next(texts), key))
+        return out
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of texts without a prefix (the token rule: alone, with the special tokens)."""
+        return self.token_rule.texts(texts, with_special=True)
+
+    def expected_items(self) -> int | None:
+        return self.input.count()
+
+    def warnings(self) -> list[str]:
+        return [*self._warnings, *(self._rule.warnings if self._rule else [])]
+
+    def warn(self, note: str) -> None:
+        """A warning for the report, said once."""
+        if note not in self._warnings:
+            self._warnings.append(note)
+
+    # -- identity and results -----------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The function's own settings that decide its results (fingerprinted, in meta.json)."""
+        return {}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"function": self.name, "model": self.hf.identity(),
+                "input": self.input.fingerprint(),
+                "token_rule": TOKEN_RULE, **self.options()}
+
+    def path(self) -> str:
+        """How it runs, in one line (for the report)."""
+        return ""
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.hf.loaded_from or self.hf.source, "input": str(self.input_path), "path": self.path()}
+
+    def result_schema(self) -> ResultSchema:
+        return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.folder or self.name,
+                            rows_per_shard=self.shard_size, meta_key="labels" if self.keep_labels else None,
+                            meta={"model": self.model.name, **self.options()})
+
+    def open_sink(self, store):
+        from forge.sinks import ResultSink
+
+        return ResultSink(store, self.result_schema(), meta_of=lambda item: getattr(item.meta, "label", item.meta))
+
+    # -- the author's part ------------------------------------------------------------
+    def reduce(self, view: ItemView) -> dict[str, Any]:
+        """One item's view -> its result values, {field name: value} (a number, string or tensor)."""
+        raise NotImplementedError(f"{type(self).__name__} must define reduce(view)")
+
+    def worker_modules(self) -> list[str]:
+        return ["torch", "transformers", "forge.api", type(self).__module__]
+
+    def shape_cost_model(self) -> CostModel:
+        """A first-principles memory estimate from the config's sizes (no measurement)."""
+        return shape_cost_model(self.config, self.model.torch_dtype)
+
+    def _reducing_worker(self, views):
+        from forge.runtime.views import ReducingWorker
+
+        return ReducingWorker(views, self.reduce, [f.name for f in self.fields])
+
+
+class CausalLMFunction(ModelFunction):
+    """A function over a causal LM: prefixes split off, cached and packed where that is exact."""
+
+    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
+        super().__init__(model, input, shard_size, too_long)
+        from forge.runtime.capabilities import causal_lm_class
+        from forge.runtime.hf_compat import num_layers
+
+        n = num_layers(self.config)
+        check_layers(self.forward.layers, n)
+        self.caps = self._capabilities(causal_lm_class(self.config))
+        self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
+        self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
+
+    def _capabilities(self, cls):
+        from forge.runtime.capabilities import capabilities
+
+        auto_map = getattr(self.config, "auto_map", None) or {}
+        if cls is None and "AutoModelForCausalLM" in auto_map and self.model.trust_remote_code:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], self.hf.source,
+                                                **self.model.hub_kwargs())
+        return capabilities(self.config, cls, self.model.attn_implementation)
+
+    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
+        """Refuse, before any work, a layout that cannot equal a one-prompt forward pass."""
+        self.caps.check(split_prefix, packed)
+        self._mode = (split_prefix, packed, cache and split_prefix)
+
+    def path(self) -> str:
+        return self.caps.path(*self._mode)
+
+    def worker_modules(self) -> list[str]:
+        from forge.runtime.capabilities import causal_lm_class
+
+        cls = causal_lm_class(self.config)
+        return [*super().worker_modules(), "forge.runtime.causal_lm", "forge.runtime.views",
+                *([cls.__module__] if cls else [])]
+
+    # -- memory -------------------------------------------------------------------------
+    def extra_bytes_per_token(self) -> int:
+        """Device bytes the function holds per token beyond the forward pass (default: none)."""
+        return 0
+
+    def memory_pooling(self) -> str:
+        """What the measured forward pass keeps of each hidden state ("mean": every token, as float32)."""
+        return "mean" if self.forward.layers else "last"
+
+    def cost_model(self) -> CostModel:
+        """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
+        per token: float32 logits when targets are scored, and the function's own extras."""
+        from forge.runtime.hf_compat import text_config
+        from forge.runtime.memory_fit import Target, fitted_cost_model
+
+        target = Target(dtype=self.model.torch_dtype, attn=self.caps.attn or "eager",
+                        hidden_kept=max(1, len(set(self.forward.layers))), pooling=self.memory_pooling())
+        try:
+            base = fitted_cost_model(self.config, target, bool(self.model.trust_remote_code))
+        except ForgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
+            self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
+                      "batching=memory plans from a first-principles estimate of its shape")
+            base = self.shape_cost_model()
+        extra = self.extra_bytes_per_token()
+        if self.forward.targets:
+            vocab = int(getattr(text_config(self.config), "vocab_size", 0) or 0)
+            extra += vocab * (DTYPES[self.model.torch_dtype] + 4 * LOGIT_COPIES)
+        return replace(base, bytes_per_token=base.bytes_per_token + extra) if extra else base
+
+    # -- running ------------------------------------------------------------------------
+    def open_worker(self, device: Device, cache_tokens: int):
+        from transformers import AutoModelForCausalLM
+
+        from forge.runtime.causal_lm import CausalLMRunner
+        from forge.runtime.views import CausalViews
+
+        model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
+        runner = CausalLMRunner(model, layers=list(self.forward.layers), cache_tokens=cache_tokens,
+                                pad_token_id=self.hf.pad_token_id, caps=self.caps, allow_no_layers=True)
+        return self._reducing_worker(CausalViews(runner, self.forward.targets))
+
+
+class EncoderFunction(ModelFunction):
+    """A function over a bidirectional encoder (BERT-style): whole texts, in rows or packed rows."""
+
+    columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
+    causal = False
+
+    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
+        super().__init__(model, input, shard_size, too_long)
+        from forge.runtime.encoder import encoder_capabilities, encoder_class
+        from forge.runtime.hf_compat import num_layers
+
+        check_layers(self.forward.layers, num_layers(self.config))
+        if self.forward.targets:
+            raise ForgeError(f"{self.name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
+        if encoder_class(self.config) is None:
+            raise ForgeError(f"model.name={self.model.name}: transformers has no encoder (AutoModel) class for "
+                             f"model_type {getattr(self.config, 'model_type', '?')!r}")
+        self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
+        self._mode = (False, False)  # (packed, prefix cache) until check_mode says
+
+    def prompts(self, row: Row) -> list[Prompt] | str:
+        return [Prompt(row.data["text"], None, row.data.get("label"))]
+
+    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
+        self.caps.check(packed, cache)
+        self._mode = (packed, cache)
+
+    def path(self) -> str:
+        return self.caps.path(self._mode[0])
+
+    def worker_modules(self) -> list[str]:
+        return [*super().worker_modules(), "forge.runtime.encoder", "forge.runtime.views"]
+
+    def cost_model(self) -> CostModel:
+        from forge.runtime.encoder import FakeEncoder
+        from forge.runtime.memory_fit import FIT_SHAPES, Target, fitted_cost_model
+
+        target = Target(dtype=self.model.torch_dtype, attn=self.caps.attn or "eager",
+                        hidden_kept=max(1, len(set(self.forward.layers))), pooling="mean")
+        shapes = tuple(s for s in FIT_SHAPES if not s.prefix_len)
+        try:
+            return fitted_cost_model(self.config, target, bool(self.model.trust_remote_code), fake=FakeEncoder,
+                                     shapes=shapes, kind="encoder")
+        except ForgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
+                      "batching=memory plans from a first-principles estimate of its shape")
+            return self.shape_cost_model()
+
+    def open_worker(self, device: Device, cache_tokens: int):
+        from transformers import AutoModel
+
+        from forge.runtime.encoder import EncoderViews
+
+        model = self.hf.load(AutoModel, device.torch_device, self.caps.attn)
+        return self._reducing_worker(EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id))
+
+
+def check_layers(layers: tuple[int, ...], n: int) -> None:
+    """Hidden-state indices must name one of the model's 0..n (negative ones count from the end: -1 = n)."""
+    bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not -(n + 1) <= x <= n]
+    if bad:
+        raise ForgeError(f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
+                         "(0 = embeddings; -1 = the final one)")
+
+
+def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:
+    """A first-principles estimate from the config's sizes (no measurement)."""
+    from forge.runtime.hf_compat import num_layers, text_config
+
+    c = text_config(config)
+    hidden, layers = c.hidden_size, num_layers(c)
+    inter = next((v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim",
+                                                               "ffn_hidden_size")) if v), 4 * hidden)
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    per_layer = hidden * head_dim * (heads * 2 + kv_heads * 2) + 3 * hidden * inter + 2 * hidden
+    embed = c.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    return CostModel.from_shape(num_params=embed + layers * per_layer + hidden, hidden=hidden, layers=layers,
+                                heads=heads, kv_heads=kv_heads, intermediate=inter, dtype_bytes=DTYPES[torch_dtype])

@@ -1,0 +1,197 @@
+"""Item views: one item's share of a batch's forward pass, the same in every layout.
+
+Model: `CausalLMRunner.forward_tokens` runs a batch in any layout (rows of whole sequences;
+padded rows of suffixes after a shared prefix run once or taken from the prefix cache; packed
+rows of several items end to end). `views(...)` cuts what it computed into one `ItemView` per
+item: the item's own tokens' hidden states at each requested layer (the tokens after its
+prefix, in order), the state at its prefix's last position, and, when asked, the
+log-probabilities of its target tokens. A target at position p of the item's sequence is
+predicted by the final state at position p - 1: inside the item's own tokens, or, for the
+first token after a split-off prefix, the prefix's last state, which the prefix cache keeps
+(`PrefixEntry.last_state`), so no token is computed twice and no layout is shifted.
+
+The LM head runs only at target positions, in chunks; log_softmax is float32. Which layout ran
+is invisible here: views of the same item in two layouts are equal up to float rounding
+(tests/test_views.py, tests/test_fidelity.py, tests/test_surprisal.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from forge.geometry import Batch, Item
+from forge.runtime.scoring import HEAD_CHUNK_TOKENS, LogitHead
+
+
+@dataclass(slots=True)
+class ItemMeta:
+    """What an item carries besides its token ids (`Item.meta`), set when its row is read."""
+
+    targets: tuple[int, ...] = ()  # token ids whose log-probabilities the function reads
+    target_start: int = 0  # position (in the item's sequence) whose state predicts targets[0]
+    label: Any = None  # the row's label (kept in the journal by functions that keep labels)
+    data: Any = None  # whatever the function attached to the item (its own row metadata)
+
+
+@dataclass
+class ItemView:
+    """One item as its function sees it, whatever layout ran it. Tensors are on the model's device."""
+
+    id: str  # the item's id
+    index: int  # its commit key (input order)
+    tokens: list[int]  # every token id of the item, prefix first
+    prefix_len: int  # how many of them are the prefix
+    hidden: dict[int, torch.Tensor]  # layer -> [len(tokens) - prefix_len, hidden], model dtype: own tokens, in order
+    prefix_state: dict[int, torch.Tensor]  # layer -> [hidden]: the prefix's last position (empty without a prefix)
+    targets: torch.Tensor  # int64 [m]: the target token ids
+    logprobs: torch.Tensor | None  # float32 [m]: log-probability of each target (None: targets not asked for)
+    greedy: torch.Tensor | None  # bool [m]: each target is the argmax of its position
+    label: Any = None  # the row's label
+    data: Any = None  # the function's own per-item metadata (`ItemMeta.data`)
+
+    def last(self, layer: int) -> torch.Tensor:
+        """The state of the item's last token at `layer` (the prefix's, for an item that is all prefix)."""
+        own = self.hidden[layer]
+        return own[-1] if own.shape[0] else self.prefix_state[layer]
+
+
+@dataclass
+class ViewBatch:
+    """A batch's views and what the runtime accounts for it."""
+
+    views: list[ItemView]  # batch.items order
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a prefix-cache hit)
+    cache_hit: bool  # the prefix came from the device's cache
+
+
+class CausalViews:
+    """Item views of batches run through a `CausalLMRunner` (layers as the runner keeps them)."""
+
+    def __init__(self, runner: Any, targets: bool):
+        self.runner = runner
+        self.head = None
+        if targets:
+            from forge.runtime.hf_compat import text_config
+
+            self.head = LogitHead(runner.model)
+            self.head.verify(runner.base, int(getattr(text_config(runner.config), "vocab_size", 8) or 8))
+
+    def run(self, batch: Batch) -> ViewBatch:
+        if batch.split_prefix and not batch.prefix_len:
+            batch = replace(batch, split_prefix=False)  # nothing to split off: rows hold whole sequences
+        with torch.inference_mode():
+            states = self.runner.forward_tokens(batch)
+            if states is None:
+                return ViewBatch([], 0, False)
+            views = self._views(batch, states)
+        return ViewBatch(views, states.prefix_computed_tokens, states.cache_hit)
+
+    def _views(self, batch: Batch, states) -> list[ItemView]:
+        items = batch.items
+        off = batch.prefix_len if batch.split_prefix else 0
+        entry = states.entry
+        dev = self.runner.device
+        layers = list(zip(self.runner.layers, self.runner._layer_idx))
+        prefix_split = {layer: entry.last_hidden[i].to(dev) for layer, i in layers} if entry is not None else {}
+        logprobs, greedy = self._targets(items, states, off) if self.head is not None else (None, None)
+        views = []
+        places = zip(states.item_row.tolist(), states.starts.tolist(), states.lens.tolist())
+        for k, (item, (row, start, n)) in enumerate(zip(items, places)):
+            own_from = item.prefix_len - off
+            hidden, prefix_state = {}, {}
+            for layer, i in layers:
+                span = states.hidden[i][row, start:start + n] if n else None
+                hidden[layer] = span[own_from:] if span is not None else torch.empty(0, device=dev)
+                if item.prefix_len:
+                    prefix_state[layer] = prefix_split[layer] if off else span[own_from - 1]
+            meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
+            views.append(ItemView(item.id, item.index, list(item.tokens), item.prefix_len, hidden, prefix_state,
+                                  torch.as_tensor(meta.targets, dtype=torch.long),
+                                  None if logprobs is None else logprobs[k], None if greedy is None else greedy[k],
+                                  meta.label, meta.data))
+        return views
+
+    def _targets(self, items: list[Item], states, off: int):
+        """Per item: float32 log-probabilities and greedy flags of its targets."""
+        metas = [it.meta for it in items]
+        counts = torch.tensor([len(m.targets) for m in metas], dtype=torch.long)
+        start = torch.tensor([m.target_start for m in metas], dtype=torch.long)
+        total = int(counts.sum())
+        owner = torch.repeat_interleave(torch.arange(len(items)), counts)
+        place = start[owner] + torch.arange(total) - (torch.cumsum(counts, 0) - counts)[owner]  # predicting position
+        from_prefix = place < off
+        lens = torch.tensor([it.num_tokens for it in items])
+        if bool((place < off - 1).any() or (place < 0).any() or (place >= lens[owner]).any()):
+            k = int(owner[(place < off - 1) | (place < 0) | (place >= lens[owner])][0])
+            raise ValueError(f"item {items[k].id!r}: its targets are predicted from positions outside "
+                             f"{max(off - 1, 0)}..{items[k].num_tokens - 1}")
+        dev = self.runner.device
+        targets = torch.tensor([t for m in metas for t in m.targets], dtype=torch.long)
+        width = states.last.shape[-1] if states.last is not None else states.entry.last_state.shape[-1]
+        dtype = states.last.dtype if states.last is not None else states.entry.last_state.dtype
+        h = torch.empty(total, width, dtype=dtype, device=dev)
+        rows_in = ~from_prefix
+        if bool(rows_in.any()):
+            rows = states.item_row[owner[rows_in]].to(dev)
+            cols = (states.starts[owner[rows_in]] + place[rows_in] - off).to(dev)
+            h[rows_in.to(dev)] = states.last[rows, cols]
+        if bool(from_prefix.any()):
+            h[from_prefix.to(dev)] = states.entry.last_state.to(dtype)
+        logprob = torch.empty(total, dtype=torch.float32, device=dev)
+        best = torch.empty(total, dtype=torch.bool, device=dev)
+        for lo in range(0, total, HEAD_CHUNK_TOKENS):
+            hi = min(lo + HEAD_CHUNK_TOKENS, total)
+            logp = torch.log_softmax(self.head(h[lo:hi]).float(), dim=-1)
+            tgt = targets[lo:hi].to(dev)
+            logprob[lo:hi] = logp.gather(1, tgt[:, None])[:, 0]
+            best[lo:hi] = logp.argmax(dim=-1) == tgt
+        sizes = counts.tolist()
+        return torch.split(logprob, sizes), torch.split(best, sizes)
+
+    def close(self) -> None:
+        self.runner = None
+
+
+def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Per-item result dicts as one column per field (numpy, CPU), in item order. A field whose
+    values differ in length per item (ragged) becomes a list of 1-D arrays."""
+    columns: dict[str, Any] = {}
+    for name in names:
+        vals = [v[name] for v in values]
+        if vals and isinstance(vals[0], torch.Tensor):
+            shapes = {tuple(v.shape) for v in vals}
+            if len(shapes) == 1:
+                columns[name] = torch.stack(vals).cpu().numpy()
+            else:
+                columns[name] = [v.cpu().numpy() for v in vals]
+        elif vals and isinstance(vals[0], str):
+            columns[name] = list(vals)
+        else:
+            columns[name] = np.asarray(vals)
+    return columns
+
+
+@dataclass
+class ReducingWorker:
+    """A worker: item views of each batch, reduced one item at a time by the function's `reduce`."""
+
+    views: Any  # CausalViews (or an encoder's equivalent): run(batch) -> ViewBatch
+    reduce: Callable[[ItemView], dict[str, Any]]  # one item's view -> its result values
+    names: list[str] = field(default_factory=list)  # the result fields, in schema order
+
+    def run(self, batch: Batch):
+        from forge.function import ItemColumns
+
+        out = self.views.run(batch)
+        with torch.inference_mode():
+            values = [self.reduce(view) for view in out.views]
+        return ItemColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
+
+    def close(self) -> None:
+        if self.views is not None:
+            self.views.close()
+        self.views = None
