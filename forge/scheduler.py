@@ -45,7 +45,7 @@ from typing import Iterable
 from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
 from forge.columns import ColumnFeed, GeometryFeed, ItemFeed
 from forge.executors.base import Outcome, Status
-from forge.geometry import Batch, Device, Item, Limits, batch_fits
+from forge.geometry import Batch, Device, Item, Limits, batch_fits, step_cost
 from forge.lru import TokenLRU
 
 _new_tokens = attrgetter("new_tokens")
@@ -174,17 +174,14 @@ class Scheduler:
     def _seconds(self, name: str, batch: Batch, rates: dict[str, float], hit: bool | None = None) -> float:
         """How long `batch` would take on a device (its prefix computed unless that device's cache
         holds it): its declared step time, else slots / rate."""
-        context = batch.prefix_len if batch.split_prefix else 0
-        computed = 0
-        if context:
+        if hit is None and batch.split_prefix and batch.prefix_len:
             code = self.feed.code(batch.prefix_key) if batch.prefix_key is not None else NO_PREFIX
-            held = code in self.caches[name].keys() if hit is None else hit
-            computed = 0 if held else context
+            hit = code in self.caches[name].keys()
+        cost = step_cost(batch, cache_hit=bool(hit))
         sim = self.devices[name].sim
         if sim is None:
-            return (batch.padded_slots + computed) / rates[name]
-        scores = batch.num_rows * batch.padded_len * (context + batch.padded_len) + computed * computed
-        return sim.seconds(batch.padded_slots + computed, scores)
+            return cost.tokens / rates[name]
+        return sim.seconds(cost.tokens, cost.scores)
 
     def _or_sooner_elsewhere(self, batch: Batch, device: Device, rates: dict[str, float],
                              busy: dict[str, float], finish: float) -> Batch | None:
