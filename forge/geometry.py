@@ -233,3 +233,11 @@ def batch_fits(batch: Batch, limits: Limits) -> str | None:
         if any(it.num_tokens > limits.max_seq_len for it in row):
             return "max_seq_len"
     return None
+
+
+def pad_to_limits(batch: Batch, limits: Limits) -> Batch | None:
+    """`batch` padded to its longest row for `limits`, or None when it breaks one of them."""
+    off = batch.row_offset
+    used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
+    fitted = replace(batch, padded_len=limits.pad(used))
+    return fitted if batch_fits(fitted, limits) is None else None
