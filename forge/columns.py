@@ -214,7 +214,7 @@ class _LazyRows(Sequence):
         return self.columns[(self.row_ends[i - 1] if i else 0):self.row_ends[i]]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ColumnBatch(Batch):
     """A `Batch` whose items stay columns (`ColumnFeed`): counts are numpy sums taken once,
     rows and Items are made only if read (a retry, a failure). Splitting or selecting gives
@@ -226,7 +226,7 @@ class ColumnBatch(Batch):
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rows, _LazyRows) and self.rows.columns is self.columns):
-            self.columns = None  # rows were replaced: they, not the columns, say what the batch holds
+            object.__setattr__(self, "columns", None)  # rows were replaced: they, not the columns, say what the batch holds
 
     @property
     def items(self):

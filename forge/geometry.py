@@ -114,9 +114,10 @@ class Device:
     sim: StepTime | None = None  # a simulated device (forge plan only): its step time; None: a real one
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
-    """What one device runs in one step.
+    """What one device runs in one step. Immutable: the scheduler passes a changed batch on
+    (`dataclasses.replace`), never edits one it handed out.
 
     Rows are lists of items. A row holds one item (row per sequence) or several items
     end to end (packed rows). When `split_prefix` is true every item shares `prefix_key`,

@@ -34,9 +34,10 @@ class Chunk:
         return len(self.ids)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Cut:
-    """One batch as the packer cuts it: which items, how they sit in rows, how rows pad."""
+    """One batch as the packer cuts it: which items, how they sit in rows, how rows pad.
+    Immutable: the scheduler hands on a copy with its `seq` and `cache_hit` (`dataclasses.replace`)."""
 
     ids: np.ndarray  # ids of the batch's items, row by row
     lengths: np.ndarray  # each item's tokens inside its row, aligned with `ids`
