@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,6 +29,29 @@ from forge.errors import ForgeError
 from forge.geometry import Batch, Item
 
 _num_tokens, _prefix_key, _prefix_len = attrgetter("num_tokens"), attrgetter("prefix_key"), attrgetter("prefix_len")
+
+
+@runtime_checkable
+class Feed(Protocol):
+    """Where the scheduler's window gets its items: what `Scheduler` takes besides Items."""
+
+    def admit(self, n: int) -> Chunk:
+        """The geometry of up to `n` more items (fewer: the input is exhausted)."""
+
+    def key(self, code: int) -> str | None:
+        """The prefix key of a prefix code (None for NO_PREFIX)."""
+
+    def prefix_len(self, code: int) -> int:
+        """The length of a prefix code's prefix (0 for NO_PREFIX)."""
+
+    def code(self, key: str | None) -> int:
+        """The prefix code of a prefix key (NO_PREFIX for None)."""
+
+    def batch(self, cut: Cut) -> Batch:
+        """The batch a cut names, its items out of the feed."""
+
+    def waiting(self) -> list[Item]:
+        """Every item admitted and not yet in a batch, as Items (to account for them when a run stops)."""
 
 
 class ItemFeed:
@@ -101,6 +124,17 @@ class ItemFeed:
         self._slots[ids] = np.fromiter(items, dtype=object, count=n)
         return Chunk(ids, num_tokens, prefix, prefix_len)
 
+    def batch(self, cut: Cut) -> Batch:
+        """The Items a cut names, in its rows."""
+        items = self.take(cut.ids)
+        if cut.row_ends is None:
+            rows = [[it] for it in items]
+        else:
+            rows = [items[a:b] for a, b in zip([0, *cut.row_ends], cut.row_ends)]
+        return Batch(rows=rows, padded_len=cut.padded_len, prefix_key=self.key(cut.prefix),
+                     prefix_len=self.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
+                     packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
+
     def take(self, ids: np.ndarray) -> list[Item]:
         """Remove and return the Items named by `ids`, in that order."""
         items = self._slots[ids].tolist()
@@ -146,6 +180,13 @@ class GeometryFeed:
 
     def code(self, key: str | None) -> int:
         return NO_PREFIX if key is None else self.keys.index(key)
+
+    def batch(self, cut: Cut) -> Batch:
+        raise ForgeError("a GeometryFeed holds bare geometry, no items: plan it with Scheduler.next_cut")
+
+    def waiting(self) -> list[Item]:
+        """No Items: bare geometry has none to account for."""
+        return []
 
     def admit(self, n: int) -> Chunk:
         a = self._next

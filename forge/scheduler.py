@@ -47,7 +47,7 @@ from operator import attrgetter
 from typing import Iterable
 
 from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
-from forge.columns import ColumnFeed, GeometryFeed, ItemFeed
+from forge.columns import Feed, ItemFeed
 from forge.executors.base import Outcome, Status
 from forge.geometry import Batch, Device, Item, pad_to_limits
 from forge.lru import TokenLRU
@@ -65,7 +65,7 @@ class Scheduler:
     def __init__(
         self,
         packer: Packer,
-        items: Iterable[Item] | GeometryFeed | ColumnFeed,
+        items: Iterable[Item] | Feed,
         devices: list[Device],
         *,
         window: int = 65536,
@@ -75,7 +75,7 @@ class Scheduler:
         self.packer = packer
         self.window = max(1, int(window))
         # where items come from: Items (a run), or bare geometry (plans and benchmarks at scale)
-        self.feed = items if isinstance(items, (GeometryFeed, ColumnFeed)) else ItemFeed(items, self.window)
+        self.feed: Feed = items if isinstance(items, Feed) else ItemFeed(items, self.window)
         self.exhausted = False
         self.max_window_seen = 0  # most items ever held in the window
         self.budgets = DeviceBudgets(devices)
@@ -123,9 +123,7 @@ class Scheduler:
 
     def waiting_items(self) -> list[Item]:
         """Every item waiting (window and retries), e.g. to account for them when a run stops."""
-        items = self.retries.items()
-        waiting = getattr(self.feed, "waiting", None)
-        return items + (waiting() if waiting else [])
+        return self.retries.items() + self.feed.waiting()
 
     # -- scheduling -------------------------------------------------------------
     def schedule(self, device: Device) -> Batch | None:
@@ -135,7 +133,7 @@ class Scheduler:
             cut = self.next_cut(device)
             if cut is None:
                 return None
-            batch = self._batch(cut)
+            batch = self.feed.batch(cut)
         if self.exhausted:
             batch = self._fair_share(batch, device)
             if batch is None:
@@ -297,16 +295,3 @@ class Scheduler:
         if self.balancer.weighs:
             free, stolen = self.balancer.weigh(device, groups, free, stolen, self.prefix_caches)
         return held + free, stolen
-
-    def _batch(self, cut: Cut) -> Batch:
-        """The Items a cut names, in its rows."""
-        if isinstance(self.feed, ColumnFeed):  # streamed columns: the batch keeps them, no Item per item
-            return self.feed.batch(cut)
-        items = self.feed.take(cut.ids)
-        if cut.row_ends is None:
-            rows = [[it] for it in items]
-        else:
-            rows = [items[a:b] for a, b in zip([0, *cut.row_ends], cut.row_ends)]
-        return Batch(rows=rows, padded_len=cut.padded_len, prefix_key=self.feed.key(cut.prefix),
-                     prefix_len=self.feed.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
-                     packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)

@@ -11,12 +11,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.geometry import Device
+from forge.geometry import Batch, Device
+
+if TYPE_CHECKING:
+    from forge.batching.memory import CostModel
 
 NO_PREFIX = -1  # prefix code of an item without a shared prefix
 
@@ -89,6 +92,14 @@ class Packer(ABC):
 
     #: name of the batching mode, set by the factory
     mode: str = ""
+    #: whether batches split the shared prefix off their rows (it runs once, or from cache)
+    split_prefix: bool = False
+    #: "rows" (one sequence per row) or "packed" (several sequences end to end per row)
+    packing: str = "rows"
+    #: per-step cost in token slots, for devices that declare none (`overhead_tokens`)
+    batch_overhead_tokens: int = 0
+    #: the memory model the packer bounds batches with; None: it bounds none by memory
+    cost_model: "CostModel | None" = None
 
     @abstractmethod
     def add(self, chunk: Chunk) -> None: ...
@@ -130,7 +141,15 @@ class Packer(ABC):
         """Per-step cost in token slots used when weighing batch size against padding."""
         if device.batch_overhead_tokens is not None:
             return device.batch_overhead_tokens
-        return getattr(self, "batch_overhead_tokens", 0)
+        return self.batch_overhead_tokens
+
+    def budget(self, device: Device) -> int | None:
+        """`device`'s memory budget in bytes as this packer bounds batches by it; None: no bound."""
+        return None
+
+    def predicted_bytes(self, batch: Batch) -> int | None:
+        """`batch`'s predicted peak bytes on a device; None when this packer has no memory model."""
+        return None
 
 
 PackerFactory = Callable[..., Packer]
