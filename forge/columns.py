@@ -20,38 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Callable, Iterable
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut
+from forge.batching.base import NO_PREFIX, Chunk, Cut, Feed  # noqa: F401 (Feed: re-exported, the protocol these implement)
 from forge.errors import ForgeError
 from forge.geometry import Batch, Item
 
 _num_tokens, _prefix_key, _prefix_len = attrgetter("num_tokens"), attrgetter("prefix_key"), attrgetter("prefix_len")
-
-
-@runtime_checkable
-class Feed(Protocol):
-    """Where the scheduler's window gets its items: what `Scheduler` takes besides Items."""
-
-    def admit(self, n: int) -> Chunk:
-        """The geometry of up to `n` more items (fewer: the input is exhausted)."""
-
-    def key(self, code: int) -> str | None:
-        """The prefix key of a prefix code (None for NO_PREFIX)."""
-
-    def prefix_len(self, code: int) -> int:
-        """The length of a prefix code's prefix (0 for NO_PREFIX)."""
-
-    def code(self, key: str | None) -> int:
-        """The prefix code of a prefix key (NO_PREFIX for None)."""
-
-    def batch(self, cut: Cut) -> Batch:
-        """The batch a cut names, its items out of the feed."""
-
-    def waiting(self) -> list[Item]:
-        """Every item admitted and not yet in a batch, as Items (to account for them when a run stops)."""
 
 
 class ItemFeed:

@@ -46,8 +46,8 @@ from dataclasses import replace
 from operator import attrgetter
 from typing import Iterable
 
-from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Packer, Urgency
-from forge.columns import Feed, ItemFeed
+from forge.batching.base import NO_PREFIX, Cut, Feed, GroupInfo, Packer, Urgency
+from forge.columns import ItemFeed
 from forge.executors.base import Outcome, Status
 from forge.geometry import Batch, Device, Item, pad_to_limits
 from forge.lru import TokenLRU

@@ -11,12 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device
+from forge.geometry import Batch, Device, Item
 
 if TYPE_CHECKING:
     from forge.batching.memory import CostModel
@@ -60,6 +60,30 @@ class Cut:
     @property
     def padded_slots(self) -> int:
         return self.num_rows * self.padded_len
+
+
+@runtime_checkable
+class Feed(Protocol):
+    """Where the scheduler's window gets its items: what `Scheduler` takes besides Items
+    (`forge.columns`: `ItemFeed`, `GeometryFeed`, `ColumnFeed`)."""
+
+    def admit(self, n: int) -> Chunk:
+        """The geometry of up to `n` more items (fewer: the input is exhausted)."""
+
+    def key(self, code: int) -> str | None:
+        """The prefix key of a prefix code (None for NO_PREFIX)."""
+
+    def prefix_len(self, code: int) -> int:
+        """The length of a prefix code's prefix (0 for NO_PREFIX)."""
+
+    def code(self, key: str | None) -> int:
+        """The prefix code of a prefix key (NO_PREFIX for None)."""
+
+    def batch(self, cut: Cut) -> Batch:
+        """The batch a cut names, its items out of the feed."""
+
+    def waiting(self) -> list[Item]:
+        """Every item admitted and not yet in a batch, as Items (to account for them when a run stops)."""
 
 
 class Urgency(IntEnum):
