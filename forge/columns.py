@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut
+from forge.batching.base import NO_PREFIX, Chunk, Cut, Feed  # noqa: F401 (Feed: re-exported, the protocol these implement)
 from forge.errors import ForgeError
 from forge.geometry import Batch, Item
 
@@ -101,6 +101,17 @@ class ItemFeed:
         self._slots[ids] = np.fromiter(items, dtype=object, count=n)
         return Chunk(ids, num_tokens, prefix, prefix_len)
 
+    def batch(self, cut: Cut) -> Batch:
+        """The Items a cut names, in its rows."""
+        items = self.take(cut.ids)
+        if cut.row_ends is None:
+            rows = [[it] for it in items]
+        else:
+            rows = [items[a:b] for a, b in zip([0, *cut.row_ends], cut.row_ends)]
+        return Batch(rows=rows, padded_len=cut.padded_len, prefix_key=self.key(cut.prefix),
+                     prefix_len=self.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
+                     packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
+
     def take(self, ids: np.ndarray) -> list[Item]:
         """Remove and return the Items named by `ids`, in that order."""
         items = self._slots[ids].tolist()
@@ -146,6 +157,13 @@ class GeometryFeed:
 
     def code(self, key: str | None) -> int:
         return NO_PREFIX if key is None else self.keys.index(key)
+
+    def batch(self, cut: Cut) -> Batch:
+        raise ForgeError("a GeometryFeed holds bare geometry, no items: plan it with Scheduler.next_cut")
+
+    def waiting(self) -> list[Item]:
+        """No Items: bare geometry has none to account for."""
+        return []
 
     def admit(self, n: int) -> Chunk:
         a = self._next
@@ -214,7 +232,7 @@ class _LazyRows(Sequence):
         return self.columns[(self.row_ends[i - 1] if i else 0):self.row_ends[i]]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ColumnBatch(Batch):
     """A `Batch` whose items stay columns (`ColumnFeed`): counts are numpy sums taken once,
     rows and Items are made only if read (a retry, a failure). Splitting or selecting gives
@@ -226,7 +244,7 @@ class ColumnBatch(Batch):
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rows, _LazyRows) and self.rows.columns is self.columns):
-            self.columns = None  # rows were replaced: they, not the columns, say what the batch holds
+            object.__setattr__(self, "columns", None)  # rows were replaced: they, not the columns, say what the batch holds
 
     @property
     def items(self):

@@ -100,8 +100,8 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
         expected_items=None if dry_run else spec.function.expected_items(),
     )
     packer = build_packer(spec, pm)
-    splits = getattr(packer, "split_prefix", False)
-    packed = getattr(packer, "packing", "rows") == "packed"
+    splits = packer.split_prefix
+    packed = packer.packing == "packed"
     # refuse, before any work, a layout the function cannot run exactly
     spec.function.check_mode(splits, packed, spec.cache_tokens > 0)
     # a non-causal function may pack whole sequences without a cache (its check_mode accepted them:

@@ -114,9 +114,10 @@ class Device:
     sim: StepTime | None = None  # a simulated device (forge plan only): its step time; None: a real one
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Batch:
-    """What one device runs in one step.
+    """What one device runs in one step. Immutable: the scheduler passes a changed batch on
+    (`dataclasses.replace`), never edits one it handed out.
 
     Rows are lists of items. A row holds one item (row per sequence) or several items
     end to end (packed rows). When `split_prefix` is true every item shares `prefix_key`,
@@ -190,6 +191,31 @@ class Batch:
         return sum(it.prefix_len for row in self.rows for it in row)
 
 
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """What one step of a batch computes: the one formula the scheduler's balancing, the
+    simulated executor and the memory model share."""
+
+    tokens: int  # token slots computed: the padded rows plus the prefix tokens computed
+    scores: int  # attention query x key pairs: rows x padded_len x (prefix + padded_len), plus the prefix's own pass
+    prefix_computed: int  # prefix tokens computed: the split prefix on a cache miss, else 0
+
+
+def row_scores(padded_len: int, context: int) -> int:
+    """Attention query x key pairs of one row of `padded_len` slots behind `context` prefix tokens."""
+    return padded_len * (context + padded_len)
+
+
+def step_cost(batch: Batch, cache_hit: bool | None = None) -> StepCost:
+    """What `batch` computes in one step; its prefix is computed unless the device's cache holds
+    it (`cache_hit`; None: the scheduler's prediction on the batch)."""
+    hit = batch.cache_hit if cache_hit is None else cache_hit
+    context = batch.prefix_len if batch.split_prefix else 0
+    computed = 0 if hit else context
+    scores = batch.num_rows * row_scores(batch.padded_len, context) + computed * computed
+    return StepCost(batch.padded_slots + computed, scores, computed)
+
+
 def batch_fits(batch: Batch, limits: Limits) -> str | None:
     """Which limit the batch breaks, or None. Used by tests and as a guard."""
     if batch.num_rows > limits.max_rows:
@@ -208,3 +234,11 @@ def batch_fits(batch: Batch, limits: Limits) -> str | None:
         if any(it.num_tokens > limits.max_seq_len for it in row):
             return "max_seq_len"
     return None
+
+
+def pad_to_limits(batch: Batch, limits: Limits) -> Batch | None:
+    """`batch` padded to its longest row for `limits`, or None when it breaks one of them."""
+    off = batch.row_offset
+    used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
+    fitted = replace(batch, padded_len=limits.pad(used))
+    return fitted if batch_fits(fitted, limits) is None else None

@@ -196,10 +196,10 @@ class RunLoop:
     def _note_memory(self, batch: Batch, device: Device) -> None:
         """batching=memory: the largest predicted peak routed to each device, and its budget (report)."""
         packer = self.scheduler.packer
-        predict = getattr(packer, "predicted_bytes", None)
-        if predict is not None:
+        peak = packer.predicted_bytes(batch)
+        if peak is not None:
             tally = self.tallies[device.name]
-            tally.peak_bytes = max(tally.peak_bytes, predict(batch))
+            tally.peak_bytes = max(tally.peak_bytes, peak)
             tally.budget_bytes = packer.budget(device)
 
     def _timeout(self, batch: Batch, device: Device) -> float:

@@ -89,7 +89,7 @@ def _true_bytes(spec: RunSpec, packer):
     has no memory model."""
     if not any(d.sim is not None and d.memory_bytes for d in spec.devices):
         return None
-    cost = getattr(packer, "cost_model", None) or spec.function.cost_model()
+    cost = packer.cost_model or spec.function.cost_model()
     if cost is None:
         return None
 

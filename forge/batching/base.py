@@ -11,12 +11,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.geometry import Device
+from forge.geometry import Batch, Device, Item
+
+if TYPE_CHECKING:
+    from forge.batching.memory import CostModel
 
 NO_PREFIX = -1  # prefix code of an item without a shared prefix
 
@@ -34,9 +37,10 @@ class Chunk:
         return len(self.ids)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Cut:
-    """One batch as the packer cuts it: which items, how they sit in rows, how rows pad."""
+    """One batch as the packer cuts it: which items, how they sit in rows, how rows pad.
+    Immutable: the scheduler hands on a copy with its `seq` and `cache_hit` (`dataclasses.replace`)."""
 
     ids: np.ndarray  # ids of the batch's items, row by row
     lengths: np.ndarray  # each item's tokens inside its row, aligned with `ids`
@@ -56,6 +60,30 @@ class Cut:
     @property
     def padded_slots(self) -> int:
         return self.num_rows * self.padded_len
+
+
+@runtime_checkable
+class Feed(Protocol):
+    """Where the scheduler's window gets its items: what `Scheduler` takes besides Items
+    (`forge.columns`: `ItemFeed`, `GeometryFeed`, `ColumnFeed`)."""
+
+    def admit(self, n: int) -> Chunk:
+        """The geometry of up to `n` more items (fewer: the input is exhausted)."""
+
+    def key(self, code: int) -> str | None:
+        """The prefix key of a prefix code (None for NO_PREFIX)."""
+
+    def prefix_len(self, code: int) -> int:
+        """The length of a prefix code's prefix (0 for NO_PREFIX)."""
+
+    def code(self, key: str | None) -> int:
+        """The prefix code of a prefix key (NO_PREFIX for None)."""
+
+    def batch(self, cut: Cut) -> Batch:
+        """The batch a cut names, its items out of the feed."""
+
+    def waiting(self) -> list[Item]:
+        """Every item admitted and not yet in a batch, as Items (to account for them when a run stops)."""
 
 
 class Urgency(IntEnum):
@@ -88,6 +116,14 @@ class Packer(ABC):
 
     #: name of the batching mode, set by the factory
     mode: str = ""
+    #: whether batches split the shared prefix off their rows (it runs once, or from cache)
+    split_prefix: bool = False
+    #: "rows" (one sequence per row) or "packed" (several sequences end to end per row)
+    packing: str = "rows"
+    #: per-step cost in token slots, for devices that declare none (`overhead_tokens`)
+    batch_overhead_tokens: int = 0
+    #: the memory model the packer bounds batches with; None: it bounds none by memory
+    cost_model: "CostModel | None" = None
 
     @abstractmethod
     def add(self, chunk: Chunk) -> None: ...
@@ -129,7 +165,15 @@ class Packer(ABC):
         """Per-step cost in token slots used when weighing batch size against padding."""
         if device.batch_overhead_tokens is not None:
             return device.batch_overhead_tokens
-        return getattr(self, "batch_overhead_tokens", 0)
+        return self.batch_overhead_tokens
+
+    def budget(self, device: Device) -> int | None:
+        """`device`'s memory budget in bytes as this packer bounds batches by it; None: no bound."""
+        return None
+
+    def predicted_bytes(self, batch: Batch) -> int | None:
+        """`batch`'s predicted peak bytes on a device; None when this packer has no memory model."""
+        return None
 
 
 PackerFactory = Callable[..., Packer]

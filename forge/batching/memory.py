@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from forge.batching.token import TokenPacker
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device
+from forge.geometry import Batch, Device, row_scores
 
 GB = 1 << 30
 
@@ -44,7 +44,7 @@ class CostModel:
 
     def _per_row(self, padded_len: int, prefix_len: int) -> float:
         return (padded_len * self.bytes_per_token
-                + padded_len * (prefix_len + padded_len) * self.bytes_per_score
+                + row_scores(padded_len, prefix_len) * self.bytes_per_score
                 + (prefix_len + padded_len if prefix_len else 0) * self.kv_bytes_per_token)
 
     def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:

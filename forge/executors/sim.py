@@ -24,7 +24,7 @@ from typing import Callable
 
 from forge.errors import ForgeError
 from forge.executors.base import Executor, Outcome, Status
-from forge.geometry import Batch, Device
+from forge.geometry import Batch, Device, step_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +43,6 @@ class Span:
     rows: int
     padded_slots: int
     status: str  # completed | oom
-
-
-def step_work(batch: Batch) -> tuple[int, int, int]:
-    """(tokens computed, attention scores, prefix tokens computed) of one step."""
-    computed = batch.prefix_len if (batch.split_prefix and not batch.cache_hit) else 0
-    context = batch.prefix_len if batch.split_prefix else 0
-    scores = batch.num_rows * batch.padded_len * (context + batch.padded_len) + computed * computed
-    return batch.padded_slots + computed, scores, computed
 
 
 def time_unit(devices: list[Device]) -> str:
@@ -94,10 +86,10 @@ class SimExecutor(Executor):
 
     def step_seconds(self, device: Device, batch: Batch) -> tuple[float, int]:
         """(the step's virtual time, prefix tokens it computes)."""
-        tokens, scores, computed = step_work(batch)
+        cost = step_cost(batch)
         if device.sim is not None:
-            return device.sim.seconds(tokens, scores), computed
-        return float(tokens + self.overhead_tokens(device)), computed
+            return device.sim.seconds(cost.tokens, cost.scores), cost.prefix_computed
+        return float(cost.tokens + self.overhead_tokens(device)), cost.prefix_computed
 
     def submit(self, ticket: int, device: Device, batch: Batch, timeout_s: float | None) -> None:
         cost, computed = self.step_seconds(device, batch)
