@@ -1,0 +1,68 @@
+"""Start-up as a user pays it: `forge run` with and without the early fork server, interleaved.
+
+    python -m benchmarks.bench_startup [--rows 1000] [--rounds 3]
+
+Each round runs the same command twice in fresh processes, A B then B A: `forge run` as it
+ships (the process executor's fork server starts importing torch while the function is set
+up, `forge.executors.process.warm_up`), and the same with that call made a no-op (the fork
+server starts when the executor does). It prints the report's phases (seconds from the
+command's start: `start_s`, `worker_ready_s`, `first_batch_s`, `total_s`) and the wall time
+of each process, medians per variant. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The shipped CLI with the early start disabled; the guard keeps the fork server from running it.
+NO_WARM_UP = """
+import sys
+if __name__ == "__main__":
+    import forge.cli as cli
+    cli._warm_up_workers = lambda cfg: None
+    cli._COMMAND = True
+    sys.argv = ["forge", *sys.argv[1:]]
+    cli.main()
+"""
+KEYS = ("start_s", "worker_ready_s", "first_batch_s", "total_s")
+
+
+def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str, float]:
+    command = [sys.executable, "-m", "forge.cli"] if variant == "early fork server" else [sys.executable, str(script)]
+    t0 = time.perf_counter()
+    subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    phases = json.loads((out / "report.json").read_text())["phases"]
+    return {**{k: phases[k] for k in KEYS}, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    args = [f"input.limit={a.rows}", "runtime.executor=process"]
+    variants = ("early fork server", "fork server at executor start")
+    seen: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "no_warm_up.py"
+        script.write_text(NO_WARM_UP)
+        for r in range(a.rounds):
+            for k, variant in enumerate(variants if r % 2 == 0 else variants[::-1]):
+                seen[variant].append(run_once(variant, args, Path(tmp) / f"run-{r}-{k}", script))
+    print(f"| variant ({a.rows} rows, {a.rounds} rounds, medians) | " + " | ".join(KEYS) + " | wall_s |")
+    print("| --- |" + " --- |" * (len(KEYS) + 1))
+    for variant, runs in seen.items():
+        cells = [f"{statistics.median(run[k] for run in runs):.2f}" for k in (*KEYS, "wall_s")]
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
