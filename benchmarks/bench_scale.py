@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from forge.schema import Runtime
 
 MODES = {"token rows": {"packing": "rows"}, "token packed": {"packing": "packed"}}
 MIX8 = Path(__file__).resolve().parent.parent / "conf" / "devices" / "mix8.yaml"
@@ -76,6 +75,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from forge.plugins import make_plugin_manager
     from forge.run import RunContext
     from forge.scheduler import Scheduler
+    from forge.schema import Runtime
     from forge.builtin import ledger
 
     devs, source = devices()
@@ -92,7 +92,8 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
         return _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source)
     executor = SimExecutor(packer.overhead_tokens)
     executor.start(devs)
-    loop = RunLoop(scheduler, executor, Committer(None, set(), 1 << 62, float("inf")), run=run, hook=pm.hook, policy=Runtime())
+    loop = RunLoop(scheduler, executor, Committer(None, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,
+                   policy=Runtime())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0, cpu0 = time.perf_counter(), time.process_time()
     loop.run_until_done()

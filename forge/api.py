@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 from forge.batching.memory import CostModel
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.geometry import Batch, Device, Item
+from forge.geometry import Device, Item
 from forge.inputs import Column, InputFile, InputSpec, Row
 from forge.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
 from forge.results import Field, ResultSchema

@@ -24,7 +24,7 @@ import pluggy
 from forge.admission import AdmissionRules, admit
 from forge.batching.base import Packer, create_packer
 from forge.errors import ForgeError
-from forge.executors import Executor, InProcessExecutor
+from forge.executors import Executor
 from forge.function import Function
 from forge.geometry import Device, Item
 from forge.loop import Committer, RunLoop, Stop

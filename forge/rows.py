@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from forge.inputs import Column, InputFile, Row, json_problem, short, string_problem, unencodable  # noqa: F401
+from forge.inputs import Column, InputFile, Row, json_problem, string_problem
 from forge.run import Rejected, Skipped
 
 

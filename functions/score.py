@@ -20,7 +20,8 @@ from typing import Any, Optional
 import numpy as np
 
 from forge.api import CausalLMFunction, Column, Field, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.rows import MayBeEmpty, short
+from forge.inputs import short
+from forge.rows import MayBeEmpty
 from forge.schema import positive
 from forge.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
 
