@@ -44,8 +44,9 @@ RUN_FILE = "run.json"
 JOURNAL = "commits"  # commits.jsonl on a local disk, commits/ on an object store
 PENDING = "pending"  # pending.jsonl / pending/: shards about to be written
 SHARD_PREFIX = "shard-"
-#: what a directory may hold, and still be taken for a fresh run (what a refused or abandoned start left)
-LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING}
+#: what a directory may hold, and still be taken for a fresh run: what a refused or abandoned start
+#: left, or a start that is writing its run.json right now (under a temporary name)
+LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING, RUN_FILE + TMP_SUFFIX}
 
 
 def fingerprint_changes(old: dict, new: dict, where: str = "") -> list[str]:

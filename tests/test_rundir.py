@@ -111,7 +111,7 @@ def test_the_fresh_run_check_is_atomic(tmp_path):
     for t in threads:
         t.join()
     assert len(won) == 1 and len(refused) == 7
-    assert all("in use by another Forge run" in r or "already holds a run" in r for r in refused)
+    assert all("in use by another Forge run" in r or "already holds a run" in r for r in refused), refused
     won[0].close("finished")
 
 
