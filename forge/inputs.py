@@ -51,9 +51,9 @@ T = TypeVar("T")
 
 @dataclass
 class InputSpec:
-    """The `input` keys every built-in function reads, and their defaults. The function YAMLs
-    name the same keys (Hydra overrides a key without '+' only if the config has it); a test
-    checks that their values are these."""
+    """The `input` keys every model function reads, and the one home of their defaults: each
+    function YAML extends it (`- /schema_input@input` in its defaults list, registered by
+    `forge.schema.store_schemas`) and sets only `path`."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
     limit: Optional[int] = positive(None)  # take only the first N rows

@@ -153,13 +153,17 @@ RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other valu
 
 
 def store_schemas() -> None:
-    """Register the runtime schemas with Hydra's ConfigStore, as the options `schema_local`
-    and `schema_ray` of the runtime group, which conf/runtime/*.yaml extend."""
+    """Register the schemas Forge's YAML extends with Hydra's ConfigStore: the runtime group's
+    options `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the
+    `input` node of every function YAML (`- /schema_input@input` in its defaults list)."""
     from hydra.core.config_store import ConfigStore
+
+    from forge.inputs import InputSpec
 
     store = ConfigStore.instance()
     store.store(group="runtime", name="schema_local", node=Runtime)
     store.store(group="runtime", name="schema_ray", node=RayRuntime)
+    store.store(name="schema_input", node=InputSpec)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -242,22 +243,29 @@ def test_bad_input_settings_are_one_line(override, message):
         spec_for(override)
 
 
-def test_the_function_yaml_names_every_input_key_with_the_schema_default():
-    """Hydra needs a key in the composed config to override it without '+': each function's
-    YAML names the `input` keys, and its values are the schema's defaults (the one home)."""
+def test_every_function_yaml_takes_its_input_defaults_from_the_schema():
+    """InputSpec is the one home of the `input` defaults: a function YAML extends it and sets
+    only the path, and every key can still be overridden without '+'."""
     import dataclasses
 
     import yaml
 
-    from forge.config import conf_dir
+    from conftest import compose
+    from forge.config import conf_dir, to_plain
     from forge.inputs import InputSpec
 
     defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}
-    paths = sorted((conf_dir() / "function").glob("*.yaml"))
-    assert {p.stem for p in paths} >= {"probe_gen", "score", "embed", "surprisal"}
+    example = Path(__file__).resolve().parent.parent / "examples" / "forge-plugin-example" / "forge_plugin_example"
+    paths = sorted((conf_dir() / "function").glob("*.yaml")) + sorted((example / "conf" / "function").glob("*.yaml"))
+    assert {p.stem for p in paths} >= {"probe_gen", "score", "embed", "surprisal", "token_norms"}
     for path in paths:
-        node = yaml.safe_load(path.read_text())["input"]
-        assert {k: v for k, v in node.items() if k != "path"} == defaults, path.name
+        data = yaml.safe_load(path.read_text())
+        assert "/schema_input@input" in data["defaults"] and set(data["input"]) == {"path"}, path.name
+    for name in ("probe_gen", "score", "embed", "surprisal"):
+        got = to_plain(compose(f"function={name}"))["input"]
+        assert {k: got[k] for k in defaults} == defaults, name
+    got = to_plain(compose("input.duplicate_ids=last", "input.max_row_bytes=64", "input.limit=3"))["input"]
+    assert (got["duplicate_ids"], got["max_row_bytes"], got["limit"]) == ("last", 64, 3)
 
 
 # -- nothing in a row raises out of the reader ---------------------------------------------
