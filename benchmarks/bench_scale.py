@@ -92,7 +92,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
         return _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source)
     executor = SimExecutor(packer.overhead_tokens)
     executor.start(devs)
-    loop = RunLoop(scheduler, executor, Committer(None, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,
+    loop = RunLoop(scheduler, executor, Committer(None, set(), float("inf")), run=run, hook=pm.hook,
                    policy=Runtime())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0, cpu0 = time.perf_counter(), time.process_time()

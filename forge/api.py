@@ -132,6 +132,13 @@ class ModelFunction(Function):
     def tokenizer(self):
         return self.hf.tokenizer
 
+    @property
+    def hidden_size(self) -> int:
+        """Width of the model's hidden states (its text model's, for a multimodal config)."""
+        from forge.runtime.hf_compat import text_config
+
+        return int(text_config(self.config).hidden_size)
+
     def __getstate__(self) -> dict[str, Any]:
         """What a worker process needs: the tokenizer and token rule are rebuilt there on demand."""
         return {**self.__dict__, "_rule": None, "_warnings": []}
@@ -181,7 +188,7 @@ class ModelFunction(Function):
             targets = () if not self.forward.targets else \
                 tuple(tokens[first:]) if made.targets is None else tuple(made.targets)
             start = first - 1 if made.target_start is None else made.target_start
-            meta = ItemMeta(targets, start, p.label, p.data)
+            meta = ItemMeta(targets, start, p.label, p.data, row.index)
             yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
 
     def _tokenized(self, prompts: list[Prompt]) -> list["Tokens | str"]:
@@ -253,6 +260,23 @@ class ModelFunction(Function):
         return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.folder or self.name,
                             rows_per_shard=self.shard_size, meta_key="labels" if self.keep_labels else None,
                             meta={"model": self.model.name, **self.options()})
+
+    def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:
+        return self.result_schema().output_bytes(items, own_tokens)
+
+    def sample_output(self, rows: int) -> tuple[int, int, int] | None:
+        items = own = seen = 0
+        records = self.records()
+        try:
+            for record in records:
+                if not isinstance(record, Item):
+                    continue
+                if record.meta.row >= rows:
+                    break
+                items, own, seen = items + 1, own + record.num_tokens - record.prefix_len, record.meta.row + 1
+        finally:
+            records.close()
+        return items, own, seen
 
     def open_sink(self, store):
         from forge.sinks import ResultSink

@@ -460,6 +460,14 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
 
 
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:,.1f} TB"
+
+
 def print_summary(report: dict[str, Any]) -> None:
     """One screen: what ran, the ledger, the geometry, per device."""
     items, tokens = report.get("items", {}), report.get("tokens", {})
@@ -476,6 +484,12 @@ def print_summary(report: dict[str, Any]) -> None:
         table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
     table.add_row("status", str(report.get("status", "finished")))
+    sized = report.get("output_bytes")
+    if sized and sized.get("total"):
+        per = sized.get("per_stored_token") if any(k.startswith("layer_") for k in sized["fields"]) else None
+        fields = "  ".join(f"{k} {_bytes(v)}" for k, v in sized["fields"].items() if v)
+        table.add_row("will write", f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "")
+                      + f": {fields}")
     attempts = {k: v for k, v in (report.get("attempts") or {}).items() if v}
     if attempts or report.get("items", {}).get("resumed"):
         table.add_row("recovered", "  ".join([f"{k} {v:,}" for k, v in attempts.items()]

@@ -77,6 +77,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         runtime=build_runtime(plain.get("runtime") or {}),
         resume=bool(plain.get("resume", False)),
         fail_fast=bool(plain.get("fail_fast", False)),
+        check_disk=bool(plain.get("check_disk", True)),
         plugins=tuple(plain.get("plugins") or ()),
         function=build_function(plain),
         mode=mode,

@@ -27,7 +27,9 @@ from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
 from forge.geometry import Device, Item
+from forge.location import local_path
 from forge.loop import Committer, RunLoop, Stop
+from forge.output_size import check_space
 from forge.plugins import batching_modes, executors, load_object
 from forge.run import RunContext
 from forge.scheduler import Scheduler
@@ -51,6 +53,7 @@ class RunSpec:
     runtime: Runtime = field(default_factory=Runtime)  # executor, timeouts, restarts (forge.schema's defaults)
     resume: bool = False  # finish the run in run_dir, skipping what it committed
     fail_fast: bool = False  # the first bad record stops the run
+    check_disk: bool = True  # refuse a local run directory without room for what the run will write
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
     files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
     started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
@@ -152,6 +155,10 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
                      fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None))
     try:
+        if spec.check_disk and local_path(spec.run_dir) is not None:
+            expected = spec.function.expected_items()
+            check_space(spec.function, local_path(spec.run_dir),
+                        None if expected is None else expected - len(store.committed))
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)
         store.add_missing(spec.files)
@@ -160,7 +167,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         raise
     status = "interrupted"  # what run.json says if anything below escapes
     try:
-        committer = Committer(sink, set(store.committed), sink.rows_per_shard, spec.runtime.commit_interval_s)
+        committer = Committer(sink, set(store.committed), spec.runtime.commit_interval_s)
         executor = make_executor(spec, scheduler.cache_tokens, pm)
         loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=spec.runtime)
         run.timings["loop_at"] = time.time()

@@ -58,7 +58,8 @@ class Worker(Protocol):
 
 
 class Sink(Protocol):
-    rows_per_shard: int  # the loop flushes once this many rows are buffered
+    def full(self) -> bool:
+        """A shard's worth of rows (or bytes) is buffered: the loop flushes now."""
 
     def write(self, batch: Batch, output: BatchOutput, keep: list[bool] | None) -> None:
         """Buffer a batch's results; with `keep`, only the items where it is true (aligned
@@ -106,6 +107,16 @@ class Function(ABC):
     def fingerprint(self) -> dict[str, Any]:
         """Everything that decides results (model identity, input content, options): a resume
         whose fingerprint differs is refused, naming what changed."""
+
+    def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:
+        """Bytes each result field holds for `items` committed items with `own_tokens` tokens
+        after their prefixes (`forge plan`, the disk check); None: not known."""
+        return None
+
+    def sample_output(self, rows: int) -> tuple[int, int, int] | None:
+        """(items, own tokens, rows read) of the first `rows` input rows, for the disk check's
+        estimate; None: the function cannot say."""
+        return None
 
     def worker_modules(self) -> list[str]:
         """Modules a worker process imports (preloaded once, so a replacement starts fast)."""

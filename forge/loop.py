@@ -63,15 +63,14 @@ class Committer:
     """Hands completed results to the function's sink; first commit wins.
 
     `committed` holds the input indexes of items committed (earlier sessions included). A
-    sink buffers rows and writes a shard on `flush`, called when it holds `shard_rows` rows or
-    its oldest row waited `interval_s`. Without a sink (a plan) nothing is written.
+    sink buffers rows and writes a shard on `flush`, called when it is `full()` (a shard's
+    rows or bytes) or its oldest row waited `interval_s`. Without a sink (a plan) nothing is written.
     """
 
-    def __init__(self, sink, committed: set[int], shard_rows: int, interval_s: float):
+    def __init__(self, sink, committed: set[int], interval_s: float):
         self.sink = sink
         # a bitmap, not a set: same answers, ~1 byte per input position instead of ~70 (RSS at 10M items)
         self.committed = committed if isinstance(committed, IndexSet) else IndexSet(committed)
-        self.shard_rows = max(1, shard_rows)
         self.interval_s = interval_s
         self.buffered: list[Item] = []  # completed items whose shard is not written yet
         self._since = time.monotonic()
@@ -101,7 +100,7 @@ class Committer:
         return kept, (batch.select([not k for k in keep]) if partial else None)
 
     def due(self) -> bool:
-        return bool(self.buffered) and (len(self.buffered) >= self.shard_rows
+        return bool(self.buffered) and (self.sink.full()
                                         or time.monotonic() - self._since >= self.interval_s)
 
     def flush(self) -> None:

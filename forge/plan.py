@@ -20,14 +20,14 @@ from forge.engine import RunSpec, prepare
 from forge.executors import SimExecutor
 from forge.executors.sim import time_unit
 from forge.geometry import Batch
+from forge.hookspecs import hookimpl
 from forge.loop import Committer, RunLoop, Stop
+from forge.output_size import describe
 from forge.report import finish_report
 
 
 class _Kept:
     """A sink that keeps every batch (`forge plan --plot`)."""
-
-    rows_per_shard = 1 << 62
 
     def __init__(self):
         self.batches: list[Batch] = []
@@ -35,8 +35,24 @@ class _Kept:
     def write(self, batch, output, keep) -> None:
         self.batches.append(batch if keep is None else batch.select(keep))
 
+    def full(self) -> bool:
+        return False
+
     def flush(self) -> None:
         pass
+
+
+class _Stored:
+    """Counts what the run would store: committed items and their own tokens (after their prefixes)."""
+
+    def __init__(self):
+        self.items = 0
+        self.own_tokens = 0
+
+    @hookimpl
+    def forge_batch_completed(self, run, batch, device, stats) -> None:
+        self.items += len(batch.items)
+        self.own_tokens += batch.num_tokens - batch.prefix_tokens
 
 
 def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) -> dict[str, Any]:
@@ -47,13 +63,17 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     executor = SimExecutor(scheduler.packer.overhead_tokens, _true_bytes(spec, scheduler.packer), timeline=keep_batches)
     executor.start(spec.devices)
     kept = _Kept() if keep_batches else None
-    loop = RunLoop(scheduler, executor, Committer(kept, set(), 1 << 62, float("inf")), run=run, hook=pm.hook,
+    loop = RunLoop(scheduler, executor, Committer(kept, set(), float("inf")), run=run, hook=pm.hook,
                    policy=spec.runtime)
     status, error = "finished", None
+    stored = _Stored()
+    pm.register(stored)
     try:
         loop.run_until_done()
     except Stop as stop:
         status, error = stop.status, str(stop)
+    finally:
+        pm.unregister(stored)
     report = finish_report(
         run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
@@ -64,6 +84,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
                                     if d.limits != next(x for x in spec.devices if x.name == name).limits}},
     )
     report.pop("useful_tokens_per_s", None)
+    report["output_bytes"] = describe(spec.function, stored.items, stored.own_tokens)
     balance = executor.balance()
     report["virtual_time"] = {"unit": unit, "makespan": round(balance["makespan"], 6),
                               "finish_skew": round(balance["finish_skew"], 6),

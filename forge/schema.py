@@ -178,6 +178,7 @@ class CoreConfig:
     devices: Devices = field(default_factory=Devices)
     runtime: Runtime = field(default_factory=Runtime)
     resume: bool = False
+    check_disk: bool = True  # refuse a local output_dir without room for what the run will write
     fail_fast: bool = False
     plugins: List[str] = field(default_factory=list)
 

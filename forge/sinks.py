@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.results import FORMATS, META, OFFSETS, STRING, Field, ResultSchema, ragged_array
+from forge.results import BFLOAT16, FORMATS, META, OFFSETS, STRING, Field, ResultSchema, ragged_array, storage_dtype, to_storage
 
 if TYPE_CHECKING:
     from forge.geometry import Batch
@@ -30,6 +30,7 @@ class ShardBuffer:
         self.store = store
         self.schema = schema
         self.rows_per_shard = schema.rows_per_shard
+        self.bytes_per_shard = schema.bytes_per_shard
         store.write_file(f"{schema.folder}/{META}", json.dumps(schema.describe(), default=str))
         self.shards = 0  # written by this session
         self._names = 0  # shard names used by this session (failed writes included)
@@ -42,6 +43,11 @@ class ShardBuffer:
         self._ids: list[str] = []
         self._index: list[int] = []
         self._meta: list[Any] = []
+        self.bytes_buffered = 0  # bytes of the buffered values
+
+    def full(self) -> bool:
+        """A shard's worth is buffered: `rows_per_shard` rows, or `bytes_per_shard` bytes."""
+        return len(self._ids) >= self.rows_per_shard or self.bytes_buffered >= self.bytes_per_shard
 
     def add(self, ids: Sequence[str], index: Sequence[int], columns: dict[str, Any], meta: Sequence[Any] = ()) -> None:
         """Buffer rows: `columns[field]` holds a row per id (checked against the schema)."""
@@ -49,6 +55,8 @@ class ShardBuffer:
         checked = {f.name: self._check(f, columns, n) for f in self.schema.fields}
         for name, values in checked.items():
             self._parts[name].append(values)
+            self.bytes_buffered += values.nbytes if values.dtype != object else \
+                sum(v.nbytes if isinstance(v, np.ndarray) else len(str(v)) for v in values)
         self._ids.extend(str(i) for i in ids)
         self._index.extend(int(i) for i in index)
         if self.schema.meta_key:
@@ -58,13 +66,23 @@ class ShardBuffer:
         if f.name not in columns:
             raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
                              f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
-        if f.ragged:
-            values = [np.asarray(v).astype(f.dtype, copy=False).reshape(-1) for v in columns[f.name]]
+        if f.ragged:  # an array [n, *shape] per item (shape (): any array, flattened)
+            values = [to_storage(v, f.dtype) for v in columns[f.name]]
             if len(values) != n:
                 raise ForgeError(f"result field {f.name!r}: the worker gave {len(values)} values for {n} item(s)")
+            shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values[0].shape[1:] if values else ())
+            for k, v in enumerate(values):
+                if not shape:
+                    values[k] = v.reshape(-1)
+                elif v.shape[1:] != tuple(shape):
+                    raise ForgeError(f"result field {f.name!r}: the worker gave shape {v.shape} for one item, "
+                                     f"expected (n, {', '.join(map(str, shape))})")
             return ragged_array(values)
-        values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
-        if f.dtype != STRING:
+        if f.dtype == BFLOAT16:
+            values = to_storage(columns[f.name], f.dtype)
+        else:
+            values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
+        if f.dtype not in (STRING, BFLOAT16):
             if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
                 raise ForgeError(f"result field {f.name!r}: the worker gave {values.dtype}, the schema says {f.dtype}")
             values = values.astype(f.dtype, copy=False)
@@ -93,15 +111,24 @@ class ShardBuffer:
 
     def _writer(self, columns: dict[str, np.ndarray]) -> Callable[[Any], None]:
         if self.schema.format == "safetensors":
-            from safetensors.numpy import save_file
-
             tensors = {}
             for f in self.schema.fields:
                 values = columns[f.name]
                 if f.ragged:  # values end to end, and where each row's start
                     tensors[f.name + OFFSETS] = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
-                    values = np.concatenate(list(values)) if len(values) else np.zeros(0, f.dtype)
+                    values = np.concatenate(list(values)) if len(values) else np.zeros((0, *(f.shape or ())), storage_dtype(f.dtype))
                 tensors[f.name] = np.ascontiguousarray(values)
+            bf16 = [f.name for f in self.schema.fields if f.dtype == BFLOAT16]
+            if bf16:  # numpy has no bfloat16: write the shard through torch, as real BF16 tensors
+                import torch
+                from safetensors.torch import save_file as save_pt
+
+                pt = {k: torch.from_numpy(v) for k, v in tensors.items()}
+                for name in bf16:
+                    pt[name] = pt[name].view(torch.bfloat16)
+                return lambda path: save_pt(pt, str(path))
+            from safetensors.numpy import save_file
+
             return lambda path: save_file(tensors, str(path))
         import pyarrow.parquet as pq
 
@@ -125,7 +152,6 @@ class ResultSink:
 
     def __init__(self, store: "RunStore", schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
         self.buffer = ShardBuffer(store, schema)
-        self.rows_per_shard = schema.rows_per_shard
         self.meta_of = meta_of or (lambda item: item.meta)  # what the journal keeps of an item (schema.meta_key)
 
     def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
@@ -138,11 +164,49 @@ class ResultSink:
                        np.asarray(values)[mask] for name, values in columns.items()}
         self.buffer.add([it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items])
 
+    def full(self) -> bool:
+        return self.buffer.full()
+
     def flush(self) -> None:
         self.buffer.flush()
 
     def close(self) -> dict[str, Any]:
         return self.buffer.close()
+
+
+class RoutedSink:
+    """Results in several folders from one worker output: each item's row goes to the sink
+    `route(item)` names (probe_gen's per-token states: items to one folder, the states of each
+    distinct prefix, stored once, to another). Every folder's shards are journaled alike, so
+    each item is committed exactly once whichever folder holds it."""
+
+    def __init__(self, sinks: dict[str, ResultSink], route: Callable[[Any], str]):
+        self.sinks = sinks  # name -> sink; the first is the main one (its figures lead the report's)
+        self.route = route  # item -> the name of the sink its row goes to
+
+    def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
+        keep = keep if keep is not None else [True] * len(batch.items)
+        routes = [self.route(it) for it in batch.items]
+        for name, sink in self.sinks.items():
+            mask = [k and r == name for k, r in zip(keep, routes)]
+            if any(mask):
+                sink.write(batch, output, mask)
+
+    def full(self) -> bool:
+        return any(sink.full() for sink in self.sinks.values())
+
+    def flush(self) -> None:
+        for sink in self.sinks.values():
+            sink.flush()
+
+    def close(self) -> dict[str, Any]:
+        figures = [sink.close() for sink in self.sinks.values()]
+        out = dict(figures[0])
+        for name, more in zip(list(self.sinks)[1:], figures[1:]):
+            out[name] = more["results"]
+            out["shards"] += more["shards"]
+            out[f"{name}_rows"] = more["rows"]
+        return out
 
 
 def open_sink(store: "RunStore", schema: ResultSchema) -> ResultSink:

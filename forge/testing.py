@@ -54,8 +54,8 @@ class ModeCheck:
 _COMPOSED: dict[tuple, Any] = {}
 
 
-def run_function(function: str, rows_path: Path, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """`forge run function=<function>` in this process; returns the report."""
+def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """`forge run function=<function>` in this process (`run_dir`: a path or an fsspec URL); returns the report."""
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
@@ -65,7 +65,9 @@ def run_function(function: str, rows_path: Path, run_dir: Path, overrides: Seque
     if key not in _COMPOSED:  # Hydra composes each configuration once
         _COMPOSED[key] = compose([f"function={function}", f"input.path={rows_path}", "runtime.executor=inprocess",
                                   *overrides])
-    spec = build_spec(copy.deepcopy(_COMPOSED[key]), Path(run_dir))
+    from forge.location import local_path
+
+    spec = build_spec(copy.deepcopy(_COMPOSED[key]), local_path(run_dir) or str(run_dir))
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

@@ -1,24 +1,42 @@
 """probe_gen: hidden-state activations of prompts (shared few-shot prefix + statement) at
-chosen layers of a Hugging Face causal LM, saved for linear probes.
+chosen layers of a Hugging Face causal LM, saved for linear probes and dictionary training.
 
 Written on `forge.api`: the base reads rows (`text`, optional `prefix`, `label`, `id`),
 applies the token rule (a prefix tokenized alone with the special tokens, the text after it
 without them), runs every batching mode exactly and commits the results. This file says what is
-kept: per item and layer, the state of its last token (`pooling=last`; an item that is all
-prefix: the prefix's last state) or the mean over its tokens after the prefix (`pooling=mean`),
-float32, as safetensors shards under ``activations/`` with the labels journaled
-(`forge.load_activations`).
+kept, per item and layer:
+
+* `pooling=last`: the state of its last token (an item that is all prefix: the prefix's last);
+* `pooling=mean`: the mean over its tokens after the prefix;
+* `pooling=none`: every token's state after the prefix, [tokens, hidden] (a ragged field), with
+  the token ids, the prefix's length and id (`prefix_id`: its key as an integer; -1: none). With
+  `prefix_states=once` each distinct prefix's own states are stored once, as an item of their
+  own in the folder ``prefix_states/``, and `forge.data.token_states` can put them back.
+
+Pooled states are float32 unless `storage_dtype` says otherwise; per-token states are the
+model's dtype by default. Shards are safetensors under ``activations/``, labels journaled
+(`forge.load_activations` for pooled runs, `forge.data.token_states` for per-token runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
-from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig
+from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
 from forge.schema import MISSING, one_of
 
-POOLINGS = ("last", "mean")
+POOLINGS = ("last", "mean", "none")
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+PREFIX_FOLDER = "prefix_states"  # pooling=none, prefix_states=once: each distinct prefix's states
+PREFIX_ROW = "prefix"  # the id suffix of the item holding a prefix's states: "<row id>/prefix"
+
+
+@dataclass(frozen=True)
+class PrefixRow:
+    """`Prompt.data` of the item that holds a prefix's own states (prefix_states=once)."""
+
+    key: str  # the prefix's key (the token rule's)
 
 
 @dataclass
@@ -26,7 +44,9 @@ class ProbeGenConfig(ModelFunctionConfig):
     """The root keys probe_gen reads (its constructor's parameters), checked at the edge."""
 
     layers: List[int] = MISSING  # hidden-state indices (0 = embeddings)
-    pooling: str = one_of("last", *POOLINGS)
+    pooling: str = one_of("last", *POOLINGS)  # none: every token's state
+    storage_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
+    prefix_states: str = one_of("once", "once", "none")  # pooling=none: store each prefix's states once, or not
 
 
 class ProbeGen(CausalLMFunction):
@@ -37,25 +57,86 @@ class ProbeGen(CausalLMFunction):
     keep_labels = True
 
     def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096,
-                 too_long: str = "skip"):
+                 too_long: str = "skip", storage_dtype: str | None = None, prefix_states: str = "once"):
         if pooling not in POOLINGS:
             raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")
-        self.layers, self.pooling = list(layers), pooling
+        if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
+            raise ForgeError(f"storage_dtype={storage_dtype!r}; choose one of: {', '.join(STORAGE_DTYPES)} "
+                             "(or null: float32 pooled, the model's dtype per token)")
+        self.layers, self.pooling, self.prefix_states = list(layers), pooling, prefix_states
         if not self.layers:
             raise ForgeError("layers=[]: choose at least one layer (0 = embeddings)")
         self.forward = Forward(layers=tuple(self.layers))
-        self.fields = tuple(Field(f"layer_{layer}", "float32", None) for layer in self.layers)
         super().__init__(model, input, shard_size, too_long)
+        self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
+        hidden = (self.hidden_size,)
+        self.fields = tuple(Field(f"layer_{layer}", self.dtype, hidden, ragged=pooling == "none")
+                            for layer in self.layers)
+        if pooling == "none":
+            self.fields += (Field("token_ids", "int32", (), ragged=True), Field("prefix_id", "int64"),
+                            Field("prefix_len", "int32"))
+        self._stored: set[str] = set()  # prefixes whose states have an item of their own (prefix_states=once)
 
     def options(self) -> dict[str, Any]:
-        return {"layers": self.layers, "pooling": self.pooling}
+        per_token = {"storage_dtype": self.dtype, "prefix_states": self.prefix_states} if self.pooling == "none" \
+            else {"storage_dtype": self.dtype} if self.dtype != "float32" else {}
+        return {"layers": self.layers, "pooling": self.pooling, **per_token}
 
     def memory_pooling(self) -> str:
-        return self.pooling
+        return "last" if self.pooling == "last" else "mean"
+
+    # -- pooling=none, prefix_states=once: a prefix's states are an item of their own, once ----
+    def records(self):
+        self._stored = set()  # each pass reads the input from its start (the same items, the same keys)
+        return super().records()
+
+    def prompts(self, row: Row) -> list[Prompt] | str:
+        made = super().prompts(row)
+        prefix = made[0].prefix if isinstance(made, list) else None
+        if self.pooling != "none" or self.prefix_states != "once" or prefix is None or prefix in self._stored:
+            return made
+        self._stored.add(prefix)
+        return [Prompt(prefix, None, None, PrefixRow(self.token_rule.prefix(prefix)[0]), suffix=PREFIX_ROW), *made]
+
+    def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
+        """The token rule, and a prefix's own item: the prefix's ids, exactly as it runs before a text."""
+        mine = [isinstance(p.data, PrefixRow) for p in prompts]
+        rest = iter(super().tokenize([p for p, m in zip(prompts, mine) if not m]))
+        return [Tokens([], self.token_rule.prefix(p.text)[1]) if m else next(rest) for p, m in zip(prompts, mine)]
+
+    def open_sink(self, store):
+        if self.pooling != "none" or self.prefix_states != "once":
+            return super().open_sink(store)
+        from dataclasses import replace
+
+        from forge.sinks import ResultSink, RoutedSink
+
+        main = self.result_schema()
+        sinks = {"items": super().open_sink(store),
+                 PREFIX_FOLDER: ResultSink(store, replace(main, folder=PREFIX_FOLDER, meta_key=None))}
+        return RoutedSink(sinks, lambda item: PREFIX_FOLDER if isinstance(item.meta.data, PrefixRow) else "items")
 
     def reduce(self, view: ItemView) -> dict[str, Any]:
         if self.pooling == "last":
-            return {f"layer_{layer}": view.last(layer).float() for layer in self.layers}
+            return {f"layer_{layer}": view.last(layer).to(self.torch_dtype) for layer in self.layers}
+        if self.pooling == "none":
+            import torch
+
+            key = view.data.key if isinstance(view.data, PrefixRow) else view.prefix_key
+            return {**{f"layer_{layer}": view.hidden[layer].to(self.torch_dtype) for layer in self.layers},
+                    "token_ids": torch.as_tensor(view.tokens[view.prefix_len:], dtype=torch.int32),
+                    "prefix_id": prefix_id(key), "prefix_len": view.prefix_len}
         if not view.hidden[self.layers[0]].shape[0]:
             raise ValueError(f"item {view.id!r} has no tokens after its prefix; mean pooling needs at least one")
-        return {f"layer_{layer}": view.hidden[layer].float().mean(dim=0) for layer in self.layers}
+        return {f"layer_{layer}": view.hidden[layer].float().mean(dim=0).to(self.torch_dtype) for layer in self.layers}
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def prefix_id(key: str | None) -> int:
+    """A prefix key (12 hex digits) as the integer stored in `prefix_id` (-1: no prefix)."""
+    return -1 if key is None else int(key, 16)

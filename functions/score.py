@@ -145,8 +145,7 @@ class _QuestionSink:
     """The generic sink, plus acc and acc_norm per question over every committed row at close."""
 
     def __init__(self, sink, store):
-        self.sink, self.store, self.rows_per_shard, self.write, self.flush = \
-            sink, store, sink.rows_per_shard, sink.write, sink.flush
+        self.sink, self.store, self.full, self.write, self.flush = sink, store, sink.full, sink.write, sink.flush
 
     def close(self) -> dict[str, Any]:
         import pyarrow as pa

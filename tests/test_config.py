@@ -56,7 +56,7 @@ def test_bad_choices_name_the_valid_ones():
         compose("batching=bogus")
     with pytest.raises(ForgeError, match="function/nope.*probe_gen"):
         compose("function=nope")
-    with pytest.raises(ForgeError, match="^config pooling='max': choose one of: last, mean$"):
+    with pytest.raises(ForgeError, match="^config pooling='max': choose one of: last, mean, none$"):
         spec_for("pooling=max")
     with pytest.raises(ForgeError, match=r"layers=\[9\]: the model has 4 layers"):
         spec_for("layers=[9]")
@@ -138,7 +138,8 @@ BAD = {
     "model.torch_dtype=int8": "config model.torch_dtype='int8': choose one of: float32, float16, bfloat16",
     # unknown keys
     "+foo=1": "config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
-              "batching, devices, runtime, resume, fail_fast, plugins, model, input, shard_size, layers, pooling",
+              "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
+              "storage_dtype, prefix_states",
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
                           "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
                           "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "

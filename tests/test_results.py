@@ -7,6 +7,7 @@ import torch
 
 from conftest import SMALL, run_forge
 from forge import load_activations
+from forge.errors import ForgeError
 
 LAYERS = [0, 2, 4]
 N = 150
@@ -106,6 +107,56 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
         assert res.ids == [f"i{k}" for k in range(5)] and res.columns["n"].tolist() == [1, 2, 3, 4, 5]
         for got, want in zip(res.columns["per_token"], values):
             assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("parquet", "float32"), ("parquet", "float16"), ("safetensors", "float32"),
+                                       ("safetensors", "bfloat16"), ("safetensors", "float16")])
+def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
+    """A ragged field of shape (3,) holds an array [n, 3] per item (per-token states): it
+    round-trips in each format and dtype, bfloat16 as real BF16 tensors (read back as float32),
+    and the schema's byte count is what the shards hold."""
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from forge.function import ItemColumns
+    from forge.geometry import Batch, Item
+    from forge.results import Field, ResultSchema, load
+    from forge.sinks import open_sink
+    from forge.store import RunStore
+
+    store = RunStore(tmp_path, {"function": "test"})
+    schema = ResultSchema((Field("states", dtype, (3,), ragged=True), Field("n", "int32")), format=fmt, folder="res")
+    sink = open_sink(store, schema)
+    items = [Item(f"i{k}", k + 1, index=k) for k in range(4)]
+    values = [torch.randn(k, 3) for k in range(4)]  # item 0 has no tokens
+    sink.write(Batch([[it] for it in items], 4), ItemColumns({"states": values, "n": np.arange(4)}), None)
+    sink.close()
+    res = load(tmp_path)
+    want = [v.to(getattr(torch, dtype)).float().numpy() for v in values]
+    for got, w in zip(res.columns["states"], want):
+        assert got.shape == w.shape and np.array_equal(got.astype(np.float32), w)
+    assert schema.output_bytes(4, 6)["states"] == 6 * 3 * (4 if dtype == "float32" else 2)
+    if fmt == "safetensors":
+        with safe_open(str(next((tmp_path / "res").glob("*.safetensors"))), "pt") as f:
+            assert f.get_tensor("states").dtype == getattr(torch, dtype)
+            assert f.get_tensor("states").nbytes == schema.output_bytes(4, 6)["states"]
+
+
+def test_a_shaped_ragged_value_of_the_wrong_width_is_refused(tmp_path):
+    import numpy as np
+
+    from forge.function import ItemColumns
+    from forge.geometry import Batch, Item
+    from forge.results import Field, ResultSchema
+    from forge.sinks import open_sink
+    from forge.store import RunStore
+
+    sink = open_sink(RunStore(tmp_path, {"function": "test"}),
+                     ResultSchema((Field("states", "float32", (3,), ragged=True),), format="safetensors"))
+    with pytest.raises(ForgeError, match=r"result field 'states': the worker gave shape \(2, 4\) for one item, "
+                                         r"expected \(n, 3\)"):
+        sink.write(Batch([[Item("a", 2, index=0)]], 2), ItemColumns({"states": [np.zeros((2, 4))]}), None)
 
 
 @pytest.mark.parametrize("function,field", [("score", "loglik"), ("embed", "embedding"), ("surprisal", "mean_nll"),

@@ -54,7 +54,7 @@ def drive(source, window, executor=None):
     sched = Scheduler(packer, source, DEVICES, window=window, cache_tokens=1 << 16)
     executor = executor or SimExecutor(packer.overhead_tokens)
     executor.start(DEVICES)
-    committer = Committer(None, set(), 1 << 62, float("inf"))
+    committer = Committer(None, set(), float("inf"))
     loop = RunLoop(sched, executor, committer, run=run, hook=pm.hook, policy=Runtime())
     loop.run_until_done()
     return ledger.ledger_of(run), seen.batches, sched, committer

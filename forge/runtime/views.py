@@ -35,6 +35,7 @@ class ItemMeta:
     target_start: int = 0  # position (in the item's sequence) whose state predicts targets[0]
     label: Any = None  # the row's label (kept in the journal by functions that keep labels)
     data: Any = None  # whatever the function attached to the item (its own row metadata)
+    row: int = -1  # the input row it came from (forge.inputs.Row.index)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ItemView:
     greedy: torch.Tensor | None  # bool [m]: each target is the argmax of its position
     label: Any = None  # the row's label
     data: Any = None  # the function's own per-item metadata (`ItemMeta.data`)
+    prefix_key: str | None = None  # identity of its shared prefix (None: it has none)
 
     def last(self, layer: int) -> torch.Tensor:
         """The state of the item's last token at `layer` (the prefix's, for an item that is all prefix)."""
@@ -112,7 +114,7 @@ class CausalViews:
             views.append(ItemView(item.id, item.index, list(item.tokens), item.prefix_len, hidden, prefix_state,
                                   torch.as_tensor(meta.targets, dtype=torch.long),
                                   None if logprobs is None else logprobs[k], None if greedy is None else greedy[k],
-                                  meta.label, meta.data))
+                                  meta.label, meta.data, item.prefix_key))
         return views
 
     def _targets(self, items: list[Item], states, off: int):
@@ -158,21 +160,27 @@ class CausalViews:
 
 def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     """Per-item result dicts as one column per field (numpy, CPU), in item order. A field whose
-    values differ in length per item (ragged) becomes a list of 1-D arrays."""
+    values differ in shape per item (ragged) becomes a list of arrays. bfloat16 tensors (which
+    numpy lacks) travel as their bit patterns, uint16 (`forge.results.to_storage`)."""
     columns: dict[str, Any] = {}
     for name in names:
         vals = [v[name] for v in values]
         if vals and isinstance(vals[0], torch.Tensor):
             shapes = {tuple(v.shape) for v in vals}
             if len(shapes) == 1:
-                columns[name] = torch.stack(vals).cpu().numpy()
+                columns[name] = _numpy(torch.stack(vals))
             else:
-                columns[name] = [v.cpu().numpy() for v in vals]
+                columns[name] = [_numpy(v) for v in vals]
         elif vals and isinstance(vals[0], str):
             columns[name] = list(vals)
         else:
             columns[name] = np.asarray(vals)
     return columns
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @dataclass
