@@ -3,7 +3,8 @@
 A function reads rows, runs a model over them and writes one result row per item. Forge owns
 everything that is the same for every function of a model kind; the author writes four things:
 
-* ``fields``: the result fields (`Field`: name, dtype, per-item shape; ``None`` for ragged);
+* ``fields``: the result fields (`Field`: name, dtype, per-value shape, ragged: a variable
+  number of values per item, such as one hidden state per token);
 * ``forward``: what the forward pass must give (`Forward`: hidden states at chosen layers,
   the log-probabilities of the target tokens, or both);
 * ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item;
