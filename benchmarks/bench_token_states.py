@@ -25,8 +25,9 @@ read: a pooling=none run's shards (`--tokens` stored tokens) read by `forge.data
 loaded whole, concatenated, one permutation, then batches); tokens per second and peak RSS.
 
 rss: a Forge pooling=none run storing `--tokens` tokens, on a random-weight 2-layer model of
-hidden 64 (so 10M tokens take minutes on 2 cores), bfloat16 storage; the peak RSS of the whole
-process tree (driver and worker, sampled every 0.2 s) and of its largest process.
+hidden 64 (so 10M tokens take minutes on 2 cores), bfloat16 storage, `shard_mb=32`; the peak
+RSS of the whole process tree (driver and worker, sampled every 0.2 s) and of its largest
+process. The driver holds at most one shard's rows (and their copy while it is written).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.bench_token_states"
+SHARD_MB = 32  # rss: shards of 32 MiB (250k tokens of hidden 64, bfloat16), so 1M and 10M both cut several
 
 
 # -- peers, each run as its own process --------------------------------------------------------
@@ -312,8 +314,9 @@ def _small_model(root: Path) -> Path:
     return path
 
 
-def _token_rows(path: Path, tokens: int, per_row: int = 250) -> None:
-    """Rows of ~`per_row` tokens of text (statements joined), 8 prefixes, `tokens` in all."""
+def _token_rows(path: Path, tokens: int, per_row: int = 198) -> None:
+    """Rows of ~`per_row` own tokens (28 statements joined) after one of the embedded prefixes (cut to 120
+    characters), `tokens` own tokens in all."""
     from forge.functions.assets import embedded_dataset_path
 
     base = _rows(embedded_dataset_path())
@@ -334,7 +337,7 @@ def forge_store(root: Path, tokens: int, out: Path, model: Path) -> dict:
         _token_rows(rows, tokens)
     command = [sys.executable, "-m", "forge.cli", "run", "function=probe_gen", "pooling=none", "layers=[2]",
                "storage_dtype=bfloat16", "model=hf", f"model.name={model}", f"input.path={rows}", "devices=cpu",
-               "batching=token", f"output_dir={out}"]
+               "batching=token", f"shard_mb={SHARD_MB}", f"output_dir={out}"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     watch = TreeRSS(proc.pid)

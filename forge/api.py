@@ -108,6 +108,7 @@ class ModelFunction(Function):
     format: str = "parquet"  # parquet | safetensors (tensors only)
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
+    shard_bytes: int = 256 << 20  # a shard is also cut once its rows hold this many bytes (per-token results)
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         self.hf = HFModel(ModelSpec(**model))
@@ -259,7 +260,8 @@ class ModelFunction(Function):
 
     def result_schema(self) -> ResultSchema:
         return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.folder or self.name,
-                            rows_per_shard=self.shard_size, meta_key="labels" if self.keep_labels else None,
+                            rows_per_shard=self.shard_size, bytes_per_shard=self.shard_bytes,
+                            meta_key="labels" if self.keep_labels else None,
                             meta={"model": self.model.name, **self.options()})
 
     def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:

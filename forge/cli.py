@@ -486,7 +486,7 @@ def print_summary(report: dict[str, Any]) -> None:
     table.add_row("status", str(report.get("status", "finished")))
     sized = report.get("output_bytes")
     if sized and sized.get("total"):
-        per = sized.get("per_stored_token") if any(k.startswith("layer_") for k in sized["fields"]) else None
+        per = sized.get("per_stored_token")
         fields = "  ".join(f"{k} {_bytes(v)}" for k, v in sized["fields"].items() if v)
         table.add_row("will write", f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "")
                       + f": {fields}")

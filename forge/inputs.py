@@ -189,6 +189,7 @@ class InputFile:
         self.max_row_bytes = self.spec.max_row_bytes
         self.duplicate_ids = self.spec.duplicate_ids
         self._drop = self._scan_ids()  # row index -> why it is skipped (a repeated id)
+        self._count: int | None = None  # records, once counted
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_drop": {}}  # workers never read rows
@@ -210,9 +211,11 @@ class InputFile:
                 yield Row(rec.index, rec.line, rid, rec.data)
 
     def count(self) -> int:
-        """Records in the input (up to `limit`): what `rows` yields."""
-        rows = count_rows(self.path, self.max_row_bytes)
-        return rows if self.limit is None else min(rows, self.limit)
+        """Records in the input (up to `limit`): what `rows` yields (counted once)."""
+        if self._count is None:
+            rows = count_rows(self.path, self.max_row_bytes)
+            self._count = rows if self.limit is None else min(rows, self.limit)
+        return self._count
 
     def fingerprint(self) -> dict[str, Any]:
         """What of the input decides results: its content and the settings that pick rows."""

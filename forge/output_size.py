@@ -29,9 +29,10 @@ def describe(function: Function, items: int, own_tokens: int) -> dict[str, Any] 
     if fields is None:
         return None
     total = sum(v for v in fields.values() if v is not None)
-    return {"fields": fields, "total": total, "items": items, "stored_tokens": own_tokens,
+    per_token = any((function.output_bytes(0, 1) or {}).values())  # a field holds values per token
+    return {"fields": fields, "total": total, "items": items, "stored_tokens": own_tokens if per_token else 0,
             "per_item": round(total / items, 3) if items else None,
-            "per_stored_token": round(total / own_tokens, 3) if own_tokens else None,
+            "per_stored_token": round(total / own_tokens, 3) if own_tokens and per_token else None,
             "unknown": sorted(name for name, v in fields.items() if v is None)}
 
 
@@ -50,10 +51,11 @@ def check_space(function: Function, run_dir: Path, rows_left: int | None) -> dic
     need = int(sized["total"] * MARGIN)
     free = shutil.disk_usage(run_dir).free
     if need > free:
-        raise ForgeError(f"output_dir={run_dir}: the run will write about {_size(sized['total'])} "
-                         f"({_size(sized['per_stored_token'] or 0)} per stored token, estimated from {sampled:,} of "
-                         f"{rows_left:,} rows) but its disk has {_size(free)} free; free space, choose another "
-                         "output_dir, or set check_disk=false to skip this check")
+        per = f"{_size(sized['per_stored_token'])} per stored token" if sized["per_stored_token"] \
+            else f"{_size(sized['per_item'] or 0)} per item"
+        raise ForgeError(f"output_dir={run_dir}: the run will write about {_size(sized['total'])} ({per}, estimated "
+                         f"from {sampled:,} of {rows_left:,} rows) but its disk has {_size(free)} free; free space, "
+                         "choose another output_dir, or set check_disk=false to skip this check")
     return sized
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.schema import MISSING, one_of
+from forge.schema import MISSING, one_of, positive
 
 POOLINGS = ("last", "mean", "none")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +47,7 @@ class ProbeGenConfig(ModelFunctionConfig):
     pooling: str = one_of("last", *POOLINGS)  # none: every token's state
     storage_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
     prefix_states: str = one_of("once", "once", "none")  # pooling=none: store each prefix's states once, or not
+    shard_mb: int = positive(256)  # a shard is also cut once its rows hold this many MiB (per-token states)
 
 
 class ProbeGen(CausalLMFunction):
@@ -57,13 +58,15 @@ class ProbeGen(CausalLMFunction):
     keep_labels = True
 
     def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096,
-                 too_long: str = "skip", storage_dtype: str | None = None, prefix_states: str = "once"):
+                 too_long: str = "skip", storage_dtype: str | None = None, prefix_states: str = "once",
+                 shard_mb: int = 256):
         if pooling not in POOLINGS:
             raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
             raise ForgeError(f"storage_dtype={storage_dtype!r}; choose one of: {', '.join(STORAGE_DTYPES)} "
                              "(or null: float32 pooled, the model's dtype per token)")
         self.layers, self.pooling, self.prefix_states = list(layers), pooling, prefix_states
+        self.shard_bytes = int(shard_mb) << 20
         if not self.layers:
             raise ForgeError("layers=[]: choose at least one layer (0 = embeddings)")
         self.forward = Forward(layers=tuple(self.layers))

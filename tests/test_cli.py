@@ -179,7 +179,7 @@ BAD_CONFIG = {
     "devices.limits.max_rows=0": "error: config devices.limits.max_rows=0: must be a positive integer",
     "+foo=1": "error: config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
               "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
-              "storage_dtype, prefix_states",
+              "storage_dtype, prefix_states, shard_mb",
 }
 
 

@@ -139,7 +139,7 @@ BAD = {
     # unknown keys
     "+foo=1": "config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
               "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
-              "storage_dtype, prefix_states",
+              "storage_dtype, prefix_states, shard_mb",
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
                           "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
                           "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "

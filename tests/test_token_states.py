@@ -118,8 +118,11 @@ def test_every_token_state_equals_a_one_row_forward_pass(tmp_path, data, referen
 def test_prefix_states_none_stores_only_each_items_own_tokens(tmp_path, data, reference):
     from forge.results import load, result_folders
 
-    run_function("probe_gen", data[0], tmp_path, [*SMALL_LIMITS, *NONE, "prefix_states=none"])
+    run_function("probe_gen", data[0], tmp_path, [*SMALL_LIMITS, *NONE, "prefix_states=none", "shard_mb=1"])
     assert result_folders(tmp_path) == ["activations"]
+    shards = sorted((tmp_path / "activations").glob("*.safetensors"))
+    assert len(shards) >= 2  # ~1.4 MB of states: cut at 1 MiB, not at shard_size=4096 rows
+    assert all(s.stat().st_size <= (1 << 20) + 3 * 384 * 1024 for s in shards[:-1])  # 1 MiB and at most one batch
     res = load(tmp_path)
     assert len(res) == len(reference[0])
     assert sum(len(t) for t in res.columns["token_ids"]) == sum(len(t) for t, _ in reference[0].values())
