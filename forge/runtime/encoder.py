@@ -215,7 +215,7 @@ class EncoderViews:
         self.source = {layer: None if layer % (n + 1) == n else layer % (n + 1) for layer in self.layers}
 
     def run(self, batch: Batch):
-        from forge.runtime.views import ItemMeta, ItemView, ViewBatch
+        from forge.runtime.views import ItemMeta, ItemView, ViewBatch, token_list
 
         items = batch.items
         if not items:
@@ -228,7 +228,7 @@ class EncoderViews:
         for k, item in enumerate(items):
             r, s, n = int(rows_t[k]), int(starts_t[k]), int(lens[k])
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
-            views.append(ItemView(item.id, item.index, list(item.tokens), 0,
+            views.append(ItemView(item.id, item.index, token_list(item.tokens), 0,
                                   {layer: hidden[i][r, s:s + n] for layer, i in self.source.items()}, {}, empty,
                                   None, None,
                                   meta.label, meta.data))

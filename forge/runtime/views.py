@@ -111,7 +111,7 @@ class CausalViews:
                 if item.prefix_len:
                     prefix_state[layer] = prefix_split[layer] if off else span[own_from - 1]
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
-            views.append(ItemView(item.id, item.index, list(item.tokens), item.prefix_len, hidden, prefix_state,
+            views.append(ItemView(item.id, item.index, token_list(item.tokens), item.prefix_len, hidden, prefix_state,
                                   torch.as_tensor(meta.targets, dtype=torch.long),
                                   None if logprobs is None else logprobs[k], None if greedy is None else greedy[k],
                                   meta.label, meta.data, item.prefix_key))
@@ -176,6 +176,11 @@ def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         else:
             columns[name] = np.asarray(vals)
     return columns
+
+
+def token_list(tokens) -> list[int]:
+    """An item's token ids as a list of ints (items hold them as an int32 array while they wait)."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
