@@ -25,7 +25,7 @@ GB = 1 << 30
 
 
 def conf_dir() -> Path:
-    """The packaged config directory, `forge.conf` (the repository's conf/ in a checkout)."""
+    """The packaged config directory, `forge.conf` (the repository's conf/ in an editable install)."""
     import forge.conf
 
     return Path(forge.conf.__file__).resolve().parent

@@ -1,6 +1,7 @@
 """The function seam: generic result sinks and reader, functions and config directories offered
 by plugins, and the installed layout (forge.functions, forge.builtin, forge.conf)."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -163,15 +164,20 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
 # -- installed layout -------------------------------------------------------------------
 
 
-def test_source_checkout_maps_the_subpackages_to_its_own_folders(tmp_path):
-    code = ("import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
-            "import sys; print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
+def test_the_editable_install_maps_the_subpackages_to_this_checkouts_folders(tmp_path):
+    """setuptools' `package-dir` does the mapping (editable installs honour it), and importing
+    forge changes no import machinery: no finder of Forge's own is left on sys.meta_path."""
+    code = ("import sys; before = list(sys.meta_path); import forge; print(sys.meta_path == before); "
+            "import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
+            "print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
             "print(forge.conf.__file__); print('functions' in sys.modules or 'plugins' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    files = out.stdout.split()
-    assert files[:3] == [str(ROOT / "functions" / "probe_gen.py"), str(ROOT / "plugins" / "ledger.py"),
-                         str(ROOT / "conf" / "__init__.py")]
-    assert files[3] == "False"  # no generic top-level name imported
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    lines = out.stdout.split()
+    assert lines[0] == "True"  # `import forge` installs nothing
+    assert lines[1:4] == [str(ROOT / "functions" / "probe_gen.py"), str(ROOT / "plugins" / "ledger.py"),
+                          str(ROOT / "conf" / "__init__.py")]
+    assert lines[4] == "False"  # no generic top-level name imported
+    assert not (ROOT / "forge" / "_layout.py").exists()
 
 
 def test_wheel_installs_everything_under_forge(tmp_path):
@@ -206,6 +212,17 @@ def test_wheel_installs_everything_under_forge(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "forge.builtin.batching" in text and "forge.builtin.functions" in text and "plugins." not in text
+    # installed from the wheel (not editable), the subpackages import from the installed forge/
+    target = (tmp_path / "site").resolve()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target),
+                    str(wheel)], check=True, capture_output=True, cwd=tmp_path)
+    code = ("import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
+            "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env=env)
+    assert [str(Path(p).resolve()) for p in out.stdout.split()] == [str(target / "forge" / "functions" / "assets" / "__init__.py"),
+                                  str(target / "forge" / "builtin" / "ledger.py"), str(target / "forge" / "conf")]
 
 
 def test_group_options_include_a_user_config_dir(tmp_path):
