@@ -76,7 +76,7 @@ def run_forge(path: Path, out: Path, packed: bool, packed_row_tokens: int, max_b
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.functions.embed import load_embeddings
 
     shutil.rmtree(out, ignore_errors=True)

@@ -40,7 +40,10 @@ sys.path.append(sys.argv[2])  # the tree, after its install: benchmarks.bench_sc
 from forge.cli import compose
 from forge.config import build_spec
 from forge.engine import execute
-from forge.plugins import make_plugin_manager
+try:
+    from forge.pluginmanager import make_plugin_manager
+except ImportError:  # a tree from before the plugin manager's rename
+    from forge.plugins import make_plugin_manager
 over = json.loads(sys.argv[1])
 tmp = Path(tempfile.mkdtemp(prefix="bench-functions-"))
 if "input.path=MC" in over:

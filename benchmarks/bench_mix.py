@@ -162,7 +162,7 @@ def run_tail(n: int = 120) -> None:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     rng = random.Random(5)
     words = "the of and a to in is was he for it with as his on be at by".split()

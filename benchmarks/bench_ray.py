@@ -33,7 +33,7 @@ from benchmarks.workloads import items as workload_items
 from forge.engine import RunSpec, execute
 from forge.schema import RayRuntime, Runtime
 from forge.geometry import Batch, Device, Item
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
 
 
 def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:

@@ -72,7 +72,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from forge.columns import ColumnFeed
     from forge.executors import SimExecutor
     from forge.loop import Committer, RunLoop
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.run import RunContext
     from forge.scheduler import Scheduler
     from forge.schema import Runtime

@@ -43,7 +43,7 @@ def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.functions.score import load_scores
 
     cfg = compose(["function=score", f"input.path={rows}", "batching=token", "runtime.executor=inprocess",

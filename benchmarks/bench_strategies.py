@@ -28,7 +28,7 @@ from forge.engine import RunSpec, execute
 from forge.schema import Runtime
 from forge.function import Function
 from forge.geometry import Batch, Device, Item, Limits
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
 from forge.runtime.causal_lm import CausalLMRunner
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)

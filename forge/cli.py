@@ -220,7 +220,7 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     from forge.report import process_started
 
@@ -240,7 +240,7 @@ def plan(
     """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
     from forge.config import build_spec
     from forge.plan import plan as make_plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if compare:
         return _compare(ctx.args, config_dir, as_json)
@@ -274,7 +274,7 @@ def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> No
     """One plan per batching mode with a config file, side by side."""
     from forge.config import build_spec
     from forge.plan import plan as make_plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     plans = {}
     try:
@@ -377,7 +377,7 @@ def ls(
     selects it) and the devices found."""
     from forge.config import to_plain
     from forge.devices import resolve_devices
-    from forge.plugins import batching_modes, functions, make_plugin_manager
+    from forge.pluginmanager import batching_modes, functions, make_plugin_manager
 
     try:
         cfg = to_plain(compose(ctx.args, config_dir))

@@ -38,7 +38,7 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 def build_function(cfg: dict[str, Any]):
     """Instantiate the function: its constructor's parameters come from same-named config keys."""
-    from forge.plugins import function_class
+    from forge.pluginmanager import function_class
 
     cls = function_class(cfg.get("function") or {})
     params = inspect.signature(cls).parameters

@@ -28,7 +28,7 @@ from forge.executors import Executor
 from forge.function import Function
 from forge.geometry import Device, Item
 from forge.loop import Committer, RunLoop, Stop
-from forge.plugins import batching_modes, executors, load_object
+from forge.pluginmanager import batching_modes, executors, load_object
 from forge.run import RunContext
 from forge.scheduler import Scheduler
 from forge.schema import Runtime

@@ -206,7 +206,7 @@ def runtime_schema(cfg: DictConfig) -> type:
 
 def function_schema(cfg: DictConfig) -> type | None:
     """The dataclass of root keys that the configured function declares, if any."""
-    from forge.plugins import function_class
+    from forge.pluginmanager import function_class
 
     node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
     if not isinstance(node, DictConfig):
@@ -241,7 +241,7 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
 
 def _check_executor(name) -> None:
     """runtime.executor must name an executor a plugin registers (forge_executors)."""
-    from forge.plugins import executors, make_plugin_manager
+    from forge.pluginmanager import executors, make_plugin_manager
 
     offered = executors(make_plugin_manager())
     if name is not None and name not in offered:

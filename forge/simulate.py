@@ -51,7 +51,7 @@ def plan_geometry(items: Iterable[Item], devices: list[Device], mode: str = "mem
                   pm=None) -> dict[str, Any]:
     """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
     from forge.plan import plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     options = dict(options or {})
     splits = mode != "item" and options.get("prefix_cache", True)

@@ -59,7 +59,7 @@ def run_function(function: str, rows_path: Path, run_dir: Path, overrides: Seque
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     key = (function, str(rows_path), tuple(overrides))
     if key not in _COMPOSED:  # Hydra composes each configuration once

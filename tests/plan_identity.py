@@ -81,7 +81,7 @@ def _reference(overrides: list[str]) -> Callable[[], dict]:
         from forge.cli import compose
         from forge.config import build_spec
         from forge.plan import plan
-        from forge.plugins import make_plugin_manager
+        from forge.pluginmanager import make_plugin_manager
 
         cfg = compose(["devices=sim_16g_32g", "input.limit=600", *overrides])
         return plan(build_spec(cfg, None), make_plugin_manager())

@@ -149,7 +149,7 @@ def _run(tmp_path, path, rows, mode, pooling, *extra):
     """`forge run` in-process; Hydra composes each (mode, pooling, extra) once, the model name is set after."""
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     key = (mode, pooling, extra)
     if key not in _COMPOSED:
@@ -213,7 +213,7 @@ def test_fidelity_reduced_precision(tmp_path, data, name, dtype, mode, pooling):
 # -- capabilities, refusals and the stated path -------------------------------------------------
 def test_path_is_stated(tmp_path, data):
     from forge.plan import plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     path, _ = family("gemma2", data)
     report = _run(tmp_path, path, data[1], "token-packed", "last")
@@ -346,7 +346,7 @@ def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
     cfg.model.name = str(path)
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if (name, mode) in REFUSED:
         with pytest.raises(ForgeError, match=REFUSED[name, mode]):

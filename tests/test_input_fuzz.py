@@ -71,7 +71,7 @@ def _as_item(record):
 def _account(source: InputFile) -> tuple[list[Item], dict]:
     """The records through admission and the ledger, as a run counts them."""
     from forge.admission import AdmissionRules, admit
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.run import RunContext
 
     pm = make_plugin_manager()

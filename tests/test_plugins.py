@@ -2,7 +2,7 @@
 
 from conftest import spec_for
 from forge.plan import plan
-from forge.plugins import batching_modes, make_plugin_manager
+from forge.pluginmanager import batching_modes, make_plugin_manager
 
 
 def test_builtins_register_through_entry_points(pm):

@@ -14,7 +14,7 @@ from forge.geometry import Device, Limits, batch_fits
 from forge.hookspecs import hookimpl
 from forge.indexset import IndexSet
 from forge.loop import Committer, RunLoop
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
 from forge.run import RunContext
 from forge.scheduler import Scheduler
 from forge.builtin import ledger

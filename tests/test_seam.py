@@ -14,7 +14,7 @@ from forge.errors import ForgeError
 from forge.function import ItemColumns
 from forge.geometry import Batch, Item
 from forge.hookspecs import hookimpl
-from forge.plugins import batching_modes, function_class, functions, make_plugin_manager
+from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
 from forge.results import Field, ResultSchema, load
 from forge.sinks import open_sink
 from forge.store import RunStore
@@ -138,26 +138,26 @@ def test_unknown_function_name_lists_the_installed_ones(pm):
 def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, monkeypatch):
     """What `pip install` of a plugin package does: its config module joins Forge's search path,
     so its function composes with function=<name> and `forge ls` sees it."""
-    import forge.plugins
+    import forge.pluginmanager
     from forge.cli import compose, group_options
 
     (tmp_path / "function").mkdir()
     (tmp_path / "function" / "echo_fn.yaml").write_text("# @package _global_\nfunction:\n  name: echo_fn\n")
     (tmp_path / "batching").mkdir()
     (tmp_path / "batching" / "echo_mode.yaml").write_text("mode: item\nbatch_size: 3\n")
-    real = forge.plugins.make_plugin_manager
+    real = forge.pluginmanager.make_plugin_manager
 
     def with_plugin(*args, **kwargs):
         pm = real(*args, **kwargs)
         pm.register(_Offers(config=f"file://{tmp_path}"), name="echo-plugin")
         return pm
 
-    monkeypatch.setattr(forge.plugins, "make_plugin_manager", with_plugin)
+    monkeypatch.setattr(forge.pluginmanager, "make_plugin_manager", with_plugin)
     assert "echo_fn" in group_options("function") and "probe_gen" in group_options("function")
     assert "echo_mode" in group_options("batching")
     cfg = compose(["function=echo_fn", "batching=echo_mode"])
     assert cfg.function.name == "echo_fn" and cfg.batching.batch_size == 3
-    monkeypatch.setattr(forge.plugins, "make_plugin_manager", real)
+    monkeypatch.setattr(forge.pluginmanager, "make_plugin_manager", real)
     assert "echo_fn" not in group_options("function")
 
 

@@ -174,7 +174,7 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     os.environ.clear()  # the driver's environment now, not the fork server's from when it started
     os.environ.update(environ)
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if device.torch_device == "cpu":
         import torch

@@ -202,7 +202,7 @@ class DeviceActor:
 
     def load(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        from forge.plugins import make_plugin_manager
+        from forge.pluginmanager import make_plugin_manager
 
         if self.device.torch_device == "cpu":
             import torch
