@@ -25,9 +25,20 @@ from pathlib import Path
 
 WORKLOADS = {
     "probe_gen, token rows, last": ["function=probe_gen", "input.limit=2500", "batching=token", "layers=[1,2,4]"],
-    "probe_gen, token packed, mean": ["function=probe_gen", "input.limit=2500", "batching=token",
-                                      "batching.packing=packed", "pooling=mean", "layers=[1,2,4]"],
-    "embed (decoder), token packed": ["function=embed", "input.limit=2500", "batching=token", "batching.packing=packed"],
+    "probe_gen, token packed, mean": [
+        "function=probe_gen",
+        "input.limit=2500",
+        "batching=token",
+        "batching.packing=packed",
+        "pooling=mean",
+        "layers=[1,2,4]",
+    ],
+    "embed (decoder), token packed": [
+        "function=embed",
+        "input.limit=2500",
+        "batching=token",
+        "batching.packing=packed",
+    ],
     "score, 300 questions x 4, 10 shots": ["function=score", "input.path=MC", "batching=token"],
 }
 

@@ -34,6 +34,7 @@ from forge.scheduler import Scheduler
 from forge.schema import Runtime
 from forge.store import RunStore
 
+
 @dataclass
 class RunSpec:
     """Everything a run needs, as plain values. Built from config at the edge (forge.config)."""
@@ -168,7 +169,11 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         try:
             outputs = sink.close()
         except OSError as exc:
-            outputs, status, error = {}, "stopped", f"writing the last shard failed ({exc}); resume=true finishes the run"
+            outputs, status, error = (
+                {},
+                "stopped",
+                f"writing the last shard failed ({exc}); resume=true finishes the run",
+            )
         return finish_report(
             run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
             wall_s=time.perf_counter() - started,

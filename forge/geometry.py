@@ -7,8 +7,9 @@ here knows about models or torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from forge.errors import ForgeError
 
@@ -40,7 +41,7 @@ class Limits:
         m = self.pad_multiple
         return -(-n // m) * m
 
-    def capped(self, tokens_per_step: int | None) -> "Limits":
+    def capped(self, tokens_per_step: int | None) -> Limits:
         """These limits with max_batch_tokens capped by a function's step budget."""
         if tokens_per_step is None or tokens_per_step >= self.max_batch_tokens:
             return self
@@ -139,13 +140,13 @@ class Batch:
     def items(self) -> list[Item]:
         return [item for row in self.rows for item in row]
 
-    def select(self, keep) -> "Batch":
+    def select(self, keep) -> Batch:
         """This batch with only the items where `keep` (aligned with `items`) is true."""
         flags = iter(keep)
         rows = [kept for row in self.rows if (kept := [it for it in row if next(flags)])]
         return replace(self, rows=rows)
 
-    def halves(self) -> list["Batch"]:
+    def halves(self) -> list[Batch]:
         """Two batches holding this one's items (rows split in two; a single packed row
         split between its items), for a retry after a failure; one item gives itself."""
         if len(self.rows) > 1:

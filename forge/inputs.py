@@ -27,9 +27,10 @@ import hashlib
 import json
 import re
 import stat
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class InputSpec:
     `forge.schema.store_schemas`) and sets only `path`."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
-    limit: Optional[int] = positive(None)  # take only the first N rows
+    limit: int | None = positive(None)  # take only the first N rows
     duplicate_ids: str = one_of("error", *DUPLICATE_POLICIES)  # a repeated id: refuse | keep first | keep last
     max_row_bytes: int = positive(MAX_ROW_BYTES)  # a longer row fails before it is parsed or tokenized
 

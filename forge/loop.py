@@ -7,9 +7,10 @@ discarded and counted) and the scheduler hears how it went; anything else goes t
 scheduler, which re-routes the batch whole, splits it, or fails its item with the reason.
 The loop stops when the work is done, or early with a reason: interrupted (Ctrl-C), a
 recurring failure (one reason filling `max_failure_share` of the last `failure_window` items
-finished, or one kind of bad record filling it of the last records read), a stall (work waits, nothing runs, no device can take it), every
-device retired, or a shard that cannot be written. `forge run`, `forge plan` and the
-benchmarks all drive this loop; only the executor differs.
+finished, or one kind of bad record filling it of the last records read), a stall (work
+waits, nothing runs, no device can take it), every device retired, or a shard that cannot be
+written. `forge run`, `forge plan` and the benchmarks all drive this loop; only the executor
+differs.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Committer:
 
 class RunLoop:
     def __init__(self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext,
-                 hook, policy: "Runtime"):
+                 hook, policy: Runtime):
         self.scheduler = scheduler
         self.executor = executor
         self.committer = committer

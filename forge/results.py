@@ -7,8 +7,8 @@
 A result is one row per committed item: its `id`, its input `index` and one value per
 field (a scalar, a fixed shape, a string, or ragged: one 1-D array of any length per item).
 `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back in input
-order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them. `run_dir` is a local path or an
-fsspec URL (`forge.location`).
+order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them.
+`run_dir` is a local path or an fsspec URL (`forge.location`).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ here, once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 from forge.inputs import Column, InputFile, Row, json_problem, string_problem
 from forge.run import Rejected, Skipped

@@ -42,9 +42,9 @@ group is cached there, which is where the full affinity order would send it anyw
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from operator import attrgetter
-from typing import Iterable
 
 from forge.batching.base import NO_PREFIX, Cut, Feed, GroupInfo, Packer, Urgency
 from forge.columns import ItemFeed

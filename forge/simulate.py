@@ -8,7 +8,8 @@ same admission, scheduler, run loop, simulated executor and ledger as `forge pla
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from forge.batching.memory import CostModel
 from forge.engine import RunSpec

@@ -57,7 +57,8 @@ class ShardBuffer:
     def _check(self, f: Field, columns: dict[str, Any], n: int) -> np.ndarray:
         if f.name not in columns:
             raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
-                             f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
+                             f"{', '.join(sorted(columns)) or 'nothing'}); "
+                             "the function's result_schema and worker disagree")
         if f.ragged:
             values = [np.asarray(v).astype(f.dtype, copy=False).reshape(-1) for v in columns[f.name]]
             if len(values) != n:
@@ -136,7 +137,8 @@ class ResultSink:
             items = [it for it, k in zip(items, keep) if k]
             columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
                        np.asarray(values)[mask] for name, values in columns.items()}
-        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items])
+        self.buffer.add([it.id for it in items], [it.index for it in items], columns,
+                        [self.meta_of(it) for it in items])
 
     def flush(self) -> None:
         self.buffer.flush()

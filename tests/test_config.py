@@ -78,7 +78,8 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "lab.yaml").write_text(
         "discover: false\ninventory:\n"
-        "  - {name: big, device: cpu, limits: {max_batch_tokens: 8192, max_rows: 64, max_seq_len: 1024, pad_multiple: 8}}\n"
+        "  - {name: big, device: cpu, limits: {max_batch_tokens: 8192, max_rows: 64, max_seq_len: 1024,"
+        " pad_multiple: 8}}\n"
         "  - {name: small, device: cpu, limits: {max_batch_tokens: 2048, max_rows: 16, max_seq_len: 1024}}\n"
     )
     spec = build_spec(cli_compose(["devices=lab"], tmp_path), None)
@@ -176,8 +177,8 @@ def test_schema_types_values_and_keeps_interpolations(pm):
 
 
 def test_a_function_declares_its_own_root_keys():
-    from forge.schema import schema_for
     from forge.functions.probe_gen import ProbeGen
+    from forge.schema import schema_for
 
     keys = {f.name for f in dataclasses.fields(schema_for(ProbeGen.config_schema))}
     assert {"input", "layers", "pooling", "shard_size", "model"} <= keys
@@ -191,7 +192,9 @@ def test_sweep_combinations_expand_like_the_basic_sweeper():
         ["batching=item", "layers=[1]", "input.limit=1"], ["batching=item", "layers=[1]", "input.limit=2"],
         ["batching=token", "layers=[1]", "input.limit=1"], ["batching=token", "layers=[1]", "input.limit=2"]]
     globbed = sweep_combinations(["batching=glob(*)"])  # the built-in modes, and any an installed plugin adds
-    assert globbed == sorted(globbed) and {"batching=item", "batching=memory", "batching=token"} <= {c[0] for c in globbed}
+    assert globbed == sorted(globbed) and {"batching=item", "batching=memory", "batching=token"} <= {
+        c[0] for c in globbed
+    }
     big = sweep_combinations(["a=range(0,10)", "b=range(0,10)"])  # 100 > MAX_SWEEP_CHECKS: each value once
     assert 100 > MAX_SWEEP_CHECKS and len(big) == 20
     assert {c[0] for c in big} == {f"a={i}" for i in range(10)} and {c[1] for c in big} == {f"b={i}" for i in range(10)}

@@ -3,8 +3,7 @@
 from collections import Counter
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
 from forge.batching.base import NO_PREFIX, Urgency
@@ -71,7 +70,10 @@ def independent_padding(batch: Batch) -> int:
 def test_every_item_once_within_limits(workload, make_packer, devices):
     limits, items, window = workload
     packer = make_packer()
-    if isinstance(packer, MemoryPacker) and packer.row_cap(limits.pad(limits.max_seq_len), limits.max_seq_len, Device("x", limits)) < 1:
+    if (
+        isinstance(packer, MemoryPacker)
+        and packer.row_cap(limits.pad(limits.max_seq_len), limits.max_seq_len, Device("x", limits)) < 1
+    ):
         packer.default_memory_bytes = 10**9
     batches, sched = drain(packer, items, limits, window, devices)
     seen = Counter(it.id for b in batches for it in b.items)

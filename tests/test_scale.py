@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.workloads import geometry, items as workload_items
 from forge.batching import TokenPacker
+from forge.builtin import ledger
 from forge.columns import ColumnBatch, ColumnFeed
 from forge.executors import SimExecutor
 from forge.executors.base import Outcome, Status
@@ -17,7 +18,6 @@ from forge.loop import Committer, RunLoop
 from forge.pluginmanager import make_plugin_manager
 from forge.run import RunContext
 from forge.scheduler import Scheduler
-from forge.builtin import ledger
 from forge.schema import Runtime
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]

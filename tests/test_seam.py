@@ -221,8 +221,11 @@ def test_wheel_installs_everything_under_forge(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
                          env=env)
-    assert [str(Path(p).resolve()) for p in out.stdout.split()] == [str(target / "forge" / "functions" / "assets" / "__init__.py"),
-                                  str(target / "forge" / "builtin" / "ledger.py"), str(target / "forge" / "conf")]
+    assert [str(Path(p).resolve()) for p in out.stdout.split()] == [
+        str(target / "forge" / "functions" / "assets" / "__init__.py"),
+        str(target / "forge" / "builtin" / "ledger.py"),
+        str(target / "forge" / "conf"),
+    ]
 
 
 def test_group_options_include_a_user_config_dir(tmp_path):

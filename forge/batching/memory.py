@@ -57,7 +57,7 @@ class CostModel:
 
     @classmethod
     def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                   intermediate: int, dtype_bytes: int) -> "CostModel":
+                   intermediate: int, dtype_bytes: int) -> CostModel:
         head_dim = hidden // heads
         kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
         return cls(

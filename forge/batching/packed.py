@@ -172,7 +172,7 @@ def _fill_row(avail: list[int], left: list[int], ends: list[int], take_end: list
     return room, placed
 
 
-def _keep_plan(g: "_Group", take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
+def _keep_plan(g: _Group, take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
     """The planned takes gathered in one numpy pass into the group's ready Cuts; what is left
     stays waiting in the group."""
     lengths = g.lengths

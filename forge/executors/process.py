@@ -63,7 +63,7 @@ class ProcessExecutor(SlotExecutor):
 
     @classmethod
     def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> "ProcessExecutor":
+                     hook=None) -> ProcessExecutor:
         """The executor `runtime.executor=process` builds (a forge_executors factory)."""
         return cls(function, cache_tokens, plugins=plugins, max_in_flight=runtime.max_in_flight,
                    max_restarts=runtime.max_restarts, startup_timeout_s=runtime.startup_timeout_s,

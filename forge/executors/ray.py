@@ -48,7 +48,7 @@ class RayExecutor(SlotExecutor):
 
     @classmethod
     def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> "RayExecutor":
+                     hook=None) -> RayExecutor:
         """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
         return cls(function, cache_tokens, plugins=plugins, address=runtime.address, num_cpus=runtime.num_cpus,
                    cpus_per_actor=runtime.cpus_per_actor,

@@ -19,8 +19,8 @@ change the device: its true budget stays what the inventory declares.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from forge.errors import ForgeError
 from forge.executors.base import Executor, Outcome, Status

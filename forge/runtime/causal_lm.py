@@ -30,18 +30,21 @@ Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from forge.geometry import Batch, Item
 from forge.runtime.capabilities import Capabilities, capabilities
-from forge.runtime.hf_compat import cache_kwarg, cache_key_values, num_layers, output_cache, plain_cache, text_config
+from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.masks import additive_masks
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
-from forge.runtime.reference import POOLINGS as _POOLINGS
-from forge.runtime.reference import reference_pooled  # noqa: F401  (tests import it from here)
+from forge.runtime.reference import (
+    POOLINGS as _POOLINGS,
+    reference_pooled,  # noqa: F401  (tests import it from here)
+)
 
 
 @dataclass
@@ -274,14 +277,14 @@ class CausalLMRunner:
         return BatchOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
                            cache_hit=states.cache_hit)
 
-    def forward_tokens(self, batch: Batch) -> "RowStates | None":
+    def forward_tokens(self, batch: Batch) -> RowStates | None:
         """The batch's forward pass, not pooled: the final hidden state of every row token and
         where each token sits (for functions that read per-token states, e.g. scoring). None
         for an empty batch."""
         with torch.inference_mode():
             return self._forward_batch(batch)
 
-    def _forward_batch(self, batch: Batch) -> "RowStates | None":
+    def _forward_batch(self, batch: Batch) -> RowStates | None:
         items = batch.items
         n = len(items)
         if n == 0:

@@ -13,8 +13,8 @@ first elsewhere (`fair_share`), so the devices finish together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from forge.batching.base import GroupInfo
 from forge.geometry import Batch, Device, StepTime, pad_to_limits, step_cost

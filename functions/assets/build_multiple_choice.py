@@ -34,15 +34,26 @@ def _kinds() -> dict[str, list[tuple[str, str, list[str]]]]:
     classes = sorted(ANIMAL_CLASSES)
     symbols = sorted({s for _, s in ELEMENTS})
     return {
-        "capital": [(f"What is the capital of {country}?", cap, [c for c in capitals if c != cap])
-                    for country, cap, _ in COUNTRIES],
-        "continent": [(f"On which continent is {country}?", cont, [c for c in continents if c != cont])
-                      for country, _, cont in COUNTRIES],
-        "colour": [(f"What colour is {thing}?", col, [c for c in colours if c != col]) for thing, col in OBJECT_COLOURS],
-        "class": [(f"What kind of animal is a {animal}?", cls, [c for c in classes if c != cls])
-                  for cls in classes for animal in ANIMAL_CLASSES[cls]],
-        "element": [(f"What is the chemical symbol for {name}?", sym, [s for s in symbols if s != sym])
-                    for name, sym in ELEMENTS],
+        "capital": [
+            (f"What is the capital of {country}?", cap, [c for c in capitals if c != cap])
+            for country, cap, _ in COUNTRIES
+        ],
+        "continent": [
+            (f"On which continent is {country}?", cont, [c for c in continents if c != cont])
+            for country, _, cont in COUNTRIES
+        ],
+        "colour": [
+            (f"What colour is {thing}?", col, [c for c in colours if c != col]) for thing, col in OBJECT_COLOURS
+        ],
+        "class": [
+            (f"What kind of animal is a {animal}?", cls, [c for c in classes if c != cls])
+            for cls in classes
+            for animal in ANIMAL_CLASSES[cls]
+        ],
+        "element": [
+            (f"What is the chemical symbol for {name}?", sym, [s for s in symbols if s != sym])
+            for name, sym in ELEMENTS
+        ],
     }
 
 
