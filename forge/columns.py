@@ -179,6 +179,8 @@ class ItemColumns(Sequence):
     """
 
     __slots__ = ("index", "num_tokens", "prefix", "_keys", "_prefix_lens")
+    # `index` is the column of input positions; it hides Sequence.index (look items up by id instead)
+    index: np.ndarray  # type: ignore[assignment]
 
     def __init__(self, index: np.ndarray, num_tokens: np.ndarray, prefix: np.ndarray,
                  keys: Sequence[str], prefix_lens: np.ndarray):

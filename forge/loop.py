@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,7 +80,7 @@ class Committer:
 
     def commit(self, batch: Batch, output: Any) -> tuple[Batch | None, Batch | None]:
         """(what was committed, what was a duplicate): either may be None."""
-        items = batch.items
+        items: Sequence[Item] = batch.items  # a list, or ItemColumns for a ColumnBatch
         if isinstance(items, ItemColumns):  # streamed columns: one numpy pass, no Item made
             fresh = ~self.committed.contains(items.index)
             if fresh.all() and self.sink is None:

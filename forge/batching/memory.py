@@ -70,6 +70,8 @@ class CostModel:
 
 
 class MemoryPacker(TokenPacker):
+    cost_model: CostModel  # always set: a memory packer is never without its model
+
     def __init__(self, cost_model: CostModel | None = None, default_memory_bytes: int | None = None, **token_options):
         if cost_model is None:
             raise ForgeError("batching=memory needs a cost model; the function did not provide one")

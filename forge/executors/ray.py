@@ -43,7 +43,7 @@ class _Slot(Slot):
     load_ref: Any  # the actor's load() call: its description once the model is loaded
 
 
-class RayExecutor(SlotExecutor):
+class RayExecutor(SlotExecutor[_Slot]):
     worker = "actor"
 
     @classmethod
@@ -69,8 +69,8 @@ class RayExecutor(SlotExecutor):
         self.cpus_per_actor = float(cpus_per_actor)
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
         self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
-        self._actor_cls = None
-        self._function_ref = None  # the function, put in the object store once for every actor
+        self._actor_cls: Any = None  # DeviceActor as a Ray actor class, made at start
+        self._function_ref: Any = None  # the function, put in the object store once for every actor
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
@@ -198,7 +198,8 @@ class DeviceActor:
             device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
         self.plugins, self.threads = plugins, threads
-        self.worker = self.hook = None
+        self.worker: Any = None  # the function's worker, and the hook relay of `plugins`: made by load()
+        self.hook: Any = None
 
     def load(self) -> dict[str, Any]:
         t0 = time.perf_counter()
