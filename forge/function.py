@@ -44,7 +44,7 @@ class BatchOutput(Protocol):
 
 
 @dataclass
-class ItemColumns:
+class ResultColumns:
     """A batch's output for the generic sink: one value per item for each result field."""
 
     columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
@@ -91,7 +91,7 @@ class Function(ABC):
 
     def result_schema(self) -> ResultSchema:
         """What each item yields (`forge.results.ResultSchema`: fields, format, folder). The
-        worker's outputs then carry `columns` (`ItemColumns`) with those fields."""
+        worker's outputs then carry `columns` (`ResultColumns`) with those fields."""
         from forge.errors import ForgeError
 
         raise ForgeError(f"function {self.name or type(self).__name__} declares no result_schema(); its author "

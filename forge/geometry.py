@@ -217,7 +217,7 @@ def step_cost(batch: Batch, cache_hit: bool | None = None) -> StepCost:
     return StepCost(batch.padded_slots + computed, scores, computed)
 
 
-def batch_fits(batch: Batch, limits: Limits) -> str | None:
+def broken_limit(batch: Batch, limits: Limits) -> str | None:
     """Which limit the batch breaks, or None. Used by tests and as a guard."""
     if batch.num_rows > limits.max_rows:
         return "max_rows"
@@ -242,4 +242,4 @@ def pad_to_limits(batch: Batch, limits: Limits) -> Batch | None:
     off = batch.row_offset
     used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
     fitted = replace(batch, padded_len=limits.pad(used))
-    return fitted if batch_fits(fitted, limits) is None else None
+    return fitted if broken_limit(fitted, limits) is None else None

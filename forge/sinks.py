@@ -1,7 +1,7 @@
 """Generic sinks: commit any function's per-item results, as its `ResultSchema` declares.
 
 Model: a worker returns, for a batch, one array per field with a row per item, aligned
-with `batch.items` (`ItemColumns`, or any object with a `columns` mapping). The sink keeps
+with `batch.items` (`ResultColumns`, or any object with a `columns` mapping). The sink keeps
 the rows of items not committed yet, buffers them, and on `flush` writes one shard through
 `RunStore.write_shard` (the shard put in place whole, then its journal record naming the
 items' input indexes and ids): a safetensors file holding one tensor per field, or a Parquet

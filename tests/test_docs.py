@@ -36,3 +36,21 @@ def test_the_guides_testing_example_runs(tmp_path):
     namespace: dict = {}
     exec(compile(block, "docs/functions.md", "exec"), namespace)
     namespace["test_surprisal_is_exact_in_every_mode"](tmp_path)
+
+
+def test_one_name_per_concept():
+    """No two public classes of the package share a name (there were two `ItemColumns` and two
+    `BatchOutput`s), and geometry's limit check is not named like `Packer.batch_fits`."""
+    import ast
+    from collections import defaultdict
+
+    where = defaultdict(list)
+    for folder in ("forge", "functions", "plugins"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where[node.name].append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+    import forge.geometry
+
+    assert not hasattr(forge.geometry, "batch_fits") and callable(forge.geometry.broken_limit)

@@ -80,7 +80,7 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
     (a variable number of values per item) round-trip in Parquet and safetensors."""
     import numpy as np
 
-    from forge.function import ItemColumns
+    from forge.function import ResultColumns
     from forge.geometry import Batch, Item
     from forge.results import Field, ResultSchema, load, shards
     from forge.sinks import open_sink
@@ -96,7 +96,7 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
         values = [np.arange(k + 1, dtype=np.float32) * (k + 1) for k in range(5)]
         for lo in (3, 0):  # committed out of order
             batch = Batch([[it] for it in items[lo:lo + 3]], 1)
-            sink.write(batch, ItemColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
+            sink.write(batch, ResultColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
                                            "per_token": values[lo:lo + 3]}), None)
             sink.flush()
         sink.close()

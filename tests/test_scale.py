@@ -11,7 +11,7 @@ from forge.builtin import ledger
 from forge.columns import ColumnBatch, ColumnFeed
 from forge.executors import SimExecutor
 from forge.executors.base import Outcome, Status
-from forge.geometry import Device, Limits, batch_fits
+from forge.geometry import Device, Limits, broken_limit
 from forge.hookspecs import hookimpl
 from forge.indexset import IndexSet
 from forge.loop import Committer, RunLoop
@@ -32,7 +32,7 @@ class Seen:
     @hookimpl
     def forge_batch_completed(self, run, batch, device, stats):
         self.batches.append((device.name, batch.num_rows, batch.padded_len, batch.num_tokens, len(batch.items)))
-        assert batch_fits(batch, device.limits) is None
+        assert broken_limit(batch, device.limits) is None
 
 
 def columns(n, chunk, seed=0):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from forge.errors import ForgeError
-from forge.function import ItemColumns
+from forge.function import ResultColumns
 from forge.geometry import Batch, Item
 from forge.hookspecs import hookimpl
 from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
@@ -36,10 +36,10 @@ def test_generic_sink_round_trip_in_input_order(tmp_path, fmt):
     store = RunStore(tmp_path, {"function": "t"})
     sink = open_sink(store, schema)
     # two batches committed out of input order; the second keeps only its item "b" (the other is a duplicate)
-    sink.write(_batch([("c", 2), ("d", 3)]), ItemColumns({"score": np.array([2.0, 3.0]), "n": np.array([20, 30]),
+    sink.write(_batch([("c", 2), ("d", 3)]), ResultColumns({"score": np.array([2.0, 3.0]), "n": np.array([20, 30]),
                                                           "vec": np.array([[2, 2], [3, 3]], np.float32)}), None)
     sink.flush()
-    sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"score": np.array([0.0, 1.0]), "n": np.array([0, 10]),
+    sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"score": np.array([0.0, 1.0]), "n": np.array([0, 10]),
                                                           "vec": np.array([[0, 0], [1, 1]], np.float32)}),
                [False, True])
     out = sink.close()
@@ -59,7 +59,7 @@ def test_parquet_sink_keeps_strings(tmp_path):
     schema = ResultSchema(fields=(Field("answer", "string"),))
     store = RunStore(tmp_path, {})
     sink = open_sink(store, schema)
-    sink.write(_batch([("x", 0), ("y", 1)]), ItemColumns({"answer": ["yes", "no"]}), [False, True])
+    sink.write(_batch([("x", 0), ("y", 1)]), ResultColumns({"answer": ["yes", "no"]}), [False, True])
     sink.close()
     assert load(tmp_path).columns["answer"].tolist() == ["no"]
 
@@ -68,9 +68,9 @@ def test_sink_refuses_output_that_disagrees_with_its_schema(tmp_path):
     store = RunStore(tmp_path, {})
     sink = open_sink(store, ResultSchema(fields=(Field("vec", "float32", (4,)),)))
     with pytest.raises(ForgeError, match=r"'vec'.*shape \(2, 3\).*expected \(2, 4\)"):
-        sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"vec": np.zeros((2, 3), np.float32)}), None)
+        sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"vec": np.zeros((2, 3), np.float32)}), None)
     with pytest.raises(ForgeError, match="'vec' missing from the worker's output"):
-        sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"other": np.zeros(2)}), None)
+        sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"other": np.zeros(2)}), None)
     with pytest.raises(ForgeError, match="tensors only"):
         ResultSchema(fields=(Field("s", "string"),), format="safetensors")
     with pytest.raises(ForgeError, match="none named id or index"):
@@ -81,7 +81,7 @@ def test_load_names_the_folders_when_a_run_has_several(tmp_path):
     store = RunStore(tmp_path, {})
     for folder in ("one", "two"):
         sink = open_sink(store, ResultSchema(fields=(Field("v", "int64"),), folder=folder))
-        sink.write(_batch([("a", 0)]), ItemColumns({"v": np.array([1])}), None)
+        sink.write(_batch([("a", 0)]), ResultColumns({"v": np.array([1])}), None)
         sink.close()
     with pytest.raises(ForgeError, match="results in one, two"):
         load(tmp_path)

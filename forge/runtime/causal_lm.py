@@ -48,7 +48,7 @@ from forge.runtime.reference import (
 
 
 @dataclass
-class BatchOutput:
+class PooledOutput:
     pooled: dict[int, torch.Tensor]  # layer -> float32 CPU [n_items, hidden], batch.items order
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
     cache_hit: bool
@@ -189,7 +189,7 @@ class CausalLMRunner:
 
     # -- running
 
-    def run(self, batch: Batch) -> BatchOutput:
+    def run(self, batch: Batch) -> PooledOutput:
         with torch.inference_mode():
             return self._run(batch)
 
@@ -267,14 +267,14 @@ class CausalLMRunner:
             self.cache.put(key, entry)
         return entry, False
 
-    def _run(self, batch: Batch) -> BatchOutput:
+    def _run(self, batch: Batch) -> PooledOutput:
         states = self._forward_batch(batch)
         if states is None:
             h = self.hidden_size or 0
-            return BatchOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
+            return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
         pooled = self._pool(states.hidden, states.tok if states.total else None, states.lens, states.starts,
                             states.item_row, states.pool_from, states.entry, len(batch.items))
-        return BatchOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
+        return PooledOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
                            cache_hit=states.cache_hit)
 
     def forward_tokens(self, batch: Batch) -> RowStates | None:
