@@ -228,7 +228,7 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
         got = spec_for(f"runtime={path.stem}").runtime
         assert type(got) is schema and got == schema()
     for f in dataclasses.fields(Runtime):
-        if f.name != "executor" and f.type in ("int", "float", "Optional[float]"):
+        if f.name != "executor" and f.type in ("int", "float", "float | None"):
             value = 7 if f.type == "int" else 0.25
             assert getattr(spec_for(f"runtime.{f.name}={value}").runtime, f.name) == value, f.name
     assert spec_for("runtime.drain_s=3").runtime.drain_s == 3.0
