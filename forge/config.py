@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from forge.devices import resolve_devices
 from forge.engine import RunSpec
 from forge.errors import ForgeError
+from forge.geometry import DEFAULT_WINDOW
 from forge.location import hydra_dir
 from forge.schema import RUNTIMES, Runtime, validate
 
@@ -82,7 +83,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         mode=mode,
         mode_options=options,
         devices=capped,
-        window=int(batching.get("window") or 65536),
+        window=int(batching.get("window") or DEFAULT_WINDOW),
         cache_tokens=cache_tokens,
         too_long=plain.get("too_long", "skip"),
         max_tokens=budget.get("max_tokens"),

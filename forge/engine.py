@@ -26,7 +26,7 @@ from forge.batching.base import Packer, create_packer
 from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
-from forge.geometry import Device, Item
+from forge.geometry import DEFAULT_WINDOW, Device, Item
 from forge.loop import Committer, RunLoop, Stop
 from forge.pluginmanager import batching_modes, executors, load_object
 from forge.run import RunContext
@@ -43,7 +43,7 @@ class RunSpec:
     mode: str  # batching mode name
     mode_options: dict[str, Any]  # keyword arguments of the mode's packer
     devices: list[Device]  # consumers, limits already capped by the step budget
-    window: int = 65536  # most items held waiting for a batch
+    window: int = DEFAULT_WINDOW  # most items held waiting for a batch
     cache_tokens: int = 0  # per-device prefix cache capacity; 0 = off
     too_long: str = "skip"  # skip | truncate | error
     max_tokens: int | None = None  # stop admitting once this many tokens were received

@@ -13,6 +13,11 @@ from typing import Any
 
 from forge.errors import ForgeError
 
+#: `batching.window`'s default, defined here once: the most items the scheduler holds waiting
+#: for a batch (its bounded look-ahead). forge.schema.Batching, the Scheduler, RunSpec and
+#: plan_geometry all take it from here.
+DEFAULT_WINDOW = 65536
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:

@@ -28,6 +28,7 @@ from omegaconf.errors import (
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from forge.errors import ForgeError
+from forge.geometry import DEFAULT_WINDOW
 
 CHECK = "forge_check"  # field metadata key: a callable value -> problem (str) or None
 
@@ -95,7 +96,7 @@ class Batching:
     checked by the mode's packer constructor."""
 
     mode: str = MISSING
-    window: int = positive(65536)
+    window: int = positive(DEFAULT_WINDOW)  # most items held waiting for a batch
     prefix_cache: bool | None = None  # null: the mode's own default
     cache_tokens: int | None = positive(None)
 

@@ -15,7 +15,7 @@ from forge.batching.memory import CostModel
 from forge.engine import RunSpec
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.geometry import Device, Item
+from forge.geometry import DEFAULT_WINDOW, Device, Item
 
 
 class GeometryFunction(Function):
@@ -48,7 +48,7 @@ class GeometryFunction(Function):
 
 def plan_geometry(items: Iterable[Item], devices: list[Device], mode: str = "memory", *,
                   cost: CostModel | None = None, options: dict[str, Any] | None = None,
-                  cache_tokens: int = 32768, window: int = 65536, keep_batches: bool = False,
+                  cache_tokens: int = 32768, window: int = DEFAULT_WINDOW, keep_batches: bool = False,
                   pm=None) -> dict[str, Any]:
     """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
     from forge.plan import plan

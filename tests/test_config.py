@@ -232,3 +232,34 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
             value = 7 if f.type == "int" else 0.25
             assert getattr(spec_for(f"runtime.{f.name}={value}").runtime, f.name) == value, f.name
     assert spec_for("runtime.drain_s=3").runtime.drain_s == 3.0
+
+
+def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
+    """A batching YAML may restate a key of forge.schema.Batching only with the schema's value
+    (Hydra overrides only keys a YAML has, so `window` is written there), and window's default
+    is forge.geometry.DEFAULT_WINDOW everywhere it is a default."""
+    import dataclasses
+    import inspect
+
+    import yaml
+    from omegaconf import MISSING
+
+    from forge.config import conf_dir
+    from forge.engine import RunSpec
+    from forge.geometry import DEFAULT_WINDOW
+    from forge.scheduler import Scheduler
+    from forge.schema import Batching
+    from forge.simulate import plan_geometry
+
+    unset = (None, dataclasses.MISSING, MISSING)  # no default, or the mode's own
+    defaults = {f.name: f.default for f in dataclasses.fields(Batching) if f.default not in unset}
+    assert defaults.get("window") == DEFAULT_WINDOW
+    for path in sorted((conf_dir() / "batching").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        for key, default in defaults.items():
+            if key in data:
+                assert data[key] == default, f"{path.name}: {key}={data[key]!r}, the schema says {default!r}"
+    assert inspect.signature(Scheduler).parameters["window"].default == DEFAULT_WINDOW
+    assert inspect.signature(plan_geometry).parameters["window"].default == DEFAULT_WINDOW
+    assert {f.name: f.default for f in dataclasses.fields(RunSpec)}["window"] == DEFAULT_WINDOW
+    assert spec_for().window == DEFAULT_WINDOW
