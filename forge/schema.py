@@ -2,9 +2,10 @@
 
 `validate(cfg)` merges a composed config onto `OmegaConf.structured(schema)`, so OmegaConf
 itself refuses wrong types and unknown keys, then checks values (positive sizes, shares,
-choices) from each field's metadata. Every failure is one ForgeError line that names the full
-key, the bad value and what is valid. The function picked by `function._target_` declares its
-own root keys (`Function.config_schema`, a dataclass); the core declares the rest here.
+choices) from each field's metadata (set by the field helpers of `forge.checks`). Every
+failure is one ForgeError line that names the full key, the bad value and what is valid. The
+function picked by `function._target_` declares its own root keys (`Function.config_schema`,
+a dataclass); the core declares the rest here.
 
 Hydra's own node (`hydra`) is never validated.
 """
@@ -27,53 +28,9 @@ from omegaconf.errors import (
 )
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
+from forge.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
 from forge.errors import ForgeError
 from forge.geometry import DEFAULT_WINDOW
-
-CHECK = "forge_check"  # field metadata key: a callable value -> problem (str) or None
-
-
-# -- value checks: field helpers ---------------------------------------------------
-
-
-def _positive(value) -> str | None:
-    if value > 0:
-        return None
-    return "must be a positive integer" if isinstance(value, int) else "must be a positive number"
-
-
-def _non_negative(value) -> str | None:
-    if value >= 0:
-        return None
-    return "must be 0 or more"
-
-
-def _share(value) -> str | None:
-    return None if 0 < value <= 1 else "must be a share in (0, 1]"
-
-
-def positive(default: Any = MISSING) -> Any:
-    """A field whose value (when not null) must be > 0."""
-    return field(default=default, metadata={CHECK: _positive})
-
-
-def non_negative(default: Any = MISSING) -> Any:
-    return field(default=default, metadata={CHECK: _non_negative})
-
-
-def share(default: Any = MISSING) -> Any:
-    """A fraction in (0, 1]."""
-    return field(default=default, metadata={CHECK: _share})
-
-
-def one_of(default: Any, *choices: str) -> Any:
-    """A string field limited to `choices`."""
-
-    def check(value) -> str | None:
-        return None if value in choices else f"choose one of: {', '.join(choices)}"
-
-    return field(default=default, metadata={CHECK: check})
-
 
 # -- the core's keys -----------------------------------------------------------------
 

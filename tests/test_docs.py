@@ -54,3 +54,26 @@ def test_one_name_per_concept():
     import forge.geometry
 
     assert not hasattr(forge.geometry, "batch_fits") and callable(forge.geometry.broken_limit)
+
+
+# Over the house's budgets (a module of 400 lines, a function of 80) when they came in; this
+# list may only shrink. forge/cli.py and forge/api.py were under edit on another branch.
+OVER_BUDGET = {"forge/inputs.py", "forge/cli.py", "forge/api.py", "forge/runtime/causal_lm.py",
+               "functions/assets/build_assets.py", "functions/assets/build_assets.py:build"}
+
+
+def test_no_new_module_over_400_lines_or_function_over_80():
+    import ast
+
+    over = set()
+    for folder in ("forge", "functions", "plugins"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name, source = str(path.relative_to(ROOT)), path.read_text()
+            if len(source.splitlines()) > 400:
+                over.add(name)
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        node.end_lineno - node.lineno + 1 > 80:
+                    over.add(f"{name}:{node.name}")
+    assert over <= OVER_BUDGET, sorted(over - OVER_BUDGET)
+    assert OVER_BUDGET <= over, f"now within budget, drop from OVER_BUDGET: {sorted(OVER_BUDGET - over)}"
