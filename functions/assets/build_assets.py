@@ -408,11 +408,44 @@ def ntokens(tok: Tokenizer, s: str) -> int:
 def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     rng = random.Random(SEED)
     pools = build_statement_pools(rng)
-
-    # Hold out few-shot examples (never used as dataset rows).
-    fewshot_pool: list[tuple[str, int]] = []
     names = sorted(pools)
-    held = set()
+    fewshot_pool, held = _fewshot_pool(pools, names)
+    rows = _dataset_rows(rng, pools, names, held)
+    texts = [s for s, _ in rows]
+    prefixes, ks, tok = _choose_prefixes(fewshot_pool, texts)
+    prefix_lens = [ntokens(tok, p) for p in prefixes]
+    records = _assign_prefixes(rows, prefixes)
+    _check_invariants(prefixes, records, tok)
+
+    # ---- write dataset
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / DATASET_FILE.name, "w", encoding="utf-8", newline="\n") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    _write_model_dir(out_dir / MODEL_DIR.name, tok)
+
+    n_pos = sum(r["label"] for r in records)
+    info = {
+        "rows": len(records),
+        "label_1": n_pos,
+        "label_0": len(records) - n_pos,
+        "no_prefix_rows": sum("prefix" not in r for r in records),
+        "prefix_examples": ks,
+        "prefix_tokens": prefix_lens,
+        "prefix_rows": [sum(r.get("prefix") == p for r in records) for p in prefixes],
+        "vocab_size": tok.get_vocab_size(),
+        "templates": {n: (len(pools[n][0]), len(pools[n][1])) for n in names},
+    }
+    if verbose:
+        print(json.dumps(info, indent=1))
+    return info
+
+
+def _fewshot_pool(pools: dict, names: list[str]) -> tuple[list[tuple[str, int]], set[str]]:
+    """Few-shot examples held out (never used as dataset rows): (statement, label) pairs and
+    the set of their statements."""
+    fewshot_pool: list[tuple[str, int]] = []
+    held: set[str] = set()
     ex_rng = random.Random(SEED + 1)
     while len(fewshot_pool) < 60:
         name = names[len(fewshot_pool) % len(names)]
@@ -422,6 +455,11 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
         if s not in held:
             held.add(s)
             fewshot_pool.append((s, 1 if label else 0))
+    return fewshot_pool, held
+
+
+def _dataset_rows(rng: random.Random, pools: dict, names: list[str], held: set[str]) -> list[tuple[str, int]]:
+    """The dataset's (statement, label) rows, N_PER_LABEL of each label, shuffled."""
 
     # Candidate rows.  Cap each template so the big generators (sizes, arithmetic) do not dominate.
     def capped(idx: int) -> list[str]:
@@ -435,7 +473,11 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     assert len(true_c) >= N_PER_LABEL and len(false_c) >= N_PER_LABEL, (len(true_c), len(false_c))
     rows = [(s, 1) for s in rng.sample(true_c, N_PER_LABEL)] + [(s, 0) for s in rng.sample(false_c, N_PER_LABEL)]
     rng.shuffle(rows)
+    return rows
 
+
+def _choose_prefixes(fewshot_pool: list[tuple[str, int]], texts: list[str]) -> tuple[list[str], list[int], Tokenizer]:
+    """(prefixes, examples per prefix, the tokenizer trained on prefixes + texts)."""
     # Per-prefix example orderings (each prefix draws its own shuffled examples).
     orders = []
     for i in range(len(PREFIX_TARGETS)):
@@ -446,7 +488,6 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     # Fixed-point iteration: tokenizer trained on (prefixes + texts); choose the
     # example count k per prefix that lands closest to its target length.
     ks = [0, 2, 6, 13, 24]
-    texts = [s for s, _ in rows]
     for _ in range(10):
         prefixes = [make_prefix(INSTRUCTIONS[i], orders[i], ks[i]) for i in range(len(ks))]
         tok = train_tokenizer(prefixes + texts)
@@ -461,10 +502,11 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     else:
         raise RuntimeError("prefix length selection did not converge")
     prefixes = [make_prefix(INSTRUCTIONS[i], orders[i], ks[i]) for i in range(len(ks))]
-    tok = train_tokenizer(prefixes + texts)
-    prefix_lens = [ntokens(tok, p) for p in prefixes]
+    return prefixes, ks, train_tokenizer(prefixes + texts)
 
-    # Assign prefixes deterministically at random; ~2% rows without prefix.
+
+def _assign_prefixes(rows: list[tuple[str, int]], prefixes: list[str]) -> list[dict]:
+    """The dataset's records: prefixes assigned deterministically at random; ~2% rows without prefix."""
     assign_rng = random.Random(SEED + 7)
     records = []
     for i, (text, label) in enumerate(rows):
@@ -474,8 +516,11 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
         rec["text"] = text
         rec["label"] = label
         records.append(rec)
+    return records
 
-    # Invariants the probe code relies on.
+
+def _check_invariants(prefixes: list[str], records: list[dict], tok: Tokenizer) -> None:
+    """Invariants the probe code relies on."""
     for p in prefixes:
         assert p.endswith("\n") and not p[-2].isspace(), repr(p[-5:])
     for rec in records:
@@ -487,14 +532,9 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
             assert joined == split, rec["id"]
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
 
-    # ---- write dataset
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / DATASET_FILE.name, "w", encoding="utf-8", newline="\n") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
-    # ---- write model dir
-    mdir = out_dir / MODEL_DIR.name
+def _write_model_dir(mdir: Path, tok: Tokenizer) -> None:
+    """The model directory: tokenizer, config and init file (weights are made at first use)."""
     mdir.mkdir(parents=True, exist_ok=True)
     tok.save(str(mdir / "tokenizer.json"), pretty=True)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -537,22 +577,6 @@ def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     _write_json(mdir / "tokenizer_config.json", tok_config)
     _write_json(mdir / "special_tokens_map.json", special_map)
     _write_json(mdir / "forge_init.json", {"seed": INIT_SEED, "format": "safetensors"})
-
-    n_pos = sum(r["label"] for r in records)
-    info = {
-        "rows": len(records),
-        "label_1": n_pos,
-        "label_0": len(records) - n_pos,
-        "no_prefix_rows": sum("prefix" not in r for r in records),
-        "prefix_examples": ks,
-        "prefix_tokens": prefix_lens,
-        "prefix_rows": [sum(r.get("prefix") == p for r in records) for p in prefixes],
-        "vocab_size": tok.get_vocab_size(),
-        "templates": {n: (len(pools[n][0]), len(pools[n][1])) for n in names},
-    }
-    if verbose:
-        print(json.dumps(info, indent=1))
-    return info
 
 
 def _write_json(path: Path, obj) -> None:
