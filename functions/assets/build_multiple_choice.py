@@ -6,7 +6,7 @@ Run from the repository root::
 
 Each row is ``{"id", "context", "choices", "gold"}``: a few-shot context (an instruction and
 three solved questions of the same kind, then the question, ending in "Answer:") and four
-choices, one of them right, drawn from the facts that ``build_assets`` uses for the statements.
+choices, one of them right, drawn from the facts (``facts.py``) the statements are built from too.
 Deterministic: a fixed seed, sorted iteration, byte-identical output on every run.
 """
 
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from forge.functions.assets.build_assets import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
+from forge.functions.assets.facts import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
 
 ASSETS_DIR = Path(__file__).resolve().parent
 OUT_FILE = ASSETS_DIR / "multiple_choice.jsonl"
