@@ -58,7 +58,7 @@ def test_one_name_per_concept():
 
 # Over the house's budgets (a module of 400 lines, a function of 80) when they came in; this
 # list may only shrink. forge/cli.py and forge/api.py were under edit on another branch.
-OVER_BUDGET = {"forge/inputs.py", "forge/cli.py", "forge/api.py"}
+OVER_BUDGET = {"forge/cli.py", "forge/api.py"}
 
 
 def test_no_new_module_over_400_lines_or_function_over_80():

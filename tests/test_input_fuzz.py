@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 
 from forge.errors import ForgeError
 from forge.geometry import Item
-from forge.inputs import BOM, InputFile, Row
+from forge.inputs import InputFile, Row
+from forge.readers import BOM
 from forge.run import Rejected, Skipped
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
