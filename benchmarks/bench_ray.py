@@ -31,9 +31,9 @@ import numpy as np
 from benchmarks.bench_strategies import LAYERS, LIMITS, BenchFunction, load_model
 from benchmarks.workloads import items as workload_items
 from forge.engine import RunSpec, execute
-from forge.schema import RayRuntime, Runtime
 from forge.geometry import Batch, Device, Item
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
+from forge.schema import RayRuntime, Runtime
 
 
 def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:
@@ -129,7 +129,9 @@ def main() -> None:
     med = {name: {k: statistics.median(x[k] for x in reps) if reps[0][k] is not None else None for k in reps[0]}
            for name, reps in results.items()}
     names = list(variants)
-    print("\n| variant | wall s (median) | useful tok/s | padding waste | cache hit rate | batches | actors ready after |")
+    print(
+        "\n| variant | wall s (median) | useful tok/s | padding waste | cache hit rate | batches | actors ready after |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         m = med[name]

@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 MODES = {"token rows": {"packing": "rows"}, "token packed": {"packing": "packed"}}
 MIX8 = Path(__file__).resolve().parent.parent / "conf" / "devices" / "mix8.yaml"
 
@@ -69,14 +67,14 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     device that would be free first asks), no run loop, executor or hooks."""
     from benchmarks.workloads import geometry
     from forge.batching import TokenPacker
+    from forge.builtin import ledger
     from forge.columns import ColumnFeed
     from forge.executors import SimExecutor
     from forge.loop import Committer, RunLoop
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.run import RunContext
     from forge.scheduler import Scheduler
     from forge.schema import Runtime
-    from forge.builtin import ledger
 
     devs, source = devices()
     pm = make_plugin_manager(load_entry_points=False, modules=("forge.builtin.ledger",))
@@ -172,7 +170,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in modes:
         rs = results[m]
-        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        med = lambda k, rs=rs: statistics.median(r[k] for r in rs)  # noqa: E731
         print(f"| {m} | {med('items_per_s'):,.0f} | {med('items_per_s_without_gen'):,.0f} | "
               f"{med('items_per_cpu_s'):,.0f} | {med('wall_s'):.1f} | "
               f"{max(r['peak_rss_mib'] for r in rs):.0f} | {med('rss_before_mib'):.0f} | {rs[0]['batches']:,} | "

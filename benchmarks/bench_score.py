@@ -43,8 +43,8 @@ def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
     from forge.functions.score import load_scores
+    from forge.pluginmanager import make_plugin_manager
 
     cfg = compose(["function=score", f"input.path={rows}", "batching=token", "runtime.executor=inprocess",
                    f"devices={device}", "shard_size=100000"])
@@ -72,7 +72,9 @@ def requests(rows: Path) -> list[tuple[str, list[int], list[int]]]:
 def run_baseline(model, reqs, batch_size: int, device: str) -> tuple[float, dict]:
     """lm-eval's loop: sort by -len(context + continuation), fixed batches, full forward, full log_softmax."""
     t0 = time.perf_counter()
-    order = sorted(range(len(reqs)), key=lambda i: (-(len(reqs[i][1]) + len(reqs[i][2])), tuple(reqs[i][1] + reqs[i][2])))
+    order = sorted(
+        range(len(reqs)), key=lambda i: (-(len(reqs[i][1]) + len(reqs[i][2])), tuple(reqs[i][1] + reqs[i][2]))
+    )
     out = {}
     with torch.inference_mode():
         for lo in range(0, len(order), batch_size):
@@ -102,8 +104,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from forge.functions.assets import embedded_model_source, materialize_model
     from transformers import AutoModelForCausalLM
+
+    from forge.functions.assets import embedded_model_source, materialize_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tmp = Path(tempfile.mkdtemp(prefix="bench-score-"))

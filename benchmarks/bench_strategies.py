@@ -4,12 +4,14 @@
 
 Every strategy runs through the real engine (run loop, scheduler, executor, hooks) on one CPU
 (or CUDA) device; with several `--executors`, each strategy runs under each of them (the cost
-of process isolation is the ratio of the two). Strategies are interleaved (A B C D E, A B C D E, ...) because this machine's speed
-drifts by up to 1.4x; the table reports medians and ratios to the first strategy.
+of process isolation is the ratio of the two). Strategies are interleaved (A B C D E, A B C D E,
+...) because this machine's speed drifts by up to 1.4x; the table reports medians and ratios to
+the first strategy.
 
 The oracle: zero-padding batches of one uniform length (16,384 tokens), measured per length
-every round, the fastest rate kept; each item is costed at the rate of its own length. It is the lower bound for strategies that compute
-every token (a prefix cache can beat it by not computing prefix tokens at all).
+every round, the fastest rate kept; each item is costed at the rate of its own length. It is
+the lower bound for strategies that compute every token (a prefix cache can beat it by not
+computing prefix tokens at all).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import torch
 
 from benchmarks.workloads import items as workload_items
 from forge.engine import RunSpec, execute
-from forge.schema import Runtime
 from forge.function import Function
 from forge.geometry import Batch, Device, Item, Limits
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
 from forge.runtime.causal_lm import CausalLMRunner
+from forge.schema import Runtime
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
 # Item-count baselines as users write them: 32 rows whatever their length, no token cap.
@@ -200,7 +202,8 @@ def main() -> None:
     base = statistics.median(r["wall_s"] for r in results[strategies[0].name])
     oracle_s = oracle[-1]
     print()
-    print("| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches | oracle / wall | scheduler share |")
+    print("| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches "
+          "| oracle / wall | scheduler share |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in strategies:
         reps = results[s.name]

@@ -88,7 +88,7 @@ def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0,
 
     for cycle in range(cycles):
         procs = [_forge(args, env) for _ in range(2 if cycle % 2 else 1)]
-        alive = lambda: any(p.poll() is None for p in procs)  # noqa: E731
+        alive = lambda procs=procs: any(p.poll() is None for p in procs)  # noqa: E731
         if cycle and rng.random() < 0.3:  # in start-up (or wherever the run is by then)
             deadline = time.monotonic() + rng.uniform(0.2, max_delay_s)
         else:  # mid-run: a moment after this cycle's first new commit

@@ -1,12 +1,6 @@
 """Forge: GPU batch functions scheduled, packed and accounted in tokens."""
 
-from pathlib import Path as _Path
-
-from forge import _layout
-
-_layout.install(_Path(__file__).resolve().parent)  # a source checkout: forge.functions <- functions/, ...
-
-from forge.errors import ForgeError  # noqa: E402
+from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item, Limits
 from forge.hookspecs import hookimpl
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
 
 from forge.errors import ForgeError
 from forge.geometry import Item
@@ -59,7 +59,7 @@ class Admission:
         self.state = {"received_tokens": 0, "ordinal": 0}
         self.exhausted = False
 
-    def __iter__(self) -> "Admission":
+    def __iter__(self) -> Admission:
         return self
 
     def __next__(self) -> Item:

@@ -220,8 +220,7 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
-
+    from forge.pluginmanager import make_plugin_manager
     from forge.report import process_started
 
     _warm_up_workers(cfg)
@@ -233,14 +232,15 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 def plan(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) and each device's timeline to a PNG."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) "
+                                        "and each device's timeline to a PNG."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
     compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
     """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
     from forge.config import build_spec
     from forge.plan import plan as make_plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if compare:
         return _compare(ctx.args, config_dir, as_json)
@@ -274,7 +274,7 @@ def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> No
     """One plan per batching mode with a config file, side by side."""
     from forge.config import build_spec
     from forge.plan import plan as make_plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     plans = {}
     try:
@@ -346,7 +346,8 @@ def probe(
     run_dir: Path = typer.Argument(..., help="A probe_gen run directory (activations and labels)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to write the JSON (default: RUN_DIR/probe.json)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Where to draw the PNG (default: RUN_DIR/probe.png)."),
-    test_fraction: float = typer.Option(0.25, "--test-fraction", help="Share of items (by a hash of their id) held out."),
+    test_fraction: float = typer.Option(0.25, "--test-fraction",
+                                        help="Share of items (by a hash of their id) held out."),
     c: float = typer.Option(1.0, "--C", help="Inverse L2 strength of the logistic regression."),
 ) -> None:
     """Fit a linear probe per layer on a probe_gen run; accuracy with a 95% interval per layer."""
@@ -377,7 +378,7 @@ def ls(
     selects it) and the devices found."""
     from forge.config import to_plain
     from forge.devices import resolve_devices
-    from forge.plugins import batching_modes, functions, make_plugin_manager
+    from forge.pluginmanager import batching_modes, functions, make_plugin_manager
 
     try:
         cfg = to_plain(compose(ctx.args, config_dir))
@@ -434,8 +435,7 @@ def group_options(group: str, config_dir: Path | None = None) -> list[str]:
 
 def compose(overrides: list[str], config_dir: Path | None = None):
     """Compose the config as `forge run` would, with clear errors for bad choices."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
@@ -476,7 +476,8 @@ def print_summary(report: dict[str, Any]) -> None:
     table = Table(title=title, show_header=False)
     table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
     table.add_row("tokens", "  ".join(f"{k} {tokens.get(k, 0):,}" for k in
-                                      ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")))
+                                      ("received", "routed", "completed", "failed", "skipped", "padding", "prefix",
+                                       "cache_hit")))
     table.add_row("batches", f"{report.get('batches', 0):,}")
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
     table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
@@ -496,10 +497,12 @@ def print_summary(report: dict[str, Any]) -> None:
                                              + [f"restarts {sum((report.get('restarts') or {}).values())}",
                                                 f"resumed {items.get('resumed', 0):,}"]))
     if not report.get("dry_run"):
-        table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
+        table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  "
+                              f"({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"))
+        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table")
+                                     or out.get("embeddings") or "-"))
         acc = out.get("accuracy")
         if acc and acc.get("questions"):
             table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "
@@ -521,7 +524,8 @@ def print_summary(report: dict[str, Any]) -> None:
     for col in cols:
         dev.add_column(col)
     for d in devices:
-        row = [d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}", str(d.get("cache_misses", 0))]
+        row = [d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}",
+               str(d.get("cache_misses", 0))]
         if memory:
             row.append(f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
                        if d.get("memory_budget_bytes") else "-")
@@ -537,7 +541,8 @@ def print_summary(report: dict[str, Any]) -> None:
         err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
     failures = report.get("failures") or []
     if failures:
-        err.print(f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}")
+        err.print(f"[yellow]failed[/] {items.get('failed', 0)} item(s), "
+                  f"e.g. {failures[0]['id']}: {failures[0]['reason']}")
     for warning in report.get("warnings") or []:
         err.print(f"[yellow]warning:[/] {warning}")
     for why in (report.get("retired") or {}).values():

@@ -16,11 +16,10 @@ key, code -> length).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -180,6 +179,8 @@ class ItemColumns(Sequence):
     """
 
     __slots__ = ("index", "num_tokens", "prefix", "_keys", "_prefix_lens")
+    # `index` is the column of input positions; it hides Sequence.index (look items up by id instead)
+    index: np.ndarray  # type: ignore[assignment]
 
     def __init__(self, index: np.ndarray, num_tokens: np.ndarray, prefix: np.ndarray,
                  keys: Sequence[str], prefix_lens: np.ndarray):
@@ -244,7 +245,8 @@ class ColumnBatch(Batch):
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rows, _LazyRows) and self.rows.columns is self.columns):
-            object.__setattr__(self, "columns", None)  # rows were replaced: they, not the columns, say what the batch holds
+            # rows were replaced: they, not the columns, say what the batch holds
+            object.__setattr__(self, "columns", None)
 
     @property
     def items(self):

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from forge.devices import resolve_devices
 from forge.engine import RunSpec
 from forge.errors import ForgeError
+from forge.geometry import DEFAULT_WINDOW
 from forge.location import hydra_dir
 from forge.schema import RUNTIMES, Runtime, validate
 
@@ -25,7 +26,7 @@ GB = 1 << 30
 
 
 def conf_dir() -> Path:
-    """The packaged config directory, `forge.conf` (the repository's conf/ in a checkout)."""
+    """The packaged config directory, `forge.conf` (the repository's conf/ in an editable install)."""
     import forge.conf
 
     return Path(forge.conf.__file__).resolve().parent
@@ -38,7 +39,7 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 def build_function(cfg: dict[str, Any]):
     """Instantiate the function: its constructor's parameters come from same-named config keys."""
-    from forge.plugins import function_class
+    from forge.pluginmanager import function_class
 
     cls = function_class(cfg.get("function") or {})
     params = inspect.signature(cls).parameters
@@ -83,7 +84,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         mode=mode,
         mode_options=options,
         devices=capped,
-        window=int(batching.get("window") or 65536),
+        window=int(batching.get("window") or DEFAULT_WINDOW),
         cache_tokens=cache_tokens,
         too_long=plain.get("too_long", "skip"),
         max_tokens=budget.get("max_tokens"),

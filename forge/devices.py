@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from forge.errors import ForgeError
 from forge.geometry import Device, Limits, StepTime

@@ -26,15 +26,16 @@ from forge.batching.base import Packer, create_packer
 from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
-from forge.geometry import Device, Item
+from forge.geometry import DEFAULT_WINDOW, Device, Item
 from forge.location import local_path
 from forge.loop import Committer, RunLoop, Stop
 from forge.output_size import check_space
-from forge.plugins import batching_modes, executors, load_object
+from forge.pluginmanager import batching_modes, executors, load_object
 from forge.run import RunContext
 from forge.scheduler import Scheduler
 from forge.schema import Runtime
 from forge.store import RunStore
+
 
 @dataclass
 class RunSpec:
@@ -44,7 +45,7 @@ class RunSpec:
     mode: str  # batching mode name
     mode_options: dict[str, Any]  # keyword arguments of the mode's packer
     devices: list[Device]  # consumers, limits already capped by the step budget
-    window: int = 65536  # most items held waiting for a batch
+    window: int = DEFAULT_WINDOW  # most items held waiting for a batch
     cache_tokens: int = 0  # per-device prefix cache capacity; 0 = off
     too_long: str = "skip"  # skip | truncate | error
     max_tokens: int | None = None  # stop admitting once this many tokens were received
@@ -175,7 +176,11 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         try:
             outputs = sink.close()
         except OSError as exc:
-            outputs, status, error = {}, "stopped", f"writing the last shard failed ({exc}); resume=true finishes the run"
+            outputs, status, error = (
+                {},
+                "stopped",
+                f"writing the last shard failed ({exc}); resume=true finishes the run",
+            )
         return finish_report(
             run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
             wall_s=time.perf_counter() - started,

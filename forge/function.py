@@ -25,8 +25,9 @@ see only items, batches and outputs: none of them knows which function runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from forge.batching.memory import CostModel
 from forge.geometry import Batch, Device, Item
@@ -43,7 +44,7 @@ class BatchOutput(Protocol):
 
 
 @dataclass
-class ItemColumns:
+class ResultColumns:
     """A batch's output for the generic sink: one value per item for each result field."""
 
     columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
@@ -89,15 +90,15 @@ class Function(ABC):
     def open_worker(self, device: Device, cache_tokens: int) -> Worker:
         """Load the model on `device` (once) and return a worker for its batches."""
 
-    def result_schema(self) -> "ResultSchema":
+    def result_schema(self) -> ResultSchema:
         """What each item yields (`forge.results.ResultSchema`: fields, format, folder). The
-        worker's outputs then carry `columns` (`ItemColumns`) with those fields."""
+        worker's outputs then carry `columns` (`ResultColumns`) with those fields."""
         from forge.errors import ForgeError
 
         raise ForgeError(f"function {self.name or type(self).__name__} declares no result_schema(); its author "
                          "must declare one, or override open_sink() with a sink of its own")
 
-    def open_sink(self, store: "RunStore") -> Sink:
+    def open_sink(self, store: RunStore) -> Sink:
         """The sink committing results: by default the generic one for `result_schema()`."""
         from forge.sinks import open_sink
 

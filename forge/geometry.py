@@ -7,10 +7,16 @@ here knows about models or torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from forge.errors import ForgeError
+
+#: `batching.window`'s default, defined here once: the most items the scheduler holds waiting
+#: for a batch (its bounded look-ahead). forge.schema.Batching, the Scheduler, RunSpec and
+#: plan_geometry all take it from here.
+DEFAULT_WINDOW = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +46,7 @@ class Limits:
         m = self.pad_multiple
         return -(-n // m) * m
 
-    def capped(self, tokens_per_step: int | None) -> "Limits":
+    def capped(self, tokens_per_step: int | None) -> Limits:
         """These limits with max_batch_tokens capped by a function's step budget."""
         if tokens_per_step is None or tokens_per_step >= self.max_batch_tokens:
             return self
@@ -139,13 +145,13 @@ class Batch:
     def items(self) -> list[Item]:
         return [item for row in self.rows for item in row]
 
-    def select(self, keep) -> "Batch":
+    def select(self, keep) -> Batch:
         """This batch with only the items where `keep` (aligned with `items`) is true."""
         flags = iter(keep)
         rows = [kept for row in self.rows if (kept := [it for it in row if next(flags)])]
         return replace(self, rows=rows)
 
-    def halves(self) -> list["Batch"]:
+    def halves(self) -> list[Batch]:
         """Two batches holding this one's items (rows split in two; a single packed row
         split between its items), for a retry after a failure; one item gives itself."""
         if len(self.rows) > 1:
@@ -216,7 +222,7 @@ def step_cost(batch: Batch, cache_hit: bool | None = None) -> StepCost:
     return StepCost(batch.padded_slots + computed, scores, computed)
 
 
-def batch_fits(batch: Batch, limits: Limits) -> str | None:
+def broken_limit(batch: Batch, limits: Limits) -> str | None:
     """Which limit the batch breaks, or None. Used by tests and as a guard."""
     if batch.num_rows > limits.max_rows:
         return "max_rows"
@@ -241,4 +247,4 @@ def pad_to_limits(batch: Batch, limits: Limits) -> Batch | None:
     off = batch.row_offset
     used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
     fitted = replace(batch, padded_len=limits.pad(used))
-    return fitted if batch_fits(fitted, limits) is None else None
+    return fitted if broken_limit(fitted, limits) is None else None

@@ -3,25 +3,39 @@
 Built-in plugins (batching modes, the token ledger, the progress bar) register through
 the same entry-point group, `forge`, as third-party ones.
 
-Each hook gets the `run` it belongs to (`forge.run.RunContext`); plugins keep their
+Grouped by phase, as pytest's are: what plugins offer (read once, when a run or a listing
+is set up), then a run's life (its start, its input, its batches, its end), then the fault
+points tests use. The annotations are what Forge passes and expects (`TYPE_CHECKING` imports:
+importing this module stays light); an implementation may take any subset of a hook's
+parameters, by name.
+
+Each run hook gets the `run` it belongs to (`forge.run.RunContext`); plugins keep their
 per-run state in `run.state[<plugin name>]`, never in module globals.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
-    from forge.run import RunContext, Skipped
+    from forge.batching.base import Packer
+    from forge.executors.base import Executor
+    from forge.function import Function
+    from forge.geometry import Batch, Device, Item
+    from forge.run import BatchStats, RunContext, Skipped
 
 hookspec = pluggy.HookspecMarker("forge")
 hookimpl = pluggy.HookimplMarker("forge")
 
 
+# ----------------------------------------------------------------------------- what plugins offer
+
+
 @hookspec
-def forge_batching_modes():
+def forge_batching_modes() -> dict[str, Callable[..., Packer]]:
     """Offer batching modes.
 
     :return: a dict mapping a mode name (what `batching.mode` selects) to a factory that
@@ -30,7 +44,7 @@ def forge_batching_modes():
 
 
 @hookspec
-def forge_functions():
+def forge_functions() -> dict[str, type[Function] | str]:
     """Offer functions.
 
     :return: a dict mapping a function name (what `function.name` in its config says) to its
@@ -41,7 +55,7 @@ def forge_functions():
 
 
 @hookspec
-def forge_executors():
+def forge_executors() -> dict[str, Callable[..., Executor] | str]:
     """Offer executors: where batches run (`runtime.executor` selects one).
 
     :return: a dict mapping an executor name to a factory, or to its import path
@@ -54,7 +68,7 @@ def forge_executors():
 
 
 @hookspec
-def forge_config_searchpath():
+def forge_config_searchpath() -> str | list[str]:
     """Offer config directories: Forge's Hydra search-path plugin appends them after Forge's
     own `conf/`, so `function=<name>` and `batching=<name>` find a plugin's YAML files.
 
@@ -63,8 +77,11 @@ def forge_config_searchpath():
     """
 
 
+# ----------------------------------------------------------------------------- a run: its start, its input
+
+
 @hookspec
-def forge_run_start(run):
+def forge_run_start(run: RunContext) -> None:
     """A run (or a plan) starts.
 
     :param run: the `RunContext`: function, batching mode, devices, run directory, config.
@@ -72,7 +89,7 @@ def forge_run_start(run):
 
 
 @hookspec
-def forge_items_received(run, items):
+def forge_items_received(run: RunContext, items: list[Item]) -> None:
     """Items were read from the input and admitted to the run.
 
     :param run: the `RunContext`.
@@ -81,7 +98,7 @@ def forge_items_received(run, items):
 
 
 @hookspec
-def forge_items_skipped(run, items, reason):
+def forge_items_skipped(run: RunContext, items: list[Item], reason: str) -> None:
     """Received items that will not run (too long, over `budget.max_tokens`). Input records
     skipped before they became items come through `forge_input_skipped`.
 
@@ -92,7 +109,7 @@ def forge_items_skipped(run, items, reason):
 
 
 @hookspec
-def forge_items_truncated(run, items, tokens):
+def forge_items_truncated(run: RunContext, items: list[Item], tokens: int) -> None:
     """Received items cut to the longest sequence a device takes (`too_long=truncate`).
 
     :param run: the `RunContext`.
@@ -102,7 +119,7 @@ def forge_items_truncated(run, items, tokens):
 
 
 @hookspec
-def forge_items_failed(run, items, reason):
+def forge_items_failed(run: RunContext, items: list[Item], reason: str) -> None:
     """Received items failed at admission, before any work (no device can ever take them,
     or too long under `too_long=error`).
 
@@ -113,7 +130,7 @@ def forge_items_failed(run, items, reason):
 
 
 @hookspec
-def forge_input_failed(run, record_id, reason):
+def forge_input_failed(run: RunContext, record_id: str, reason: str) -> None:
     """An input record could not become an item (malformed line, bad id, no text, over
     `input.max_row_bytes`). It counts as received and failed, with zero tokens.
 
@@ -134,8 +151,11 @@ def forge_input_skipped(run: RunContext, record: Skipped) -> None:
     """
 
 
+# ----------------------------------------------------------------------------- a run: its batches
+
+
 @hookspec
-def forge_batch_routed(run, batch, device):
+def forge_batch_routed(run: RunContext, batch: Batch, device: Device) -> None:
     """A batch was cut and sent to a device.
 
     :param run: the `RunContext`.
@@ -145,7 +165,7 @@ def forge_batch_routed(run, batch, device):
 
 
 @hookspec
-def forge_batch_completed(run, batch, device, stats):
+def forge_batch_completed(run: RunContext, batch: Batch, device: Device, stats: BatchStats) -> None:
     """A device finished a batch.
 
     :param run: the `RunContext`.
@@ -156,7 +176,7 @@ def forge_batch_completed(run, batch, device, stats):
 
 
 @hookspec
-def forge_batch_failed(run, batch, device, reason, will_retry):
+def forge_batch_failed(run: RunContext, batch: Batch, device: Device, reason: str, will_retry: bool) -> None:
     """A batch attempt failed on a device (an error, out of memory, a timeout, a lost worker).
 
     :param run: the `RunContext`.
@@ -169,7 +189,7 @@ def forge_batch_failed(run, batch, device, reason, will_retry):
 
 
 @hookspec
-def forge_batch_discarded(run, batch, device, reason):
+def forge_batch_discarded(run: RunContext, batch: Batch, device: Device, reason: str) -> None:
     """A result arrived for items already committed (a late result after re-routing): it is
     dropped, the first commit stands.
 
@@ -181,7 +201,7 @@ def forge_batch_discarded(run, batch, device, reason):
 
 
 @hookspec
-def forge_batch_late(run, batch, device):
+def forge_batch_late(run: RunContext, batch: Batch, device: Device) -> None:
     """A result arrived for an attempt given up after a timeout (and counted as retried).
     What of it is not committed yet is committed now (then `forge_batch_completed` fires
     for that part, `forge_batch_discarded` for the rest).
@@ -192,8 +212,11 @@ def forge_batch_late(run, batch, device):
     """
 
 
+# ----------------------------------------------------------------------------- a run: set-aside items, commits, end
+
+
 @hookspec
-def forge_items_resumed(run, items):
+def forge_items_resumed(run: RunContext, items: list[Item]) -> None:
     """Received items that an earlier session of this run committed: not run again.
 
     :param run: the `RunContext`.
@@ -202,7 +225,7 @@ def forge_items_resumed(run, items):
 
 
 @hookspec
-def forge_items_unfinished(run, items, reason):
+def forge_items_unfinished(run: RunContext, items: list[Item], reason: str) -> None:
     """Received items that are neither committed nor failed when the run stops early
     (interrupted, or stopped for a recurring failure or a write error). A resume runs them.
 
@@ -213,7 +236,7 @@ def forge_items_unfinished(run, items, reason):
 
 
 @hookspec
-def forge_commit_failed(run, items, reason):
+def forge_commit_failed(run: RunContext, items: list[Item], reason: str) -> None:
     """Completed items whose shard could not be written (a full disk, say): they are not
     committed after all, and the run stops; a resume runs them again.
 
@@ -223,11 +246,20 @@ def forge_commit_failed(run, items, reason):
     """
 
 
+@hookspec
+def forge_run_end(run: RunContext, report: dict[str, Any]) -> None:
+    """The run ended; plugins add their figures to the report before it is written.
+
+    :param run: the `RunContext`.
+    :param report: the `report.json` dict, to be updated in place.
+    """
+
+
 # ----------------------------------------------------------------------------- faults (tests)
 
 
 @hookspec
-def forge_fault(point, device, batch):
+def forge_fault(point: str, device: Device | None, batch: Batch | None) -> None:
     """A named point in a batch's life, where a test plugin may inject a fault (kill the
     process, hang, raise). Production code registers no implementation.
 
@@ -239,13 +271,4 @@ def forge_fault(point, device, batch):
     :param point: the point's name.
     :param device: the `forge.Device` (None for ``write_shard`` and ``commit_record``).
     :param batch: the `forge.Batch` (None for ``write_shard`` and ``commit_record``).
-    """
-
-
-@hookspec
-def forge_run_end(run, report):
-    """The run ended; plugins add their figures to the report before it is written.
-
-    :param run: the `RunContext`.
-    :param report: the `report.json` dict, to be updated in place.
     """

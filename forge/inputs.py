@@ -18,6 +18,7 @@ one line, `first` and `last` keep one row of each id and skip the others, each w
 Forge reads the input more than once (its hash, its row count, the id scan, its rows), so
 it must be a regular file. A Parquet file's schema is checked up front
 (`check_input(columns=...)`): a wrong column type would fail every row, so it is one error.
+The format readers (JSONL lines, Parquet rows, as records) are `forge.readers`.
 """
 
 from __future__ import annotations
@@ -27,26 +28,32 @@ import hashlib
 import json
 import re
 import stat
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, TypeVar
+from typing import Any
 
 import numpy as np
 
 from forge.errors import ForgeError
+from forge.readers import (
+    MAX_ROW_BYTES,
+    Record,
+    check_parquet_schema,
+    count_rows,
+    jsonl_lines,
+    jsonl_records,
+    parquet_records,
+    parse_line,
+    place,
+)
 from forge.run import Rejected, Skipped, reason_kind
 from forge.schema import MISSING, one_of, positive
 
 SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")
-BOM = b"\xef\xbb\xbf"
 DUPLICATE_POLICIES = ("error", "first", "last")
-MAX_ROW_BYTES = 1 << 20  # input.max_row_bytes' default: 1 MiB
-MAX_DEPTH = 100  # containers nested deeper than this in a row fail it (they break repr, pickle, JSON)
-PARQUET_BATCH = 4096
-_CHUNK = 1 << 20  # an over-long JSONL line is skipped this many bytes at a time
 _AUTO_ID = re.compile(r"#[0-9]+")  # the ids of rows without one
 _ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key and its value token
-T = TypeVar("T")
 
 
 @dataclass
@@ -56,7 +63,7 @@ class InputSpec:
     `forge.schema.store_schemas`) and sets only `path`."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
-    limit: Optional[int] = positive(None)  # take only the first N rows
+    limit: int | None = positive(None)  # take only the first N rows
     duplicate_ids: str = one_of("error", *DUPLICATE_POLICIES)  # a repeated id: refuse | keep first | keep last
     max_row_bytes: int = positive(MAX_ROW_BYTES)  # a longer row fails before it is parsed or tokenized
 
@@ -80,21 +87,11 @@ class Row:
 
     @property
     def where(self) -> str:
-        return f"{_place(self.index, self.line)} (id {short(self.id)})"
+        return f"{place(self.index, self.line)} (id {short(self.id)})"
 
     def reject(self, problem: str, kind: str | None = None) -> Rejected:
         """This row as a recorded failure: `problem` says what is wrong and the fix."""
         return Rejected(self.id, f"{self.where}: {problem}", kind or reason_kind(problem))
-
-
-class _Record(NamedTuple):
-    """What a format reader yields: a row's fields, or why it has none."""
-
-    index: int
-    line: int | None
-    data: dict | None
-    problem: str | None = None  # one line, starting with the place ("line N" or "row N")
-    kind: str | None = None  # the problem without its place, e.g. "invalid JSON"
 
 
 # -- checks before any work ---------------------------------------------------------------
@@ -119,32 +116,6 @@ def check_input(path: Path, key: str = "input.path", columns: Mapping[str, Colum
     return path
 
 
-def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "input.path") -> None:
-    """One ForgeError line if a column is missing or holds the wrong type (pyarrow's schema)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.read_schema(path)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
-    kinds = {"string": _is_string, "integer": pa.types.is_integer}
-    for name, column in columns.items():
-        if name not in schema.names:
-            if column.required:
-                raise ForgeError(f"{key}={path}: no {name!r} column (columns: {', '.join(schema.names)}); "
-                                 f"add a {' or '.join(column.kinds)} column {name!r}")
-            continue
-        t = schema.field(name).type
-        if pa.types.is_dictionary(t):
-            t = t.value_type
-        if pa.types.is_null(t) and not column.required:
-            continue  # an all-null optional column: every row lacks it
-        if not any(kinds[k](t) for k in column.kinds):
-            raise ForgeError(f"{key}={path}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
-                             f"(cast it, e.g. with pyarrow or pandas, and write the file again)")
-
-
 def check_spec(spec: InputSpec) -> None:
     """One ForgeError line for a bad `input` setting (the config schema checks them too; a
     function built in code gets the same lines)."""
@@ -163,13 +134,6 @@ def _spec(keys: Mapping[str, Any]) -> InputSpec:
     if unknown:
         raise ForgeError(f"input: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(known)}")
     return InputSpec(**keys)
-
-
-def _is_string(t) -> bool:
-    import pyarrow as pa
-
-    return (pa.types.is_string(t) or pa.types.is_large_string(t)
-            or getattr(pa.types, "is_string_view", lambda _: False)(t))
 
 
 # -- the input, as the functions read it --------------------------------------------------
@@ -198,11 +162,11 @@ class InputFile:
         """Every record of the input, in order, as exactly one Row, Rejected or Skipped."""
         for rec in self._records():
             if rec.data is None:
-                yield Rejected(_place(rec.index, rec.line), rec.problem or "", rec.kind or "")
+                yield Rejected(place(rec.index, rec.line), rec.problem or "", rec.kind or "")
                 continue
             rid, problem = canonical_id(rec.data.get("id"), rec.index)
             if problem is not None:
-                where = _place(rec.index, rec.line)
+                where = place(rec.index, rec.line)
                 yield Rejected(where, f"{where}: {problem}", "bad id")
             elif rec.index in self._drop:
                 yield Skipped(rid, self._drop[rec.index], f"duplicate id (input.duplicate_ids={self.duplicate_ids})",
@@ -227,12 +191,12 @@ class InputFile:
                 "limit": self.limit, "duplicate_ids": self.duplicate_ids, "max_row_bytes": self.max_row_bytes}
 
     # -- reading ---------------------------------------------------------------------
-    def _records(self, only: set[int] | None = None) -> Iterator[_Record]:
+    def _records(self, only: set[int] | None = None) -> Iterator[Record]:
         """Every record up to `limit` (with `only`, JSONL lines of other rows are not parsed: a
         placeholder stands in for them)."""
         parquet = self.path.suffix.lower() == ".parquet"
-        records = (_parquet_records(self.path, self.max_row_bytes) if parquet
-                   else _jsonl_records(self.path, self.max_row_bytes, only))
+        records = (parquet_records(self.path, self.max_row_bytes) if parquet
+                   else jsonl_records(self.path, self.max_row_bytes, only))
         for rec in records:
             if self.limit is not None and rec.index >= self.limit:
                 return
@@ -255,7 +219,7 @@ class InputFile:
             yield from ((index, rid) for index, _, rid in self._ids())
             return
         with open(self.path, "rb") as f:
-            for index, (line_no, raw, _) in enumerate(_lines(f, self.max_row_bytes)):
+            for index, (line_no, raw, _) in enumerate(jsonl_lines(f, self.max_row_bytes)):
                 if self.limit is not None and index >= self.limit:
                     return
                 if raw is None or (b'"id"' not in raw and b"\\u" not in raw):
@@ -264,7 +228,7 @@ class InputFile:
                 if len(found) == 1 and b"\\u" not in raw:
                     rid = _id_token(found[0], index)
                 else:
-                    rid = _good_id(_parse_line(index, line_no, raw))
+                    rid = _good_id(parse_line(index, line_no, raw))
                 if rid is not None:
                     yield index, rid
 
@@ -307,15 +271,15 @@ class InputFile:
         policy = self.duplicate_ids
         for rid, places in repeats.items():
             kept = places[0] if policy == "first" else places[-1]
-            there = _place(*kept)
+            there = place(*kept)
             for index, line in places:
                 if (index, line) != kept:
-                    drop[index] = (f"{_place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
+                    drop[index] = (f"{place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
                                    f"input.duplicate_ids={policy} keeps {there}")
         return drop
 
 
-def _good_id(rec: _Record) -> str | None:
+def _good_id(rec: Record) -> str | None:
     """The record's canonical id, or None where it has no usable one (unreadable, a bad id)."""
     if rec.data is None:
         return None
@@ -359,65 +323,7 @@ def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
     return value, None
 
 
-# -- shared checks of fields ---------------------------------------------------------------
-
-
-def string_problem(row: Mapping[str, Any], name: str, *, required: bool, empty_ok: bool = False) -> str | None:
-    """What is wrong with `row[name]` as a string field (missing, not a string, empty, an
-    unpaired surrogate), in words with the fix; None when it is fine."""
-    value = row.get(name)
-    need = f"a string {name!r} (it may be empty)" if empty_ok else f"a non-empty string {name!r}"
-    fix = f"every row needs {need}" if required else "fix it or leave it out"
-    if value is None:
-        return f"has no {name!r} field; {fix}" if required else None
-    if not isinstance(value, str):
-        if empty_ok:
-            return f"{name!r} must be a string, got {type(value).__name__} {short(value)}; {fix}"
-        return f"has an empty or non-string {name!r} ({type(value).__name__} {short(value)}); {fix}"
-    if not empty_ok and not value.strip():
-        return f"has an empty or non-string {name!r} ({short(value)}); {fix}"
-    bad = unencodable(value)
-    if bad is not None:
-        return (f"{name!r} holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
-                "write the character whole or drop it")
-    return None
-
-
-def json_problem(row: Mapping[str, Any], name: str) -> str | None:
-    """What is wrong with `row[name]` as a value Forge keeps as it is (a label, in the run's
-    journal): it must be JSON. A JSONL row always is; a Parquet value may not be (bytes, a
-    timestamp)."""
-    value = row.get(name)
-    if value is None or isinstance(value, (str, int, float)):
-        return None
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        return (f"{name!r} must be a JSON value (a number, string, list or object), got {type(value).__name__} "
-                f"({first_line(exc)}); convert the column or leave it out")
-    return None
-
-
-def each_row(rows: list[Row], make: Callable[[list[Row]], Iterable[T]], what: str) -> Iterator[T | Rejected]:
-    """`make(rows)` (a function's batched step, e.g. tokenizing), or, where it raises, `make([row])`
-    for each row alone, so only a row it raises for fails, with the error. A ForgeError (a
-    setting, a model that will not load) is not a row's fault and is raised."""
-    try:
-        made = list(make(rows))
-    except ForgeError:
-        raise
-    except Exception:  # noqa: BLE001  (some row is odd: find it)
-        for row in rows:
-            try:
-                one = list(make([row]))
-            except ForgeError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                yield row.reject(f"{what} failed on it ({first_line(exc)}); fix or drop the row", f"{what} failed")
-            else:
-                yield from one
-        return
-    yield from made
+# -- helpers of messages and fields --------------------------------------------------------
 
 
 def unencodable(text: str | None) -> int | None:
@@ -458,195 +364,10 @@ def read_rows(path: Path, limit: int | None = None,
     untouched (`InputFile.rows` applies the id rules)."""
     check_input(path)
     parquet = path.suffix.lower() == ".parquet"
-    for rec in _parquet_records(path, max_row_bytes) if parquet else _jsonl_records(path, max_row_bytes):
+    for rec in parquet_records(path, max_row_bytes) if parquet else jsonl_records(path, max_row_bytes):
         if limit is not None and rec.index >= limit:
             return
         yield rec.index, (rec.data if rec.data is not None else rec.problem or "")
-
-
-def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
-    """Records in a JSONL (non-blank lines) or Parquet file (from its metadata)."""
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
-        return sum(meta.row_group(group).num_rows for group in range(meta.num_row_groups))  # as they are read
-    with open(path, "rb") as f:
-        return sum(1 for _ in _lines(f, max_row_bytes))
-
-
-def _jsonl_records(path: Path, cap: int, only: set[int] | None = None) -> Iterator[_Record]:
-    """Lines are read as bytes, at most `cap` at a time, and decoded one by one, so a bad byte
-    or an over-long line fails only its line. With `only`, other lines are not parsed."""
-    with open(path, "rb") as f:
-        for index, (line_no, raw, size) in enumerate(_lines(f, cap)):
-            if only is not None and index not in only:
-                yield _Record(index, line_no, None, "not read", "not read")
-            elif raw is None:
-                yield _Record(index, line_no, None, (f"line {line_no}: {size} bytes, over input.max_row_bytes={cap}; "
-                                                     "raise input.max_row_bytes or split the row"),
-                              "row over input.max_row_bytes")
-            else:
-                yield _parse_line(index, line_no, raw)
-
-
-def _lines(f, cap: int) -> Iterator[tuple[int, bytes | None, int]]:
-    """(line number, bytes without the line end, size) of each non-blank line; bytes are None
-    for a line over `cap` bytes, which is skipped to its end in bounded pieces. A BOM at the
-    start of the file is dropped before anything else is looked at."""
-    if f.read(len(BOM)) != BOM:
-        f.seek(0)
-    line_no = 0
-    while True:
-        raw = f.readline(cap + 2)  # cap bytes and "\r\n"
-        if not raw:
-            return
-        line_no += 1
-        if raw.endswith(b"\n") or len(raw) < cap + 2:
-            body = raw.rstrip(b"\r\n")
-            if body.strip():
-                yield line_no, (body if len(body) <= cap else None), len(body)
-            continue
-        size, blank = len(raw), not raw.strip()
-        while not raw.endswith(b"\n"):
-            raw = f.readline(_CHUNK)
-            if not raw:
-                break
-            size += len(raw)
-            blank = blank and not raw.strip()
-        if not blank:
-            yield line_no, None, size - (len(raw) - len(raw.rstrip(b"\r\n")))
-
-
-def _parse_line(index: int, line_no: int, raw: bytes) -> _Record:
-    where = f"line {line_no}"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return _Record(index, line_no, None, (f"{where}: invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                              f"{exc.start + 1}); save the file as UTF-8"), "invalid UTF-8")
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return _Record(index, line_no, None, (f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                                              "each line must be one JSON object"), "invalid JSON")
-    except RecursionError:
-        return _Record(index, line_no, None, f"{where}: nested too deeply to parse; flatten the row",
-                       "nested too deeply")
-    except Exception as exc:  # noqa: BLE001  (e.g. an integer of more digits than Python converts)
-        return _Record(index, line_no, None, (f"{where}: cannot be parsed ({first_line(exc)}); each line must "
-                                              "be one JSON object"), "unparseable JSON")
-    if not isinstance(row, dict):
-        return _Record(index, line_no, None, (f"{where}: expected a JSON object, got {type(row).__name__}; "
-                                              'write each row as {"text": ...}'), "not a JSON object")
-    if _deeper_than(row, MAX_DEPTH):
-        return _Record(index, line_no, None, f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the row",
-                       "nested too deeply")
-    return _Record(index, line_no, row)
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether containers nest more than `limit` levels (iterative: no recursion to overflow)."""
-    if isinstance(value, dict) and not any(isinstance(v, (dict, list)) for v in value.values()):
-        return False  # a flat row: the common case
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
-def _parquet_records(path: Path, cap: int) -> Iterator[_Record]:
-    """Row group by row group; a group (or the rest of one) that cannot be read fails its rows."""
-    import pyarrow.parquet as pq
-
-    try:
-        file = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise ForgeError(f"input.path={path}: not a readable Parquet file ({first_line(exc)})") from None
-    start = 0
-    for group in range(file.metadata.num_row_groups):
-        n = file.metadata.row_group(group).num_rows
-        done, why = 0, "it holds fewer rows than its metadata says"
-        try:
-            batches = iter(file.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group]))
-        except Exception as exc:  # noqa: BLE001
-            batches, why = iter(()), first_line(exc)
-        while done < n:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            except Exception as exc:  # noqa: BLE001  (corrupt pages, bad compression, ...)
-                why = first_line(exc)
-                break
-            take = min(batch.num_rows, n - done)
-            yield from _batch_records(batch.slice(0, take), start + done, cap)
-            done += take
-        for index in range(start + done, start + n):
-            yield _Record(index, None, None, (f"row {index}: row group {group} of the Parquet file cannot be read "
-                                              f"({why}); write the file again"), "unreadable Parquet row group")
-        start += n
-
-
-def _batch_records(batch, start: int, cap: int) -> Iterator[_Record]:
-    sizes = _row_sizes(batch)
-    over = sizes > cap
-    if over.any():
-        import pyarrow as pa
-
-        kept = batch.filter(pa.array(~over))
-    else:
-        kept = batch
-    rows = iter(_pylist(kept))
-    for k in range(batch.num_rows):
-        index = start + k
-        if over[k]:
-            yield _Record(index, None, None, (f"row {index}: {int(sizes[k])} bytes, over input.max_row_bytes={cap}; "
-                                              "raise input.max_row_bytes or split the row"),
-                          "row over input.max_row_bytes")
-            continue
-        row = next(rows)
-        if isinstance(row, dict):
-            yield _Record(index, None, row)
-        else:
-            yield _Record(index, None, None, f"row {index}: cannot be read ({row}); write the file again",
-                          "unreadable Parquet row")
-
-
-def _row_sizes(batch) -> np.ndarray:
-    """Bytes per row in the batch's string and binary columns (pyarrow.compute, no row made)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    sizes = np.zeros(batch.num_rows, np.int64)
-    for column in batch.columns:
-        try:
-            if pa.types.is_dictionary(column.type):
-                column = column.dictionary_decode()
-            t = column.type
-            if _is_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-                sizes += pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        except Exception:  # noqa: BLE001  (a column pyarrow cannot measure counts as 0 bytes)
-            continue
-    return sizes
-
-
-def _pylist(batch) -> list[dict | str]:
-    """The batch's rows as dicts; a row that cannot become one is the reason, in one line."""
-    try:
-        return batch.to_pylist()
-    except Exception:  # noqa: BLE001  (one bad value: find it row by row)
-        out: list[dict | str] = []
-        for k in range(batch.num_rows):
-            try:
-                out.append(batch.slice(k, 1).to_pylist()[0])
-            except Exception as exc:  # noqa: BLE001
-                out.append(first_line(exc))
-        return out
 
 
 class _Int64s:
@@ -665,12 +386,3 @@ class _Int64s:
 
     def array(self) -> np.ndarray:
         return np.concatenate([*self.chunks, np.array(self.buf, np.int64)])
-
-
-def _place(index: int, line: int | None) -> str:
-    return f"line {line}" if line is not None else f"row {index}"
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception in one line: its message's first line, or its type."""
-    return (str(exc).splitlines() or [type(exc).__name__])[0]

@@ -15,8 +15,9 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from forge.errors import ForgeError
 
@@ -117,7 +118,7 @@ def reach(output_dir, step: Callable[[], Any]) -> Any:
                          f"{type(exc).__name__}: {first}") from None
 
 
-def open_location(output_dir: str | Path) -> "Location":
+def open_location(output_dir: str | Path) -> Location:
     path = local_path(output_dir)
     if path is not None:
         return LocalLocation(path)

@@ -7,9 +7,10 @@ discarded and counted) and the scheduler hears how it went; anything else goes t
 scheduler, which re-routes the batch whole, splits it, or fails its item with the reason.
 The loop stops when the work is done, or early with a reason: interrupted (Ctrl-C), a
 recurring failure (one reason filling `max_failure_share` of the last `failure_window` items
-finished, or one kind of bad record filling it of the last records read), a stall (work waits, nothing runs, no device can take it), every
-device retired, or a shard that cannot be written. `forge run`, `forge plan` and the
-benchmarks all drive this loop; only the executor differs.
+finished, or one kind of bad record filling it of the last records read), a stall (work
+waits, nothing runs, no device can take it), every device retired, or a shard that cannot be
+written. `forge run`, `forge plan` and the benchmarks all drive this loop; only the executor
+differs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,7 +79,7 @@ class Committer:
 
     def commit(self, batch: Batch, output: Any) -> tuple[Batch | None, Batch | None]:
         """(what was committed, what was a duplicate): either may be None."""
-        items = batch.items
+        items: Sequence[Item] = batch.items  # a list, or ItemColumns for a ColumnBatch
         if isinstance(items, ItemColumns):  # streamed columns: one numpy pass, no Item made
             fresh = ~self.committed.contains(items.index)
             if fresh.all() and self.sink is None:
@@ -112,7 +114,7 @@ class Committer:
 
 class RunLoop:
     def __init__(self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext,
-                 hook, policy: "Runtime"):
+                 hook, policy: Runtime):
         self.scheduler = scheduler
         self.executor = executor
         self.committer = committer

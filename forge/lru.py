@@ -8,7 +8,8 @@ order per device: the prediction and the real cache agree.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 
 class TokenLRU:

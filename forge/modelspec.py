@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from forge.errors import ForgeError
 from forge.schema import MISSING, one_of
@@ -31,8 +31,8 @@ class ModelSpec:
 
     name: str = MISSING  # hub id, local path, "embedded:tiny-llama" or "module:<package>/<dir>"
     torch_dtype: str = one_of("float32", *DTYPES)
-    attn_implementation: Optional[str] = "auto"  # auto: SDPA where the model supports it, else eager
-    revision: Optional[str] = None  # hub branch, tag or commit
+    attn_implementation: str | None = "auto"  # auto: SDPA where the model supports it, else eager
+    revision: str | None = None  # hub branch, tag or commit
     trust_remote_code: bool = False  # run the model repository's own Python code
 
     def hub_kwargs(self) -> dict[str, Any]:
@@ -126,7 +126,9 @@ class HFModel:
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.source, **self.spec.hub_kwargs())
             except (OSError, ValueError) as exc:
-                raise ForgeError(f"model.name={self.spec.name}: cannot load its tokenizer ({first_line(exc)})") from None
+                raise ForgeError(
+                    f"model.name={self.spec.name}: cannot load its tokenizer ({first_line(exc)})"
+                ) from None
         return self._tokenizer
 
     @property
@@ -155,5 +157,7 @@ class HFModel:
         try:
             model = loader.from_pretrained(path, **kwargs)
         except OSError as exc:
-            raise ForgeError(f"model.name={self.spec.name}: cannot load weights from {path} ({first_line(exc)})") from None
+            raise ForgeError(
+                f"model.name={self.spec.name}: cannot load weights from {path} ({first_line(exc)})"
+            ) from None
         return model.to(device).eval()

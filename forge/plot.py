@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-WHITE, PREFIX, TOKEN, TOKEN2, PAD = (1.0, 1.0, 1.0), (0.15, 0.15, 0.3), (0.25, 0.5, 0.85), (0.45, 0.7, 0.95), (0.85, 0.85, 0.85)
+WHITE, PREFIX, TOKEN, TOKEN2, PAD = (
+    (1.0, 1.0, 1.0),
+    (0.15, 0.15, 0.3),
+    (0.25, 0.5, 0.85),
+    (0.45, 0.7, 0.95),
+    (0.85, 0.85, 0.85),
+)
 
 
 def _rows(batches) -> list[list[tuple[int, tuple]]]:

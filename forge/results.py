@@ -8,8 +8,8 @@ A result is one row per committed item: its `id`, its input `index` and one valu
 field (a scalar, a fixed shape, a string, or ragged: a variable number of values per item,
 each of the field's shape, such as one hidden state per token: [tokens, hidden]).
 `load` reads only journaled shards (`forge.store.read_journal`) and puts rows back in input
-order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them. `run_dir` is a local path or an
-fsspec URL (`forge.location`).
+order; `shards` streams them one shard at a time. The one sink (`forge.sinks`) writes them.
+`run_dir` is a local path or an fsspec URL (`forge.location`).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from forge.geometry import Device
 
@@ -28,7 +29,7 @@ class RunContext:
     timings: dict[str, float] = field(default_factory=dict)  # phase figures so far, for the report's "phases"
     # the recurring-bad-input watch over records read: set by the run loop from its policy;
     # admission adds every record's outcome (None: no watch)
-    input_window: "FailureWindow | None" = None
+    input_window: FailureWindow | None = None
 
 
 @dataclass(frozen=True, slots=True)

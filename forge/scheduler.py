@@ -42,14 +42,14 @@ group is cached there, which is where the full affinity order would send it anyw
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from operator import attrgetter
-from typing import Iterable
 
 from forge.batching.base import NO_PREFIX, Cut, Feed, GroupInfo, Packer, Urgency
 from forge.columns import ItemFeed
 from forge.executors.base import Outcome, Status
-from forge.geometry import Batch, Device, Item, pad_to_limits
+from forge.geometry import DEFAULT_WINDOW, Batch, Device, Item, pad_to_limits
 from forge.lru import TokenLRU
 from forge.scheduling import Balancer, DeviceBudgets, PrefixCacheModel, RetryQueue
 
@@ -68,7 +68,7 @@ class Scheduler:
         items: Iterable[Item] | Feed,
         devices: list[Device],
         *,
-        window: int = 65536,
+        window: int = DEFAULT_WINDOW,
         cache_tokens: int = 0,
         max_attempts: int = 3,
     ):

@@ -2,9 +2,10 @@
 
 `validate(cfg)` merges a composed config onto `OmegaConf.structured(schema)`, so OmegaConf
 itself refuses wrong types and unknown keys, then checks values (positive sizes, shares,
-choices) from each field's metadata. Every failure is one ForgeError line that names the full
-key, the bad value and what is valid. The function picked by `function._target_` declares its
-own root keys (`Function.config_schema`, a dataclass); the core declares the rest here.
+choices) from each field's metadata (set by the field helpers of `forge.checks`). Every
+failure is one ForgeError line that names the full key, the bad value and what is valid. The
+function picked by `function._target_` declares its own root keys (`Function.config_schema`,
+a dataclass); the core declares the rest here.
 
 Hydra's own node (`hydra`) is never validated.
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import (
@@ -26,52 +28,9 @@ from omegaconf.errors import (
 )
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
+from forge.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
 from forge.errors import ForgeError
-
-CHECK = "forge_check"  # field metadata key: a callable value -> problem (str) or None
-
-
-# -- value checks: field helpers ---------------------------------------------------
-
-
-def _positive(value) -> str | None:
-    if value > 0:
-        return None
-    return "must be a positive integer" if isinstance(value, int) else "must be a positive number"
-
-
-def _non_negative(value) -> str | None:
-    if value >= 0:
-        return None
-    return "must be 0 or more"
-
-
-def _share(value) -> str | None:
-    return None if 0 < value <= 1 else "must be a share in (0, 1]"
-
-
-def positive(default: Any = MISSING) -> Any:
-    """A field whose value (when not null) must be > 0."""
-    return field(default=default, metadata={CHECK: _positive})
-
-
-def non_negative(default: Any = MISSING) -> Any:
-    return field(default=default, metadata={CHECK: _non_negative})
-
-
-def share(default: Any = MISSING) -> Any:
-    """A fraction in (0, 1]."""
-    return field(default=default, metadata={CHECK: _share})
-
-
-def one_of(default: Any, *choices: str) -> Any:
-    """A string field limited to `choices`."""
-
-    def check(value) -> str | None:
-        return None if value in choices else f"choose one of: {', '.join(choices)}"
-
-    return field(default=default, metadata={CHECK: check})
-
+from forge.geometry import DEFAULT_WINDOW
 
 # -- the core's keys -----------------------------------------------------------------
 
@@ -79,13 +38,13 @@ def one_of(default: Any, *choices: str) -> Any:
 @dataclass
 class FunctionRef:
     name: str = MISSING  # the function's name; a plugin registers its class under it (forge_functions)
-    _target_: Optional[str] = None  # import path of the class; unset: the class registered under `name`
+    _target_: str | None = None  # import path of the class; unset: the class registered under `name`
 
 
 @dataclass
 class Budget:
-    tokens_per_step: Optional[int] = positive(None)  # caps every device's max_batch_tokens
-    max_tokens: Optional[int] = positive(None)  # stop admitting after this many tokens
+    tokens_per_step: int | None = positive(None)  # caps every device's max_batch_tokens
+    max_tokens: int | None = positive(None)  # stop admitting after this many tokens
 
 
 @dataclass
@@ -94,26 +53,26 @@ class Batching:
     checked by the mode's packer constructor."""
 
     mode: str = MISSING
-    window: int = positive(65536)
-    prefix_cache: Optional[bool] = None  # null: the mode's own default
-    cache_tokens: Optional[int] = positive(None)
+    window: int = positive(DEFAULT_WINDOW)  # most items held waiting for a batch
+    prefix_cache: bool | None = None  # null: the mode's own default
+    cache_tokens: int | None = positive(None)
 
 
 @dataclass
 class DeviceLimits:
-    max_batch_tokens: Optional[int] = positive(None)
-    max_rows: Optional[int] = positive(None)
-    max_seq_len: Optional[int] = positive(None)
-    pad_multiple: Optional[int] = positive(None)
+    max_batch_tokens: int | None = positive(None)
+    max_rows: int | None = positive(None)
+    max_seq_len: int | None = positive(None)
+    pad_multiple: int | None = positive(None)
 
 
 @dataclass
 class Devices:
     discover: bool = True
-    limits: Optional[DeviceLimits] = None  # defaults for discovered and inventory devices
+    limits: DeviceLimits | None = None  # defaults for discovered and inventory devices
     memory_fraction: float = share(0.9)
-    cpu_memory_gb: Optional[float] = positive(None)
-    inventory: List[Any] = field(default_factory=list)  # entries checked by forge.devices
+    cpu_memory_gb: float | None = positive(None)
+    inventory: list[Any] = field(default_factory=list)  # entries checked by forge.devices
 
 
 @dataclass
@@ -125,7 +84,7 @@ class Runtime:
 
     executor: str = "process"  # a registered executor (forge_executors): process | inprocess | ray
     max_in_flight: int = positive(2)  # batches queued per worker (one runs while the next waits)
-    batch_timeout_s: Optional[float] = positive(None)  # null: derived per batch from its size and the device's rate
+    batch_timeout_s: float | None = positive(None)  # null: derived per batch from its size and the device's rate
     timeout_floor_s: float = positive(60.0)  # a derived timeout is never shorter
     timeout_factor: float = positive(10.0)  # derived timeout = factor x padded slots / measured slots per second
     startup_timeout_s: float = positive(600.0)  # a worker that has not loaded its model by then is replaced
@@ -135,7 +94,8 @@ class Runtime:
     commit_interval_s: float = positive(30.0)  # results buffered for a shard are written at least this often
     failure_window: int = positive(200)  # the last items (and input records) looked at for a recurring failure
     max_failure_share: float = share(0.5)  # stop once one reason holds this share of the window
-    drain_s: float = non_negative(10.0)  # on a stop (Ctrl-C, a recurring failure), how long batches in flight may finish
+    # on a stop (Ctrl-C, a recurring failure), how long batches in flight may finish
+    drain_s: float = non_negative(10.0)
 
 
 @dataclass
@@ -144,8 +104,8 @@ class RayRuntime(Runtime):
     Ray instance."""
 
     executor: str = "ray"
-    address: Optional[str] = None  # null: start a local instance; "auto" or an address: join a cluster
-    num_cpus: Optional[int] = positive(None)  # CPUs of a local instance (null: all)
+    address: str | None = None  # null: start a local instance; "auto" or an address: join a cluster
+    num_cpus: int | None = positive(None)  # CPUs of a local instance (null: all)
     cpus_per_actor: float = positive(1.0)  # CPUs each device's actor reserves (and torch threads of a CPU actor)
 
 
@@ -180,7 +140,7 @@ class CoreConfig:
     resume: bool = False
     check_disk: bool = True  # refuse a local output_dir without room for what the run will write
     fail_fast: bool = False
-    plugins: List[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
 
 
 OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
@@ -207,7 +167,7 @@ def runtime_schema(cfg: DictConfig) -> type:
 
 def function_schema(cfg: DictConfig) -> type | None:
     """The dataclass of root keys that the configured function declares, if any."""
-    from forge.plugins import function_class
+    from forge.pluginmanager import function_class
 
     node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
     if not isinstance(node, DictConfig):
@@ -242,7 +202,7 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
 
 def _check_executor(name) -> None:
     """runtime.executor must name an executor a plugin registers (forge_executors)."""
-    from forge.plugins import executors, make_plugin_manager
+    from forge.pluginmanager import executors, make_plugin_manager
 
     offered = executors(make_plugin_manager())
     if name is not None and name not in offered:
@@ -293,7 +253,9 @@ def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
         valid = [f.name for f in dataclasses.fields(schema_cls)]
         unknown = [k for k in plain if k not in valid]
         if unknown:
-            raise ForgeError(f"config: unknown key {unknown[0]!r} in {prefix.rstrip('.')}; valid keys: {', '.join(valid)}")
+            raise ForgeError(
+                f"config: unknown key {unknown[0]!r} in {prefix.rstrip('.')}; valid keys: {', '.join(valid)}"
+            )
     for f in dataclasses.fields(schema_cls):
         value = plain.get(f.name)
         key = f"{prefix}{f.name}"
@@ -387,7 +349,7 @@ def _field_type(schema_cls: type, key: str):
             if part not in hints:
                 return None
             tp = hints[part]
-        elif typing.get_origin(tp) in (list, List) and part.isdigit():
+        elif typing.get_origin(tp) is list and part.isdigit():
             tp = typing.get_args(tp)[0] if typing.get_args(tp) else Any
         else:
             return None
@@ -400,7 +362,7 @@ def _expected(tp) -> str | None:
     tp = _unwrap_optional(tp)
     if tp in PLAIN_TYPES:
         return PLAIN_TYPES[tp]
-    if typing.get_origin(tp) in (list, List):
+    if typing.get_origin(tp) is list:
         return "a list"
     if dataclasses.is_dataclass(tp):
         return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"

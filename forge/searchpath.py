@@ -39,7 +39,7 @@ class ForgeSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         if not _is_forge(search_path):
             return
-        from forge.plugins import config_searchpath, make_plugin_manager
+        from forge.pluginmanager import config_searchpath, make_plugin_manager
 
         known = {entry.path for entry in search_path.get_path()}
         for plugin, path in config_searchpath(make_plugin_manager()):

@@ -8,13 +8,14 @@ same admission, scheduler, run loop, simulated executor and ledger as `forge pla
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from forge.batching.memory import CostModel
 from forge.engine import RunSpec
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.geometry import Device, Item
+from forge.geometry import DEFAULT_WINDOW, Device, Item
 
 
 class GeometryFunction(Function):
@@ -47,11 +48,11 @@ class GeometryFunction(Function):
 
 def plan_geometry(items: Iterable[Item], devices: list[Device], mode: str = "memory", *,
                   cost: CostModel | None = None, options: dict[str, Any] | None = None,
-                  cache_tokens: int = 32768, window: int = 65536, keep_batches: bool = False,
+                  cache_tokens: int = 32768, window: int = DEFAULT_WINDOW, keep_batches: bool = False,
                   pm=None) -> dict[str, Any]:
     """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
     from forge.plan import plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     options = dict(options or {})
     splits = mode != "item" and options.get("prefix_cache", True)

@@ -1,7 +1,7 @@
 """Generic sinks: commit any function's per-item results, as its `ResultSchema` declares.
 
 Model: a worker returns, for a batch, one array per field with a row per item, aligned
-with `batch.items` (`ItemColumns`, or any object with a `columns` mapping). The sink keeps
+with `batch.items` (`ResultColumns`, or any object with a `columns` mapping). The sink keeps
 the rows of items not committed yet, buffers them, and on `flush` writes one shard through
 `RunStore.write_shard` (the shard put in place whole, then its journal record naming the
 items' input indexes and ids): a safetensors file holding one tensor per field, or a Parquet
@@ -65,7 +65,8 @@ class ShardBuffer:
     def _check(self, f: Field, columns: dict[str, Any], n: int) -> np.ndarray:
         if f.name not in columns:
             raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
-                             f"{', '.join(sorted(columns)) or 'nothing'}); the function's result_schema and worker disagree")
+                             f"{', '.join(sorted(columns)) or 'nothing'}); "
+                             "the function's result_schema and worker disagree")
         if f.ragged:  # an array [n, *shape] per item (shape (): any array, flattened)
             values = [to_storage(v, f.dtype) for v in columns[f.name]]
             if len(values) != n:
@@ -162,7 +163,8 @@ class ResultSink:
             items = [it for it, k in zip(items, keep) if k]
             columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
                        np.asarray(values)[mask] for name, values in columns.items()}
-        self.buffer.add([it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items])
+        self.buffer.add([it.id for it in items], [it.index for it in items], columns,
+                        [self.meta_of(it) for it in items])
 
     def full(self) -> bool:
         return self.buffer.full()

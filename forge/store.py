@@ -33,8 +33,9 @@ the storage makes safe and fast:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from forge.errors import ForgeError
 from forge.location import TMP_SUFFIX, Location, check_output_dir, open_location, reach

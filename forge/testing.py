@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides:
     from forge.cli import compose
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     key = (function, str(rows_path), tuple(overrides))
     if key not in _COMPOSED:  # Hydra composes each configuration once

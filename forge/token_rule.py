@@ -16,7 +16,8 @@ encoding, for functions that score continuations as lm-eval does (`score`).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 RULE = "prefix with special tokens + text without; text alone with them (v1)"
 

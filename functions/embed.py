@@ -19,12 +19,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from forge.api import (CausalLMFunction, Column, EncoderFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig,
-                       ModelSpec, Prompt, Row)
+from forge.api import (
+    CausalLMFunction,
+    Column,
+    EncoderFunction,
+    Field,
+    ForgeError,
+    Forward,
+    ItemView,
+    ModelFunctionConfig,
+    ModelSpec,
+    Prompt,
+    Row,
+)
 from forge.schema import one_of, positive
 
 FORMATS = ("safetensors", "parquet")
@@ -38,7 +49,7 @@ class EmbedConfig(ModelFunctionConfig):
 
     pooling: str = one_of("mean", "mean", "cls", "last")
     normalize: bool = True  # divide each vector by its L2 norm
-    max_seq_length: Optional[int] = positive(None)  # truncate texts to this many tokens; null: the model's
+    max_seq_length: int | None = positive(None)  # truncate texts to this many tokens; null: the model's
     output_format: str = one_of("safetensors", *FORMATS)
 
 
@@ -91,7 +102,9 @@ class _Embedding:
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
         limit = self.max_seq_length
-        ids = self.tokenizer(texts, add_special_tokens=True, truncation=limit is not None, max_length=limit)["input_ids"]
+        ids = self.tokenizer(texts, add_special_tokens=True, truncation=limit is not None, max_length=limit)[
+            "input_ids"
+        ]
         self._truncated += sum(len(t) >= limit for t in ids) if limit is not None else 0
         return ids
 
@@ -106,7 +119,9 @@ class _Embedding:
         import torch
 
         h = view.hidden[FINAL]
-        v = {"mean": lambda: h.float().mean(0), "cls": lambda: h[0].float(), "last": lambda: h[-1].float()}[self.pooling]()
+        v = {"mean": lambda: h.float().mean(0), "cls": lambda: h[0].float(), "last": lambda: h[-1].float()}[
+            self.pooling
+        ]()
         return {"embedding": torch.nn.functional.normalize(v, p=2, dim=0) if self.normalize else v}
 
 

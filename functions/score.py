@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class ScoreConfig(ModelFunctionConfig):
     """The root keys score reads (its constructor's parameters), checked at the edge."""
     target_delimiter: str = " "  # multiple choice: continuation = target_delimiter + choice (lm-eval's default)
     add_special_tokens: bool = True  # the tokenizer's own start tokens (BOS) before every context
-    max_length: Optional[int] = positive(None)  # tokens the model reads; null: the model's maximum
+    max_length: int | None = positive(None)  # tokens the model reads; null: the model's maximum
 
 
 @dataclass(slots=True)
@@ -53,7 +53,11 @@ class Score(CausalLMFunction):
     name = "score"
     config_schema = ScoreConfig
     forward = Forward(targets=True)
-    columns = {"context": MayBeEmpty(required=True), "continuation": Column(), "id": Column(kinds=("string", "integer"))}
+    columns = {
+        "context": MayBeEmpty(required=True),
+        "continuation": Column(),
+        "id": Column(kinds=("string", "integer")),
+    }
     folder = "scores"
     fields = (Field("question", "string"), Field("choice", "int32"), Field("num_choices", "int32"),
               Field("gold", "int32"), Field("loglik", "float64"), Field("num_tokens", "int32"),
@@ -71,7 +75,9 @@ class Score(CausalLMFunction):
         """lm-eval's rule: the config's maximum positions, else the tokenizer's, else 2048."""
         from forge.runtime.hf_compat import text_config
 
-        values = [getattr(text_config(self.config), k, None) for k in ("n_positions", "max_position_embeddings", "n_ctx")]
+        values = [
+            getattr(text_config(self.config), k, None) for k in ("n_positions", "max_position_embeddings", "n_ctx")
+        ]
         values.append(getattr(self.tokenizer, "model_max_length", None))
         return next((v for v in values if isinstance(v, int) and 0 < v < 1 << 30), DEFAULT_MAX_LENGTH)
 

@@ -16,7 +16,7 @@ def _forge_cache(tmp_path_factory):
 @pytest.fixture
 def pm():
     """A fresh plugin manager with the built-in plugins, as `forge` builds one."""
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     return make_plugin_manager()
 
@@ -43,7 +43,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
     if not any(o.startswith(("runtime.executor=", "runtime=")) for o in overrides):
         overrides = ("runtime.executor=inprocess", *overrides)
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     spec = spec_for(*overrides, run_dir=tmp_path)
     return execute(spec, pm or make_plugin_manager(modules=spec.plugins))
@@ -51,7 +51,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
 
 def plan_forge(*overrides, pm=None, keep_batches=False):
     from forge.plan import plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     return plan(spec_for(*overrides), pm or make_plugin_manager(), keep_batches=keep_batches)
 

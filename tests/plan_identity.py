@@ -16,9 +16,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DIGESTS = Path(__file__).resolve().parent / "plan_identity.json"
 # the reference workload: the embedded default input, 600 rows, on two plain devices sized for
@@ -68,7 +69,11 @@ def canonical(seen: list[tuple[str, Any]], report: dict[str, Any]) -> str:
         rows = ";".join(",".join(it.id for it in row) for row in b.rows)
         lines.append(json.dumps([device, b.prefix_key, b.prefix_len, b.split_prefix, b.packed, b.retry, b.seq,
                                  b.padded_len, b.cache_hit, rows]))
-    figures = {k: report[k] for k in ("batches", "tokens", "status", "end_splits", "attempts", "effective_limits") if k in report}
+    figures = {
+        k: report[k]
+        for k in ("batches", "tokens", "status", "end_splits", "attempts", "effective_limits")
+        if k in report
+    }
     figures["virtual_time"] = report.get("virtual_time")
     figures["devices"] = [{k: d.get(k) for k in ("name", "batches", "tokens", "cache_misses", "virtual_busy",
                                                   "virtual_finish", "oom")} for d in report["devices"]]
@@ -81,7 +86,7 @@ def _reference(overrides: list[str]) -> Callable[[], dict]:
         from forge.cli import compose
         from forge.config import build_spec
         from forge.plan import plan
-        from forge.plugins import make_plugin_manager
+        from forge.pluginmanager import make_plugin_manager
 
         cfg = compose(["devices=sim_16g_32g", "input.limit=600", *overrides])
         return plan(build_spec(cfg, None), make_plugin_manager())

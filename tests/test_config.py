@@ -78,7 +78,8 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "lab.yaml").write_text(
         "discover: false\ninventory:\n"
-        "  - {name: big, device: cpu, limits: {max_batch_tokens: 8192, max_rows: 64, max_seq_len: 1024, pad_multiple: 8}}\n"
+        "  - {name: big, device: cpu, limits: {max_batch_tokens: 8192, max_rows: 64, max_seq_len: 1024,"
+        " pad_multiple: 8}}\n"
         "  - {name: small, device: cpu, limits: {max_batch_tokens: 2048, max_rows: 16, max_seq_len: 1024}}\n"
     )
     spec = build_spec(cli_compose(["devices=lab"], tmp_path), None)
@@ -177,8 +178,8 @@ def test_schema_types_values_and_keeps_interpolations(pm):
 
 
 def test_a_function_declares_its_own_root_keys():
-    from forge.schema import schema_for
     from forge.functions.probe_gen import ProbeGen
+    from forge.schema import schema_for
 
     keys = {f.name for f in dataclasses.fields(schema_for(ProbeGen.config_schema))}
     assert {"input", "layers", "pooling", "shard_size", "model"} <= keys
@@ -192,7 +193,9 @@ def test_sweep_combinations_expand_like_the_basic_sweeper():
         ["batching=item", "layers=[1]", "input.limit=1"], ["batching=item", "layers=[1]", "input.limit=2"],
         ["batching=token", "layers=[1]", "input.limit=1"], ["batching=token", "layers=[1]", "input.limit=2"]]
     globbed = sweep_combinations(["batching=glob(*)"])  # the built-in modes, and any an installed plugin adds
-    assert globbed == sorted(globbed) and {"batching=item", "batching=memory", "batching=token"} <= {c[0] for c in globbed}
+    assert globbed == sorted(globbed) and {"batching=item", "batching=memory", "batching=token"} <= {
+        c[0] for c in globbed
+    }
     big = sweep_combinations(["a=range(0,10)", "b=range(0,10)"])  # 100 > MAX_SWEEP_CHECKS: each value once
     assert 100 > MAX_SWEEP_CHECKS and len(big) == 20
     assert {c[0] for c in big} == {f"a={i}" for i in range(10)} and {c[1] for c in big} == {f"b={i}" for i in range(10)}
@@ -226,7 +229,38 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
         got = spec_for(f"runtime={path.stem}").runtime
         assert type(got) is schema and got == schema()
     for f in dataclasses.fields(Runtime):
-        if f.name != "executor" and f.type in ("int", "float", "Optional[float]"):
+        if f.name != "executor" and f.type in ("int", "float", "float | None"):
             value = 7 if f.type == "int" else 0.25
             assert getattr(spec_for(f"runtime.{f.name}={value}").runtime, f.name) == value, f.name
     assert spec_for("runtime.drain_s=3").runtime.drain_s == 3.0
+
+
+def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
+    """A batching YAML may restate a key of forge.schema.Batching only with the schema's value
+    (Hydra overrides only keys a YAML has, so `window` is written there), and window's default
+    is forge.geometry.DEFAULT_WINDOW everywhere it is a default."""
+    import dataclasses
+    import inspect
+
+    import yaml
+    from omegaconf import MISSING
+
+    from forge.config import conf_dir
+    from forge.engine import RunSpec
+    from forge.geometry import DEFAULT_WINDOW
+    from forge.scheduler import Scheduler
+    from forge.schema import Batching
+    from forge.simulate import plan_geometry
+
+    unset = (None, dataclasses.MISSING, MISSING)  # no default, or the mode's own
+    defaults = {f.name: f.default for f in dataclasses.fields(Batching) if f.default not in unset}
+    assert defaults.get("window") == DEFAULT_WINDOW
+    for path in sorted((conf_dir() / "batching").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        for key, default in defaults.items():
+            if key in data:
+                assert data[key] == default, f"{path.name}: {key}={data[key]!r}, the schema says {default!r}"
+    assert inspect.signature(Scheduler).parameters["window"].default == DEFAULT_WINDOW
+    assert inspect.signature(plan_geometry).parameters["window"].default == DEFAULT_WINDOW
+    assert {f.name: f.default for f in dataclasses.fields(RunSpec)}["window"] == DEFAULT_WINDOW
+    assert spec_for().window == DEFAULT_WINDOW

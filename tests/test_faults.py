@@ -223,8 +223,13 @@ def test_a_heavy_tail_never_stalls(tmp_path, packing, how):
 
     rng = random.Random(5)
     words = "the of and a to in is was he for it with as his on be at by".split()
-    rows = [{"id": f"r{i}", "text": " ".join(rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10))}
-            for i in range(600)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "text": " ".join(rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10)),
+        }
+        for i in range(600)
+    ]
     data = tmp_path / "tail.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     from conftest import plan_forge

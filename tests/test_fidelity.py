@@ -27,17 +27,40 @@ LAYERS = [1, 2]
 TOL = 1e-4
 WINDOW = 16  # sliding windows smaller than prefix + text (prefixes are 24 and 58 tokens)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=2048,
-            max_position_embeddings=256, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=3, initializer_range=0.2)
+BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    initializer_range=0.2,
+)
 
 FAMILIES = {
     "llama": ("LlamaConfig", dict()),
-    "llama3-rope": ("LlamaConfig", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama3-rope": (
+        "LlamaConfig",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
     "qwen2": ("Qwen2Config", dict()),
     "qwen3": ("Qwen3Config", dict(head_dim=8)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=32)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", dict()),
     "gpt_neox": ("GPTNeoXConfig", dict()),  # Pythia
@@ -53,8 +76,10 @@ FAMILIES = {
     "bloom": ("BloomConfig", dict(n_layer=2, n_head=4)),
     "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW)),
     "gemma2": ("Gemma2Config", dict(head_dim=8, sliding_window=WINDOW)),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=8, sliding_window=WINDOW,
-                                        layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 
 MODES = {
@@ -129,8 +154,8 @@ def family(name: str, data, dtype: str = "float32"):
     if key not in _FAMILY_CACHE:
         root, rows = data
         path = _FAMILY_CACHE[(name, "float32")][0] if (name, "float32") in _FAMILY_CACHE else _build(name, root)
-        from forge.runtime.reference import pool, reference_hidden
         from forge.functions.probe_gen import ProbeGen
+        from forge.runtime.reference import pool, reference_hidden
 
         fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -149,7 +174,7 @@ def _run(tmp_path, path, rows, mode, pooling, *extra):
     """`forge run` in-process; Hydra composes each (mode, pooling, extra) once, the model name is set after."""
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     key = (mode, pooling, extra)
     if key not in _COMPOSED:
@@ -213,7 +238,7 @@ def test_fidelity_reduced_precision(tmp_path, data, name, dtype, mode, pooling):
 # -- capabilities, refusals and the stated path -------------------------------------------------
 def test_path_is_stated(tmp_path, data):
     from forge.plan import plan
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     path, _ = family("gemma2", data)
     report = _run(tmp_path, path, data[1], "token-packed", "last")
@@ -273,7 +298,9 @@ def test_remote_code_needs_consent(tmp_path):
         "model_type": "forge_custom_lm", "num_hidden_layers": 2,
         "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
                      "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
-    with pytest.raises(ForgeError, match="needs its repository's own code; if you trust it, set model.trust_remote_code=true"):
+    with pytest.raises(
+        ForgeError, match="needs its repository's own code; if you trust it, set model.trust_remote_code=true"
+    ):
         ProbeGen(model={"name": str(tmp_path)}, input={"path": "embedded:statements"}, layers=[1])
 
 
@@ -346,7 +373,7 @@ def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
     cfg.model.name = str(path)
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if (name, mode) in REFUSED:
         with pytest.raises(ForgeError, match=REFUSED[name, mode]):

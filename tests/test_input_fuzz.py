@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 
 from forge.errors import ForgeError
 from forge.geometry import Item
-from forge.inputs import BOM, InputFile, Row
+from forge.inputs import InputFile, Row
+from forge.readers import BOM
 from forge.run import Rejected, Skipped
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -71,7 +72,7 @@ def _as_item(record):
 def _account(source: InputFile) -> tuple[list[Item], dict]:
     """The records through admission and the ledger, as a run counts them."""
     from forge.admission import AdmissionRules, admit
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.run import RunContext
 
     pm = make_plugin_manager()

@@ -3,13 +3,12 @@
 from collections import Counter
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
 from forge.batching.base import NO_PREFIX, Urgency
 from forge.columns import GeometryFeed, ItemFeed
-from forge.geometry import Batch, Device, Item, Limits, batch_fits
+from forge.geometry import Batch, Device, Item, Limits, broken_limit
 from forge.scheduler import Scheduler
 
 
@@ -71,14 +70,17 @@ def independent_padding(batch: Batch) -> int:
 def test_every_item_once_within_limits(workload, make_packer, devices):
     limits, items, window = workload
     packer = make_packer()
-    if isinstance(packer, MemoryPacker) and packer.row_cap(limits.pad(limits.max_seq_len), limits.max_seq_len, Device("x", limits)) < 1:
+    if (
+        isinstance(packer, MemoryPacker)
+        and packer.row_cap(limits.pad(limits.max_seq_len), limits.max_seq_len, Device("x", limits)) < 1
+    ):
         packer.default_memory_bytes = 10**9
     batches, sched = drain(packer, items, limits, window, devices)
     seen = Counter(it.id for b in batches for it in b.items)
     assert seen == Counter(it.id for it in items)  # every item exactly once
     assert sched.max_window_seen <= window  # the window bound holds
     for b in batches:
-        assert batch_fits(b, limits) is None, (batch_fits(b, limits), b)
+        assert broken_limit(b, limits) is None, (broken_limit(b, limits), b)
         assert b.padding == independent_padding(b) >= 0
         assert b.padded_len % limits.pad_multiple == 0
         if b.split_prefix:  # rows of a cached batch share one prefix
@@ -221,7 +223,7 @@ def test_devices_with_different_limits_share_a_group():
             turn += 1
             b = sched.schedule(d)
             if b is not None:
-                assert batch_fits(b, d.limits) is None
+                assert broken_limit(b, d.limits) is None
                 seen.update(it.id for it in b.items)
         assert seen == Counter(it.id for it in items)
 

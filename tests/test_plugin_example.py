@@ -16,7 +16,9 @@ from conftest import plan_forge
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("forge_plugin_example") is None,
-    reason="examples/forge-plugin-example is not installed (pip install -e examples/forge-plugin-example; .ci/run does)")
+    reason="examples/forge-plugin-example is not installed "
+    "(pip install -e examples/forge-plugin-example; .ci/run does)",
+)
 N = 120
 
 
@@ -40,9 +42,10 @@ def test_forge_run_their_function_with_their_mode(tmp_path):
     assert report["items"]["completed"] == N and report["batches"] == -(-N // 16)
 
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from forge.functions.assets import embedded_dataset_path, embedded_model_source, materialize_model
     from forge.results import load
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     res = load(out)
     rows = [json.loads(line) for line in open(embedded_dataset_path())][:N]

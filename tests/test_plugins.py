@@ -2,7 +2,7 @@
 
 from conftest import spec_for
 from forge.plan import plan
-from forge.plugins import batching_modes, make_plugin_manager
+from forge.pluginmanager import batching_modes, make_plugin_manager
 
 
 def test_builtins_register_through_entry_points(pm):
@@ -26,3 +26,26 @@ def test_a_third_party_mode_plans(pm):
     assert report["batching"] == "shortest" and report["balanced"]
     lengths = [b.padded_len for b in report["_batches"]]
     assert lengths == sorted(lengths)
+
+
+def test_every_hookspec_is_typed_and_documents_its_parameters():
+    import inspect
+    import typing
+
+    import forge.batching.base
+    import forge.executors.base
+    import forge.function
+    import forge.geometry
+    import forge.hookspecs
+    import forge.run
+
+    names = {**vars(forge.hookspecs), **vars(forge.geometry), **vars(forge.run), "Packer": forge.batching.base.Packer,
+             "Executor": forge.executors.base.Executor, "Function": forge.function.Function}
+    specs = [f for name, f in vars(forge.hookspecs).items() if name.startswith("forge_") and callable(f)]
+    assert len(specs) >= 20
+    for spec in specs:
+        hints = typing.get_type_hints(spec, names)  # every annotation resolves
+        params = inspect.signature(spec).parameters
+        assert set(hints) == {*params, "return"}, spec.__name__
+        for param in params:
+            assert f":param {param}:" in (spec.__doc__ or ""), (spec.__name__, param)

@@ -28,9 +28,9 @@ def reference():
     """ids -> {pooling: {layer: vector}} from plain one-prompt forward passes."""
     from transformers import AutoModelForCausalLM
 
-    from forge.runtime.causal_lm import reference_pooled
     from forge.functions.assets import embedded_model_source, materialize_model
     from forge.functions.probe_gen import ProbeGen
+    from forge.runtime.causal_lm import reference_pooled
 
     fn = ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements", "limit": N},
                   layers=LAYERS)
@@ -81,8 +81,8 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
     (a variable number of values per item) round-trip in Parquet and safetensors."""
     import numpy as np
 
+    from forge.function import ResultColumns
     from forge.geometry import Batch, Item
-    from forge.function import ItemColumns
     from forge.results import Field, ResultSchema, load, shards
     from forge.sinks import open_sink
     from forge.store import RunStore
@@ -97,7 +97,7 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
         values = [np.arange(k + 1, dtype=np.float32) * (k + 1) for k in range(5)]
         for lo in (3, 0):  # committed out of order
             batch = Batch([[it] for it in items[lo:lo + 3]], 1)
-            sink.write(batch, ItemColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
+            sink.write(batch, ResultColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
                                            "per_token": values[lo:lo + 3]}), None)
             sink.flush()
         sink.close()
@@ -165,7 +165,9 @@ def test_load_reads_any_functions_results(tmp_path, function, field):
     """One reader for every built-in (the README's promise): no folder needed, rows in input order."""
     from forge.results import load, shards
 
-    report = run_forge(tmp_path, f"function={function}", "input.limit=8", *(["layers=[4]"] if function == "probe_gen" else []))
+    report = run_forge(
+        tmp_path, f"function={function}", "input.limit=8", *(["layers=[4]"] if function == "probe_gen" else [])
+    )
     res = load(tmp_path)
     assert len(res) == report["items"]["completed"] > 0 and field in res.columns
     assert list(res.index) == sorted(res.index)

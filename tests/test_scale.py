@@ -7,17 +7,17 @@ import pytest
 
 from benchmarks.workloads import geometry, items as workload_items
 from forge.batching import TokenPacker
+from forge.builtin import ledger
 from forge.columns import ColumnBatch, ColumnFeed
 from forge.executors import SimExecutor
 from forge.executors.base import Outcome, Status
-from forge.geometry import Device, Limits, batch_fits
+from forge.geometry import Device, Limits, broken_limit
 from forge.hookspecs import hookimpl
 from forge.indexset import IndexSet
 from forge.loop import Committer, RunLoop
-from forge.plugins import make_plugin_manager
+from forge.pluginmanager import make_plugin_manager
 from forge.run import RunContext
 from forge.scheduler import Scheduler
-from forge.builtin import ledger
 from forge.schema import Runtime
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]
@@ -32,7 +32,7 @@ class Seen:
     @hookimpl
     def forge_batch_completed(self, run, batch, device, stats):
         self.batches.append((device.name, batch.num_rows, batch.padded_len, batch.num_tokens, len(batch.items)))
-        assert batch_fits(batch, device.limits) is None
+        assert broken_limit(batch, device.limits) is None
 
 
 def columns(n, chunk, seed=0):

@@ -180,7 +180,7 @@ _COMPOSED: dict[tuple, object] = {}
 def _run(tmp_path, source, rows_path, mode, *extra):
     from forge.config import build_spec
     from forge.engine import execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     key = (mode, extra)
     if key not in _COMPOSED:

@@ -1,6 +1,7 @@
 """The function seam: generic result sinks and reader, functions and config directories offered
 by plugins, and the installed layout (forge.functions, forge.builtin, forge.conf)."""
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from forge.errors import ForgeError
-from forge.function import ItemColumns
+from forge.function import ResultColumns
 from forge.geometry import Batch, Item
 from forge.hookspecs import hookimpl
-from forge.plugins import batching_modes, function_class, functions, make_plugin_manager
+from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
 from forge.results import Field, ResultSchema, load
 from forge.sinks import open_sink
 from forge.store import RunStore
@@ -35,10 +36,10 @@ def test_generic_sink_round_trip_in_input_order(tmp_path, fmt):
     store = RunStore(tmp_path, {"function": "t"})
     sink = open_sink(store, schema)
     # two batches committed out of input order; the second keeps only its item "b" (the other is a duplicate)
-    sink.write(_batch([("c", 2), ("d", 3)]), ItemColumns({"score": np.array([2.0, 3.0]), "n": np.array([20, 30]),
+    sink.write(_batch([("c", 2), ("d", 3)]), ResultColumns({"score": np.array([2.0, 3.0]), "n": np.array([20, 30]),
                                                           "vec": np.array([[2, 2], [3, 3]], np.float32)}), None)
     sink.flush()
-    sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"score": np.array([0.0, 1.0]), "n": np.array([0, 10]),
+    sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"score": np.array([0.0, 1.0]), "n": np.array([0, 10]),
                                                           "vec": np.array([[0, 0], [1, 1]], np.float32)}),
                [False, True])
     out = sink.close()
@@ -58,7 +59,7 @@ def test_parquet_sink_keeps_strings(tmp_path):
     schema = ResultSchema(fields=(Field("answer", "string"),))
     store = RunStore(tmp_path, {})
     sink = open_sink(store, schema)
-    sink.write(_batch([("x", 0), ("y", 1)]), ItemColumns({"answer": ["yes", "no"]}), [False, True])
+    sink.write(_batch([("x", 0), ("y", 1)]), ResultColumns({"answer": ["yes", "no"]}), [False, True])
     sink.close()
     assert load(tmp_path).columns["answer"].tolist() == ["no"]
 
@@ -67,9 +68,9 @@ def test_sink_refuses_output_that_disagrees_with_its_schema(tmp_path):
     store = RunStore(tmp_path, {})
     sink = open_sink(store, ResultSchema(fields=(Field("vec", "float32", (4,)),)))
     with pytest.raises(ForgeError, match=r"'vec'.*shape \(2, 3\).*expected \(2, 4\)"):
-        sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"vec": np.zeros((2, 3), np.float32)}), None)
+        sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"vec": np.zeros((2, 3), np.float32)}), None)
     with pytest.raises(ForgeError, match="'vec' missing from the worker's output"):
-        sink.write(_batch([("a", 0), ("b", 1)]), ItemColumns({"other": np.zeros(2)}), None)
+        sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"other": np.zeros(2)}), None)
     with pytest.raises(ForgeError, match="tensors only"):
         ResultSchema(fields=(Field("s", "string"),), format="safetensors")
     with pytest.raises(ForgeError, match="none named id or index"):
@@ -80,7 +81,7 @@ def test_load_names_the_folders_when_a_run_has_several(tmp_path):
     store = RunStore(tmp_path, {})
     for folder in ("one", "two"):
         sink = open_sink(store, ResultSchema(fields=(Field("v", "int64"),), folder=folder))
-        sink.write(_batch([("a", 0)]), ItemColumns({"v": np.array([1])}), None)
+        sink.write(_batch([("a", 0)]), ResultColumns({"v": np.array([1])}), None)
         sink.close()
     with pytest.raises(ForgeError, match="results in one, two"):
         load(tmp_path)
@@ -137,41 +138,46 @@ def test_unknown_function_name_lists_the_installed_ones(pm):
 def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, monkeypatch):
     """What `pip install` of a plugin package does: its config module joins Forge's search path,
     so its function composes with function=<name> and `forge ls` sees it."""
-    import forge.plugins
+    import forge.pluginmanager
     from forge.cli import compose, group_options
 
     (tmp_path / "function").mkdir()
     (tmp_path / "function" / "echo_fn.yaml").write_text("# @package _global_\nfunction:\n  name: echo_fn\n")
     (tmp_path / "batching").mkdir()
     (tmp_path / "batching" / "echo_mode.yaml").write_text("mode: item\nbatch_size: 3\n")
-    real = forge.plugins.make_plugin_manager
+    real = forge.pluginmanager.make_plugin_manager
 
     def with_plugin(*args, **kwargs):
         pm = real(*args, **kwargs)
         pm.register(_Offers(config=f"file://{tmp_path}"), name="echo-plugin")
         return pm
 
-    monkeypatch.setattr(forge.plugins, "make_plugin_manager", with_plugin)
+    monkeypatch.setattr(forge.pluginmanager, "make_plugin_manager", with_plugin)
     assert "echo_fn" in group_options("function") and "probe_gen" in group_options("function")
     assert "echo_mode" in group_options("batching")
     cfg = compose(["function=echo_fn", "batching=echo_mode"])
     assert cfg.function.name == "echo_fn" and cfg.batching.batch_size == 3
-    monkeypatch.setattr(forge.plugins, "make_plugin_manager", real)
+    monkeypatch.setattr(forge.pluginmanager, "make_plugin_manager", real)
     assert "echo_fn" not in group_options("function")
 
 
 # -- installed layout -------------------------------------------------------------------
 
 
-def test_source_checkout_maps_the_subpackages_to_its_own_folders(tmp_path):
-    code = ("import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
-            "import sys; print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
+def test_the_editable_install_maps_the_subpackages_to_this_checkouts_folders(tmp_path):
+    """setuptools' `package-dir` does the mapping (editable installs honour it), and importing
+    forge changes no import machinery: no finder of Forge's own is left on sys.meta_path."""
+    code = ("import sys; before = list(sys.meta_path); import forge; print(sys.meta_path == before); "
+            "import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
+            "print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
             "print(forge.conf.__file__); print('functions' in sys.modules or 'plugins' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    files = out.stdout.split()
-    assert files[:3] == [str(ROOT / "functions" / "probe_gen.py"), str(ROOT / "plugins" / "ledger.py"),
-                         str(ROOT / "conf" / "__init__.py")]
-    assert files[3] == "False"  # no generic top-level name imported
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    lines = out.stdout.split()
+    assert lines[0] == "True"  # `import forge` installs nothing
+    assert lines[1:4] == [str(ROOT / "functions" / "probe_gen.py"), str(ROOT / "plugins" / "ledger.py"),
+                          str(ROOT / "conf" / "__init__.py")]
+    assert lines[4] == "False"  # no generic top-level name imported
+    assert not (ROOT / "forge" / "_layout.py").exists()
 
 
 def test_wheel_installs_everything_under_forge(tmp_path):
@@ -206,6 +212,20 @@ def test_wheel_installs_everything_under_forge(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "forge.builtin.batching" in text and "forge.builtin.functions" in text and "plugins." not in text
+    # installed from the wheel (not editable), the subpackages import from the installed forge/
+    target = (tmp_path / "site").resolve()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target),
+                    str(wheel)], check=True, capture_output=True, cwd=tmp_path)
+    code = ("import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
+            "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env=env)
+    assert [str(Path(p).resolve()) for p in out.stdout.split()] == [
+        str(target / "forge" / "functions" / "assets" / "__init__.py"),
+        str(target / "forge" / "builtin" / "ledger.py"),
+        str(target / "forge" / "conf"),
+    ]
 
 
 def test_group_options_include_a_user_config_dir(tmp_path):

@@ -77,7 +77,7 @@ def test_an_inventory_written_as_a_mapping_is_one_line_naming_it(tmp_path):
 
 def test_simulated_and_plain_devices_do_not_mix_and_forge_run_refuses_simulated_ones(tmp_path):
     from forge.engine import RunSpec, execute
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
     from forge.simulate import GeometryFunction
 
     lim = Limits(4096, 64, 1024)
@@ -131,7 +131,7 @@ def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
     import forge.plan
     from forge import hookimpl
     from forge.executors.sim import SimExecutor
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     class LosesOnTheLargeCard(SimExecutor):
         """card32's worker dies on a few batches too large for card16 and takes 0.5 s to come

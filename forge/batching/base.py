@@ -9,9 +9,10 @@ cross this seam, so a million items pack in well under a second.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -123,7 +124,7 @@ class Packer(ABC):
     #: per-step cost in token slots, for devices that declare none (`overhead_tokens`)
     batch_overhead_tokens: int = 0
     #: the memory model the packer bounds batches with; None: it bounds none by memory
-    cost_model: "CostModel | None" = None
+    cost_model: CostModel | None = None
 
     @abstractmethod
     def add(self, chunk: Chunk) -> None: ...

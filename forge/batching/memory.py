@@ -57,7 +57,7 @@ class CostModel:
 
     @classmethod
     def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                   intermediate: int, dtype_bytes: int) -> "CostModel":
+                   intermediate: int, dtype_bytes: int) -> CostModel:
         head_dim = hidden // heads
         kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
         return cls(
@@ -70,6 +70,8 @@ class CostModel:
 
 
 class MemoryPacker(TokenPacker):
+    cost_model: CostModel  # always set: a memory packer is never without its model
+
     def __init__(self, cost_model: CostModel | None = None, default_memory_bytes: int | None = None, **token_options):
         if cost_model is None:
             raise ForgeError("batching=memory needs a cost model; the function did not provide one")

@@ -28,6 +28,13 @@ class PackedPlanning:
     """Packed planning for `TokenPacker` (its `packed_row_tokens`, `row_cap`, `_shapes`,
     `_profile_of`)."""
 
+    # what the mixin reads of TokenPacker, declared for the type checker only
+    packed_row_tokens: int | None
+    _shapes: dict[tuple, dict[int, tuple[int, int]]]
+    if TYPE_CHECKING:
+        def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int: ...
+        def _profile_of(self, device: Device) -> tuple: ...
+
     def _packed_shape(self, longest: int, g: _Group, device: Device) -> tuple[int, int]:
         """(rows, tokens a row may hold) for a packed batch whose longest item is `longest`."""
         lim = device.limits
@@ -172,7 +179,7 @@ def _fill_row(avail: list[int], left: list[int], ends: list[int], take_end: list
     return room, placed
 
 
-def _keep_plan(g: "_Group", take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
+def _keep_plan(g: _Group, take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
     """The planned takes gathered in one numpy pass into the group's ready Cuts; what is left
     stays waiting in the group."""
     lengths = g.lengths

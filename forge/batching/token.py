@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from forge.geometry import Batch, Device
 
@@ -106,7 +106,10 @@ class Slot:
     silent_since: float | None = None  # set when the head timed out: no more work until it answers
 
 
-class SlotExecutor(Executor):
+SlotT = TypeVar("SlotT", bound=Slot)
+
+
+class SlotExecutor(Executor, Generic[SlotT]):
     """One worker per device with a FIFO of at most `max_in_flight` batches; the head runs.
 
     Model of time: a worker that has not loaded within `startup_timeout_s` is replaced; a
@@ -114,7 +117,8 @@ class SlotExecutor(Executor):
     worker gets no more work; unless it answers within `kill_grace_s` it is replaced. A
     replaced worker's batches come back LOST; after `max_restarts` replacements the device
     is retired. Subclasses start (`_spawn`), stop (`_kill`) and read their workers; `worker`
-    names them in reasons ("worker", "actor").
+    names them in reasons ("worker", "actor"). `SlotT` is the subclass's own `Slot`, holding
+    its worker's handles.
     """
 
     worker = "worker"
@@ -125,7 +129,7 @@ class SlotExecutor(Executor):
         self.max_restarts = int(max_restarts)
         self.startup_timeout_s = float(startup_timeout_s)
         self.kill_grace_s = float(kill_grace_s)
-        self.slots: dict[str, Slot] = {}
+        self.slots: dict[str, SlotT] = {}
         self._pending: list[Outcome] = []  # outcomes the next `collect` returns
 
     @abstractmethod
@@ -133,7 +137,7 @@ class SlotExecutor(Executor):
         """Start a worker for `device` and put its slot in `self.slots`."""
 
     @abstractmethod
-    def _kill(self, slot: Slot) -> None:
+    def _kill(self, slot: SlotT) -> None:
         """Stop the slot's worker now."""
 
     def free_slots(self, device: str) -> int:
@@ -145,13 +149,13 @@ class SlotExecutor(Executor):
     def in_flight(self) -> int:
         return sum(len(s.queue) for s in self.slots.values()) + len(self._pending)
 
-    def _queue(self, slot: Slot, ticket: int, timeout_s: float | None, handle: Any = None) -> None:
+    def _queue(self, slot: SlotT, ticket: int, timeout_s: float | None, handle: Any = None) -> None:
         """A batch sent to the slot's worker; it starts running now if it is the head."""
         if not slot.queue and slot.ready:
             slot.head_since = time.monotonic()
         slot.queue.append((ticket, timeout_s, handle))
 
-    def _ready(self, slot: Slot, load_s: float | None = None) -> None:
+    def _ready(self, slot: SlotT, load_s: float | None = None) -> None:
         """The slot's worker has loaded its model (`load_s`: the worker's own measure of that)."""
         slot.ready = True
         slot.head_since = time.monotonic() if slot.queue else None
@@ -161,13 +165,12 @@ class SlotExecutor(Executor):
             self.load_s[name] = round(time.monotonic() - slot.started if load_s is None else load_s, 3)
 
     @staticmethod
-    @staticmethod
     def _answered(slot: Slot) -> None:
         """The worker answered for its head (the head already popped): slow, not hung."""
         slot.silent_since = None
         slot.head_since = time.monotonic() if slot.queue else None
 
-    def _replace(self, slot: Slot, reason: str) -> None:
+    def _replace(self, slot: SlotT, reason: str) -> None:
         """Kill the slot's worker, hand its batches back as LOST, start another (or retire)."""
         name = slot.device.name
         self._kill(slot)
@@ -181,7 +184,7 @@ class SlotExecutor(Executor):
         self.restarts[name] += 1
         self._spawn(slot.device)
 
-    def _due(self, slot: Slot) -> float | None:
+    def _due(self, slot: SlotT) -> float | None:
         """The next moment this slot needs attention without an answer."""
         if not slot.ready:
             return slot.started + self.startup_timeout_s
@@ -191,7 +194,7 @@ class SlotExecutor(Executor):
             return slot.head_since + slot.queue[0][1]
         return None
 
-    def _check_time(self, slot: Slot, now: float) -> None:
+    def _check_time(self, slot: SlotT, now: float) -> None:
         name, who = slot.device.name, self.worker
         if self.slots.get(name) is not slot:
             return

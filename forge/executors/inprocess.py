@@ -24,7 +24,7 @@ class InProcessExecutor(Executor):
 
     @classmethod
     def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> "InProcessExecutor":
+                     hook=None) -> InProcessExecutor:
         """The executor `runtime.executor=inprocess` builds (a forge_executors factory)."""
         return cls(function, cache_tokens, hook)
 

@@ -20,7 +20,8 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_any
+from multiprocessing.connection import Connection, wait as wait_any
+from multiprocessing.process import BaseProcess
 
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
 from forge.geometry import Batch, Device
@@ -46,12 +47,12 @@ def warm_up(modules: tuple[str, ...] = ()) -> None:
 
 @dataclass(kw_only=True)
 class _Slot(Slot):
-    process: object
-    conn: object
+    process: BaseProcess
+    conn: Connection
     load_error: str | None = None  # why the worker could not load its model
 
 
-class ProcessExecutor(SlotExecutor):
+class ProcessExecutor(SlotExecutor[_Slot]):
     def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...], max_in_flight: int,
                  max_restarts: int, startup_timeout_s: float, kill_grace_s: float):
         super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
@@ -63,7 +64,7 @@ class ProcessExecutor(SlotExecutor):
 
     @classmethod
     def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> "ProcessExecutor":
+                     hook=None) -> ProcessExecutor:
         """The executor `runtime.executor=process` builds (a forge_executors factory)."""
         return cls(function, cache_tokens, plugins=plugins, max_in_flight=runtime.max_in_flight,
                    max_restarts=runtime.max_restarts, startup_timeout_s=runtime.startup_timeout_s,
@@ -124,7 +125,7 @@ class ProcessExecutor(SlotExecutor):
             due = self._due(slot)
             if due is not None:
                 deadline = min(deadline, due)
-        waitables = {}
+        waitables: dict[Connection | int, _Slot] = {}  # a worker's pipe, and its sentinel (a handle)
         for slot in self.slots.values():
             waitables[slot.conn] = slot
             waitables[slot.process.sentinel] = slot
@@ -174,7 +175,7 @@ def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tupl
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     os.environ.clear()  # the driver's environment now, not the fork server's from when it started
     os.environ.update(environ)
-    from forge.plugins import make_plugin_manager
+    from forge.pluginmanager import make_plugin_manager
 
     if device.torch_device == "cpu":
         import torch

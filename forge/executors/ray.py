@@ -43,12 +43,12 @@ class _Slot(Slot):
     load_ref: Any  # the actor's load() call: its description once the model is loaded
 
 
-class RayExecutor(SlotExecutor):
+class RayExecutor(SlotExecutor[_Slot]):
     worker = "actor"
 
     @classmethod
     def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> "RayExecutor":
+                     hook=None) -> RayExecutor:
         """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
         return cls(function, cache_tokens, plugins=plugins, address=runtime.address, num_cpus=runtime.num_cpus,
                    cpus_per_actor=runtime.cpus_per_actor,
@@ -69,8 +69,8 @@ class RayExecutor(SlotExecutor):
         self.cpus_per_actor = float(cpus_per_actor)
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
         self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
-        self._actor_cls = None
-        self._function_ref = None  # the function, put in the object store once for every actor
+        self._actor_cls: Any = None  # DeviceActor as a Ray actor class, made at start
+        self._function_ref: Any = None  # the function, put in the object store once for every actor
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
@@ -198,11 +198,12 @@ class DeviceActor:
             device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
         self.plugins, self.threads = plugins, threads
-        self.worker = self.hook = None
+        self.worker: Any = None  # the function's worker, and the hook relay of `plugins`: made by load()
+        self.hook: Any = None
 
     def load(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        from forge.plugins import make_plugin_manager
+        from forge.pluginmanager import make_plugin_manager
 
         if self.device.torch_device == "cpu":
             import torch

@@ -19,8 +19,8 @@ change the device: its true budget stays what the inventory declares.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from forge.errors import ForgeError
 from forge.executors.base import Executor, Outcome, Status
@@ -108,7 +108,7 @@ class SimExecutor(Executor):
         if self.record:
             self.timeline.append(Span(device.name, start, end, batch.num_rows, batch.padded_slots, status.value))
         reason = (f"simulated out of memory: the batch needs more than the device's {budget / (1 << 30):.2f} GiB"
-                  if oom else "")
+                  if budget is not None and oom else "")
         self._push(end, ticket, device.name, cost, status, SimOutput(computed, bool(batch.cache_hit)), reason)
 
     def _push(self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput,

@@ -197,7 +197,9 @@ def choose_attn(family: str, model_class: type | None, requested: str | None) ->
     return requested, "set by model.attn_implementation"
 
 
-def capabilities(config: Any, model_class: type | None = None, attn_implementation: str | None = "auto") -> Capabilities:
+def capabilities(
+    config: Any, model_class: type | None = None, attn_implementation: str | None = "auto"
+) -> Capabilities:
     """Capabilities of the causal LM `config` describes (no weights are loaded)."""
     model_class = model_class or causal_lm_class(config)
     cfg = text_config(config)
@@ -214,7 +216,11 @@ def capabilities(config: Any, model_class: type | None = None, attn_implementati
         layer_types=tuple(types),
         windows=tuple(sorted({int(w) for w in wins if w})),
         mask_mapping=_takes_mask_mapping(model_class),
-        alibi=bool(getattr(cfg, "alibi", False) or family in ("bloom", "mpt") or getattr(cfg, "position_embedding_type", "") == "alibi"),
+        alibi=bool(
+            getattr(cfg, "alibi", False)
+            or family in ("bloom", "mpt")
+            or getattr(cfg, "position_embedding_type", "") == "alibi"
+        ),
         learned_positions=family in ("gpt2", "opt", "gpt_bigcode", "biogpt", "xglm"),
         softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
     )

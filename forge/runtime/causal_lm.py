@@ -30,47 +30,22 @@ Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from forge.geometry import Batch, Item
 from forge.runtime.capabilities import Capabilities, capabilities
-from forge.runtime.hf_compat import cache_kwarg, cache_key_values, num_layers, output_cache, plain_cache, text_config
+from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.masks import additive_masks
+from forge.runtime.outputs import PooledOutput, RowStates
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
-from forge.runtime.reference import POOLINGS as _POOLINGS
-from forge.runtime.reference import reference_pooled  # noqa: F401  (tests import it from here)
-
-
-@dataclass
-class BatchOutput:
-    pooled: dict[int, torch.Tensor]  # layer -> float32 CPU [n_items, hidden], batch.items order
-    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
-    cache_hit: bool
-
-
-@dataclass
-class RowStates:
-    """A batch's forward pass before pooling (`CausalLMRunner.forward_tokens`).
-
-    Row tokens are numbered item by item in `batch.items` order, each item's in order; `tok`
-    gives, per row token, (item, place within the item's row span, row, column).
-    """
-
-    hidden: dict[int, torch.Tensor]  # hidden-state index -> [rows run, padded_len, hidden], model dtype
-    last: torch.Tensor | None  # the base decoder's last_hidden_state [rows run, padded_len, hidden]; None: no row token
-    tok: tuple[torch.Tensor, ...] | None  # (tok_item, tok_within, tok_row, tok_col), CPU int64 [row tokens]
-    total: int  # row tokens (outside the split prefix)
-    lens: torch.Tensor  # per item: its tokens in the rows
-    starts: torch.Tensor  # per item: its first column in its row
-    item_row: torch.Tensor  # per item: the row it runs in (among rows run)
-    pool_from: torch.Tensor  # per item: first place within its span after its own prefix
-    entry: PrefixEntry | None  # the shared prefix's KV, when split off
-    cache_hit: bool  # the prefix came from the device's cache
-    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
-
+from forge.runtime.reference import (
+    POOLINGS as _POOLINGS,
+    reference_pooled,  # noqa: F401  (tests import it from here)
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -186,7 +161,7 @@ class CausalLMRunner:
 
     # -- running
 
-    def run(self, batch: Batch) -> BatchOutput:
+    def run(self, batch: Batch) -> PooledOutput:
         with torch.inference_mode():
             return self._run(batch)
 
@@ -264,24 +239,24 @@ class CausalLMRunner:
             self.cache.put(key, entry)
         return entry, False
 
-    def _run(self, batch: Batch) -> BatchOutput:
+    def _run(self, batch: Batch) -> PooledOutput:
         states = self._forward_batch(batch)
         if states is None:
             h = self.hidden_size or 0
-            return BatchOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
+            return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
         pooled = self._pool(states.hidden, states.tok if states.total else None, states.lens, states.starts,
                             states.item_row, states.pool_from, states.entry, len(batch.items))
-        return BatchOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
+        return PooledOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
                            cache_hit=states.cache_hit)
 
-    def forward_tokens(self, batch: Batch) -> "RowStates | None":
+    def forward_tokens(self, batch: Batch) -> RowStates | None:
         """The batch's forward pass, not pooled: the final hidden state of every row token and
         where each token sits (for functions that read per-token states, e.g. scoring). None
         for an empty batch."""
         with torch.inference_mode():
             return self._forward_batch(batch)
 
-    def _forward_batch(self, batch: Batch) -> "RowStates | None":
+    def _forward_batch(self, batch: Batch) -> RowStates | None:
         items = batch.items
         n = len(items)
         if n == 0:

@@ -132,7 +132,9 @@ class EncoderRunner:
         hidden = hidden[None]
         if self.pooling == "mean":
             sums = torch.zeros(n, hidden.shape[-1], dtype=torch.float32, device=self.device)
-            sums.index_add_(0, tok_item.to(self.device), hidden[tok_row.to(self.device), tok_col.to(self.device)].float())
+            sums.index_add_(
+                0, tok_item.to(self.device), hidden[tok_row.to(self.device), tok_col.to(self.device)].float()
+            )
             vectors = sums / lens.to(self.device, torch.float32)[:, None]
         else:
             col = starts_t if self.pooling == "cls" else starts_t + lens - 1
@@ -288,6 +290,8 @@ class FakeEncoder:
                              attention_mask=torch.zeros(R, 1, S, S, dtype=self.dtype),
                              **{k: v for k, v in extra.items() if k in takes})
             h = out.last_hidden_state
-            torch.zeros(R, h.shape[-1]).index_add_(0, torch.arange(R).repeat_interleave(S), h.reshape(R * S, -1).float())
+            torch.zeros(R, h.shape[-1]).index_add_(
+                0, torch.arange(R).repeat_interleave(S), h.reshape(R * S, -1).float()
+            )
         peaks = tracker.get_tracker_snapshot("peak")
         return int(max(v.get("Total", 0) for v in peaks.values()))

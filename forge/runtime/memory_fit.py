@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -290,7 +291,8 @@ def fitted_cost_model(config: Any, target: Target, trust_remote_code: bool = Fal
     `fake` builds what is measured (default `FakeModel`, the causal LM runner's forward; any class
     with `weight_bytes` and `peak(shape)`), over `shapes`; `kind` names it in the cache key."""
     directory = directory or cache_dir()
-    key = f"{config_hash(config)}-{target.dtype}-{target.attn}-h{target.hidden_kept}-{target.pooling}-m{margin}-v{FIT_VERSION}"
+    key = (f"{config_hash(config)}-{target.dtype}-{target.attn}-h{target.hidden_kept}-{target.pooling}"
+           f"-m{margin}-v{FIT_VERSION}")
     key += f"-{kind}" if kind else ""
     path = directory / f"{key}.json"
     if path.is_file():

@@ -197,12 +197,12 @@ class ReducingWorker:
     names: list[str] = field(default_factory=list)  # the result fields, in schema order
 
     def run(self, batch: Batch):
-        from forge.function import ItemColumns
+        from forge.function import ResultColumns
 
         out = self.views.run(batch)
         with torch.inference_mode():
             values = [self.reduce(view) for view in out.views]
-        return ItemColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
+        return ResultColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
 
     def close(self) -> None:
         if self.views is not None:

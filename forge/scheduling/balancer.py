@@ -13,8 +13,8 @@ first elsewhere (`fair_share`), so the devices finish together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from forge.batching.base import GroupInfo
 from forge.geometry import Batch, Device, StepTime, pad_to_limits, step_cost
@@ -79,8 +79,9 @@ class Balancer:
         device keeps the rows its step time (declared, or slots / rate) fits before T."""
         rates = {name: self.rate(name) for name in self.names}
         busy = {name: self.in_flight_slots.get(name, 0) / rates[name] for name in self.names}
-        work, pace, level = waiting_slots + batch.padded_slots, 0.0, 0.0
-        for name in sorted(busy, key=busy.get):  # raise the level over the devices free soonest
+        work: float = waiting_slots + batch.padded_slots
+        pace, level = 0.0, 0.0
+        for name in sorted(busy, key=lambda n: busy[n]):  # raise the level over the devices free soonest
             if pace and level + work / pace <= busy[name]:
                 break
             work -= pace * (busy[name] - level)
@@ -136,7 +137,7 @@ class Balancer:
             others = [(rates[n], keys) for n, keys in caches.others(device.name)]
             holders = {}  # prefix code -> summed rates of the other devices caching it
             for g in stolen:
-                held = 0
+                held: float = 0
                 for rate, keys in others:
                     if g.key in keys:
                         held += rate

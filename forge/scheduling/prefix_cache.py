@@ -11,7 +11,7 @@ the packer's groups are.
 
 from __future__ import annotations
 
-from typing import KeysView
+from collections.abc import KeysView
 
 from forge.lru import TokenLRU
 

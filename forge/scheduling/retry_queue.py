@@ -12,8 +12,8 @@ it fails with the reason).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 from forge.geometry import Batch, Device, Item, pad_to_limits
 

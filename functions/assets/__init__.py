@@ -31,7 +31,12 @@ __all__ = [
 
 ASSETS_DIR: Path = Path(__file__).resolve().parent
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 INIT_FILE = "forge_init.json"
 # Files of the source dir that are *not* copied verbatim into the materialized
 # dir (save_pretrained writes its own config.json).

@@ -6,7 +6,7 @@ Run from the repository root::
 
 Each row is ``{"id", "context", "choices", "gold"}``: a few-shot context (an instruction and
 three solved questions of the same kind, then the question, ending in "Answer:") and four
-choices, one of them right, drawn from the facts that ``build_assets`` uses for the statements.
+choices, one of them right, drawn from the facts (``facts.py``) the statements are built from too.
 Deterministic: a fixed seed, sorted iteration, byte-identical output on every run.
 """
 
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from forge.functions.assets.build_assets import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
+from forge.functions.assets.facts import ANIMAL_CLASSES, COUNTRIES, ELEMENTS, OBJECT_COLOURS
 
 ASSETS_DIR = Path(__file__).resolve().parent
 OUT_FILE = ASSETS_DIR / "multiple_choice.jsonl"
@@ -34,15 +34,26 @@ def _kinds() -> dict[str, list[tuple[str, str, list[str]]]]:
     classes = sorted(ANIMAL_CLASSES)
     symbols = sorted({s for _, s in ELEMENTS})
     return {
-        "capital": [(f"What is the capital of {country}?", cap, [c for c in capitals if c != cap])
-                    for country, cap, _ in COUNTRIES],
-        "continent": [(f"On which continent is {country}?", cont, [c for c in continents if c != cont])
-                      for country, _, cont in COUNTRIES],
-        "colour": [(f"What colour is {thing}?", col, [c for c in colours if c != col]) for thing, col in OBJECT_COLOURS],
-        "class": [(f"What kind of animal is a {animal}?", cls, [c for c in classes if c != cls])
-                  for cls in classes for animal in ANIMAL_CLASSES[cls]],
-        "element": [(f"What is the chemical symbol for {name}?", sym, [s for s in symbols if s != sym])
-                    for name, sym in ELEMENTS],
+        "capital": [
+            (f"What is the capital of {country}?", cap, [c for c in capitals if c != cap])
+            for country, cap, _ in COUNTRIES
+        ],
+        "continent": [
+            (f"On which continent is {country}?", cont, [c for c in continents if c != cont])
+            for country, _, cont in COUNTRIES
+        ],
+        "colour": [
+            (f"What colour is {thing}?", col, [c for c in colours if c != col]) for thing, col in OBJECT_COLOURS
+        ],
+        "class": [
+            (f"What kind of animal is a {animal}?", cls, [c for c in classes if c != cls])
+            for cls in classes
+            for animal in ANIMAL_CLASSES[cls]
+        ],
+        "element": [
+            (f"What is the chemical symbol for {name}?", sym, [s for s in symbols if s != sym])
+            for name, sym in ELEMENTS
+        ],
     }
 
 

@@ -1,4 +1,7 @@
-"""Building a plugin manager: a fresh one per run or test, never a global."""
+"""Building a plugin manager: a fresh one per run or test, never a global.
+
+(Not to be confused with the repository's `plugins/` folder, the built-in plugins, which
+installs as `forge.builtin` and registers through the entry points this manager loads.)"""
 
 from __future__ import annotations
 

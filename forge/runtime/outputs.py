@@ -1,0 +1,39 @@
+"""What the causal-LM runner gives back for a batch: the pooled hidden states per layer
+(`PooledOutput`, what `CausalLMRunner.run` returns), or the forward pass before pooling
+(`RowStates`, what `CausalLMRunner.forward_tokens` returns for views)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forge.runtime.prefix_cache import PrefixEntry
+
+
+@dataclass
+class PooledOutput:
+    pooled: dict[int, torch.Tensor]  # layer -> float32 CPU [n_items, hidden], batch.items order
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
+    cache_hit: bool
+
+
+@dataclass
+class RowStates:
+    """A batch's forward pass before pooling (`CausalLMRunner.forward_tokens`).
+
+    Row tokens are numbered item by item in `batch.items` order, each item's in order; `tok`
+    gives, per row token, (item, place within the item's row span, row, column).
+    """
+
+    hidden: dict[int, torch.Tensor]  # hidden-state index -> [rows run, padded_len, hidden], model dtype
+    last: torch.Tensor | None  # the base decoder's last_hidden_state [rows run, padded_len, hidden]; None: no row token
+    tok: tuple[torch.Tensor, ...] | None  # (tok_item, tok_within, tok_row, tok_col), CPU int64 [row tokens]
+    total: int  # row tokens (outside the split prefix)
+    lens: torch.Tensor  # per item: its tokens in the rows
+    starts: torch.Tensor  # per item: its first column in its row
+    item_row: torch.Tensor  # per item: the row it runs in (among rows run)
+    pool_from: torch.Tensor  # per item: first place within its span after its own prefix
+    entry: PrefixEntry | None  # the shared prefix's KV, when split off
+    cache_hit: bool  # the prefix came from the device's cache
+    prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
