@@ -86,10 +86,18 @@ def run_forge(
     from forge.pluginmanager import make_plugin_manager
 
     shutil.rmtree(out, ignore_errors=True)
-    overrides = ["function=embed", "model=minilm", f"input.path={path}", "batching=token",
-                 "batching.prefix_cache=false", "runtime.executor=inprocess", "devices=auto",
-                 f"devices.limits.max_batch_tokens={max_batch_tokens}", "devices.limits.max_seq_len=512",
-                 f"budget.tokens_per_step={max_batch_tokens}"]
+    overrides = [
+        "function=embed",
+        "model=minilm",
+        f"input.path={path}",
+        "batching=token",
+        "batching.prefix_cache=false",
+        "runtime.executor=inprocess",
+        "devices=auto",
+        f"devices.limits.max_batch_tokens={max_batch_tokens}",
+        "devices.limits.max_seq_len=512",
+        f"budget.tokens_per_step={max_batch_tokens}",
+    ]
     if packed:
         overrides += ["batching.packing=packed", f"batching.packed_row_tokens={packed_row_tokens}"]
     start = time.perf_counter()
@@ -136,20 +144,27 @@ def main() -> None:
                 report, vectors = run_forge(path, work / "run", packed, args.packed_row_tokens, args.max_batch_tokens)
                 wall = report["bench_wall_s"]
                 assert report["tokens"]["completed"] == useful, (report["tokens"]["completed"], useful)
-                info[name] = {"padding_waste": report["padding_waste"], "batches": report["batches"],
-                              "diff": float(np.abs(vectors - reference).max()) if reference is not None else None}
+                info[name] = {
+                    "padding_waste": report["padding_waste"],
+                    "batches": report["batches"],
+                    "diff": float(np.abs(vectors - reference).max()) if reference is not None else None,
+                }
             walls[name].append(wall)
             print(f"round {r + 1} {name}: {wall:.2f} s", flush=True)
 
     base = statistics.median(walls[names[0]])
-    print("\n| strategy | wall s (median) | texts/s | useful tok/s | x sentence-transformers | padding waste | batches "
-          "| max abs diff to ST |")
+    print(
+        "\n| strategy | wall s (median) | texts/s | useful tok/s | x sentence-transformers | padding waste | batches "
+        "| max abs diff to ST |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         w = statistics.median(walls[name])
         d = info[name].get("diff")
-        print(f"| {name} | {w:.2f} | {len(texts) / w:,.0f} | {useful / w:,.0f} | {base / w:.2f} | "
-              f"{info[name]['padding_waste']:.2%} | {info[name]['batches']} | {'-' if d is None else f'{d:.1e}'} |")
+        print(
+            f"| {name} | {w:.2f} | {len(texts) / w:,.0f} | {useful / w:,.0f} | {base / w:.2f} | "
+            f"{info[name]['padding_waste']:.2%} | {info[name]['batches']} | {'-' if d is None else f'{d:.1e}'} |"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -72,14 +72,35 @@ def install(tree: str, into: Path) -> Path:
     """`tree` installed as a wheel would be, into a folder of its own (no dependencies, offline)."""
     src, target = into / "src", into / "site"  # built from a copy: no build/ reused or left in the tree
     shutil.copytree(tree, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(src)], check=True, capture_output=True, cwd=into)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=into,
+    )
     return target
 
 
 def run(tree: str, site: Path, overrides: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(overrides), tree], cwd=site, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(site)}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(overrides), tree],
+        cwd=site,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -90,17 +111,28 @@ def main() -> None:
     args = ap.parse_args()
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     sites = {t: install(t, Path(tempfile.mkdtemp(prefix="bench-functions-site-"))) for t in trees}
-    print("| workload | " + " | ".join(f"{Path(t).name} s" for t in trees) + " | " +
-          " | ".join(f"{Path(trees[0]).name} / {Path(t).name}" for t in trees[1:]) + " |")
+    print(
+        "| workload | "
+        + " | ".join(f"{Path(t).name} s" for t in trees)
+        + " | "
+        + " | ".join(f"{Path(trees[0]).name} / {Path(t).name}" for t in trees[1:])
+        + " |"
+    )
     print("| --- |" + " --- |" * (2 * len(trees) - 1))
     for name, overrides in WORKLOADS.items():
         walls: dict[str, list[float]] = {t: [] for t in trees}
         for r in range(args.rounds):
-            for tree in (trees if r % 2 == 0 else trees[::-1]):
+            for tree in trees if r % 2 == 0 else trees[::-1]:
                 walls[tree].append(run(tree, sites[tree], overrides)["wall"])
         med = {t: statistics.median(v) for t, v in walls.items()}
-        print(f"| {name} | " + " | ".join(f"{med[t]:.2f}" for t in trees) + " | " +
-              " | ".join(f"{med[trees[0]] / med[t]:.2f}" for t in trees[1:]) + " |", flush=True)
+        print(
+            f"| {name} | "
+            + " | ".join(f"{med[t]:.2f}" for t in trees)
+            + " | "
+            + " | ".join(f"{med[trees[0]] / med[t]:.2f}" for t in trees[1:])
+            + " |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -58,23 +58,36 @@ def heavy_tail(n: int, seed: int = 5) -> list[Item]:
     prefix_lens = np.array([23, 80, 150, 240, 353])
     which = rng.integers(0, len(prefix_lens), n)
     suffix = np.minimum((rng.pareto(0.9, n) + 1) * 12, 6000).astype(int)
-    return [Item(f"t{i}", int(prefix_lens[k] + s), f"p{k}", int(prefix_lens[k])) for i, (k, s) in
-            enumerate(zip(which.tolist(), suffix.tolist()))]
+    return [
+        Item(f"t{i}", int(prefix_lens[k] + s), f"p{k}", int(prefix_lens[k]))
+        for i, (k, s) in enumerate(zip(which.tolist(), suffix.tolist()))
+    ]
 
 
 def summary(name: str, report: dict) -> dict:
     vt, dev = report["virtual_time"], {d["name"]: d for d in report["devices"]}
     items = report["items"]
-    return {"case": name, "items": items["received"], "completed": items["completed"], "failed": items["failed"],
-            "balanced": report["balanced"], "batches": report["batches"],
-            "items_per_s": items["completed"] / vt["makespan"] if vt["makespan"] else 0.0,
-            "busy16": dev["card16"]["busy_share"], "busy32": dev["card32"]["busy_share"],
-            "finish16": dev["card16"]["virtual_finish"], "finish32": dev["card32"]["virtual_finish"],
-            "skew": vt["finish_skew"], "oom": report["attempts"]["oom"],
-            "mem16": dev["card16"].get("simulated_peak_bytes", 0) / DEVICE_BYTES["card16"],
-            "mem32": dev["card32"].get("simulated_peak_bytes", 0) / DEVICE_BYTES["card32"],
-            "skipped": items["skipped"], "skipped_reasons": "; ".join(report.get("skipped_reasons") or {}),
-            "tokens16": dev["card16"]["tokens"], "tokens32": dev["card32"]["tokens"]}
+    return {
+        "case": name,
+        "items": items["received"],
+        "completed": items["completed"],
+        "failed": items["failed"],
+        "balanced": report["balanced"],
+        "batches": report["batches"],
+        "items_per_s": items["completed"] / vt["makespan"] if vt["makespan"] else 0.0,
+        "busy16": dev["card16"]["busy_share"],
+        "busy32": dev["card32"]["busy_share"],
+        "finish16": dev["card16"]["virtual_finish"],
+        "finish32": dev["card32"]["virtual_finish"],
+        "skew": vt["finish_skew"],
+        "oom": report["attempts"]["oom"],
+        "mem16": dev["card16"].get("simulated_peak_bytes", 0) / DEVICE_BYTES["card16"],
+        "mem32": dev["card32"].get("simulated_peak_bytes", 0) / DEVICE_BYTES["card32"],
+        "skipped": items["skipped"],
+        "skipped_reasons": "; ".join(report.get("skipped_reasons") or {}),
+        "tokens16": dev["card16"]["tokens"],
+        "tokens32": dev["card32"]["tokens"],
+    }
 
 
 def item_batch_size(cost, device, items: list[Item]) -> int:
@@ -116,43 +129,63 @@ def main() -> None:
     args = parser.parse_args()
     devices, t0 = mix(), time.perf_counter()
     cost = cost_7b()
-    print(f"memory model of {MODEL.name} (bfloat16) ready in {time.perf_counter() - t0:.1f} s (imports included; "
-          "fitted once, then cached)")
+    print(
+        f"memory model of {MODEL.name} (bfloat16) ready in {time.perf_counter() - t0:.1f} s (imports included; "
+        "fitted once, then cached)"
+    )
 
     rows = []
     for n in (3000, args.big):
         t0 = time.perf_counter()
-        rows.append(summary(f"reference, {n:,} items, memory", plan_geometry(reference_items(n), devices, "memory",
-                                                                              cost=cost)))
+        rows.append(
+            summary(f"reference, {n:,} items, memory", plan_geometry(reference_items(n), devices, "memory", cost=cost))
+        )
         rows[-1]["case"] += f" (planned in {time.perf_counter() - t0:.1f} s)"
     print("\n### 1:2 mix, memory mode\n")
     print(table(rows, BALANCE))
 
     work = reference_items(3000)
     large, small = (item_batch_size(cost, d, work) for d in sorted(devices, key=lambda d: -d.memory_bytes))
-    cases = [(f"item, batch_size={large} (fits card32)", "item", {"batch_size": large}),
-             (f"item, batch_size={small} (fits card16)", "item", {"batch_size": small}),
-             ("memory", "memory", {})]
+    cases = [
+        (f"item, batch_size={large} (fits card32)", "item", {"batch_size": large}),
+        (f"item, batch_size={small} (fits card16)", "item", {"batch_size": small}),
+        ("memory", "memory", {}),
+    ]
     rows = []
     for name, mode, options in cases:
         rows.append(summary(name, plan_geometry(work, devices, mode, cost=cost, options=options)))
     print("\n### Item mode against memory mode, reference workload (3,000 items)\n")
-    print(table(rows, [("case", "{0[case]}"), ("items/s (virtual)", "{0[items_per_s]:,.1f}"),
-                       ("card16 busy", "{0[busy16]:.2%}"), ("card32 busy", "{0[busy32]:.2%}"),
-                       ("finish skew", "{0[skew]:.2%}"), ("simulated OOM", "{0[oom]}"),
-                       ("memory used card16 / card32", "{0[mem16]:.0%} / {0[mem32]:.0%}"),
-                       ("batches", "{0[batches]:,}"), ("completed", "{0[completed]:,}"),
-                       ("balanced", "{0[balanced]}")]))
+    print(
+        table(
+            rows,
+            [
+                ("case", "{0[case]}"),
+                ("items/s (virtual)", "{0[items_per_s]:,.1f}"),
+                ("card16 busy", "{0[busy16]:.2%}"),
+                ("card32 busy", "{0[busy32]:.2%}"),
+                ("finish skew", "{0[skew]:.2%}"),
+                ("simulated OOM", "{0[oom]}"),
+                ("memory used card16 / card32", "{0[mem16]:.0%} / {0[mem32]:.0%}"),
+                ("batches", "{0[batches]:,}"),
+                ("completed", "{0[completed]:,}"),
+                ("balanced", "{0[balanced]}"),
+            ],
+        )
+    )
 
     rows = []
     tail = heavy_tail(args.tail)
     for packing in ("rows", "packed"):
-        r = summary(f"heavy tail, {packing}", plan_geometry(tail, devices, "memory", cost=cost,
-                                                             options={"packing": packing, "packed_row_tokens": 1024}))
+        r = summary(
+            f"heavy tail, {packing}",
+            plan_geometry(tail, devices, "memory", cost=cost, options={"packing": packing, "packed_row_tokens": 1024}),
+        )
         rows.append(r)
     lengths = np.array([it.num_tokens for it in tail])
-    print(f"\n### Heavy tail ({len(tail):,} items, {lengths.min()}-{lengths.max()} tokens, median "
-          f"{int(np.median(lengths))}; max_seq_len 4,096), memory mode\n")
+    print(
+        f"\n### Heavy tail ({len(tail):,} items, {lengths.min()}-{lengths.max()} tokens, median "
+        f"{int(np.median(lengths))}; max_seq_len 4,096), memory mode\n"
+    )
     print(
         table(
             rows,
@@ -189,17 +222,40 @@ def run_tail(n: int = 120) -> None:
     words = "the of and a to in is was he for it with as his on be at by".split()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tail.jsonl"
-        data.write_text("".join(json.dumps({"id": f"r{i}", "text": " ".join(
-            rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10))}) + "\n" for i in range(n)))
+        data.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "id": f"r{i}",
+                        "text": " ".join(
+                            rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10)
+                        ),
+                    }
+                )
+                + "\n"
+                for i in range(n)
+            )
+        )
         print(f"\n### Heavy tail through forge run ({n} rows, devices=sim_16g_32g, embedded model, CPU)\n")
-        print("| packing | completed | failed at admission | balanced | status | wall s |\n"
-              "| --- | --- | --- | --- | --- | --- |")
+        print(
+            "| packing | completed | failed at admission | balanced | status | wall s |\n"
+            "| --- | --- | --- | --- | --- | --- |"
+        )
         for packing in ("rows", "packed"):
-            overrides = ["devices=sim_16g_32g", "batching=memory", f"batching.packing={packing}", f"input.path={data}",
-                         "layers=[1]", "batching.packed_row_tokens=256", "runtime.executor=inprocess"]
+            overrides = [
+                "devices=sim_16g_32g",
+                "batching=memory",
+                f"batching.packing={packing}",
+                f"input.path={data}",
+                "layers=[1]",
+                "batching.packed_row_tokens=256",
+                "runtime.executor=inprocess",
+            ]
             r = execute(build_spec(compose(overrides), Path(tmp) / packing), make_plugin_manager())
-            print(f"| {packing} | {r['items']['completed']} | {r['items']['failed']} | {r['balanced']} | {r['status']} "
-                  f"| {r['wall_s']:.1f} |")
+            print(
+                f"| {packing} | {r['items']['completed']} | {r['items']['failed']} | {r['balanced']} | {r['status']} "
+                f"| {r['wall_s']:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -64,11 +64,14 @@ def geometry_row(name, batches, items, sched):
     minimum = sum(-(-t // LIMITS.max_batch_tokens) for t in group.values())
     needed = sum(b.prefix_tokens for b in batches)
     computed = sum(b.prefix_len for b in batches if b.split_prefix and not b.cache_hit) + sum(
-        b.prefix_tokens for b in batches if not b.split_prefix)
+        b.prefix_tokens for b in batches if not b.split_prefix
+    )
     hit = (needed - computed) / needed if needed else float("nan")
     misses = dict(sched.cache_misses)
-    return (f"| {name} | {len(items):,} | {len(batches):,} | {len(batches) / minimum:.3f} | "
-            f"{100 * padding / slots:.3f}% | {100 * hit:.3f}% | {misses} |")
+    return (
+        f"| {name} | {len(items):,} | {len(batches):,} | {len(batches) / minimum:.3f} | "
+        f"{100 * padding / slots:.3f}% | {100 * hit:.3f}% | {misses} |"
+    )
 
 
 def main() -> None:
@@ -104,14 +107,22 @@ def main() -> None:
         print(f"| {m} | {batches[m]:,} | {geo:.2f} | {args.n / geo:,.0f} | {its:.2f} |")
 
     print("\n## Geometry (max_batch_tokens=8192, max_rows=256, pad_multiple=1)\n")
-    print("| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate "
-          "| misses per device |")
+    print(
+        "| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate "
+        "| misses per device |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     two = [Device("d0", LIMITS), Device("d1", LIMITS)]
-    for label, its, devs in (("reference, 1 device", workload_items(3000, 12), [Device("d0", LIMITS)]),
-                             ("200k x 50 prefixes, 2 devices", workload_items(200_000, 50, seed=2), two)):
-        for m, make in (("item 32", lambda: ItemPacker(32)), ("item 32 sorted", lambda: ItemPacker(32, "length")),
-                        ("token rows", lambda: TokenPacker()), ("token packed", lambda: TokenPacker(packing="packed"))):
+    for label, its, devs in (
+        ("reference, 1 device", workload_items(3000, 12), [Device("d0", LIMITS)]),
+        ("200k x 50 prefixes, 2 devices", workload_items(200_000, 50, seed=2), two),
+    ):
+        for m, make in (
+            ("item 32", lambda: ItemPacker(32)),
+            ("item 32 sorted", lambda: ItemPacker(32, "length")),
+            ("token rows", lambda: TokenPacker()),
+            ("token packed", lambda: TokenPacker(packing="packed")),
+        ):
             batches, sched, _ = drive(make(), its, devs)
             print(geometry_row(f"{label}: {m}", batches, its, sched))
 

@@ -90,8 +90,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
         return _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source)
     executor = SimExecutor(packer.overhead_tokens)
     executor.start(devs)
-    loop = RunLoop(scheduler, executor, Committer(None, set(), float("inf")), run=run, hook=pm.hook,
-                   policy=Runtime())
+    loop = RunLoop(scheduler, executor, Committer(None, set(), float("inf")), run=run, hook=pm.hook, policy=Runtime())
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0, cpu0 = time.perf_counter(), time.process_time()
     loop.run_until_done()
@@ -99,13 +98,23 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     led = ledger.ledger_of(run)
     clocks = list(executor.clocks.values())
     return {
-        "mode": mode, "n": n, "window": window, "devices": source, "wall_s": wall, "gen_s": gen_s[0],
-        "items_per_s": n / wall, "items_per_s_without_gen": n / (wall - gen_s[0]), "cpu_s": cpu,
+        "mode": mode,
+        "n": n,
+        "window": window,
+        "devices": source,
+        "wall_s": wall,
+        "gen_s": gen_s[0],
+        "items_per_s": n / wall,
+        "items_per_s_without_gen": n / (wall - gen_s[0]),
+        "cpu_s": cpu,
         "items_per_cpu_s": n / cpu,
         "scheduler_s": loop.scheduler_s,
-        "rss_before_mib": rss_before / 1024, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_before_mib": rss_before / 1024,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "batches": sum(t.batches for t in loop.tallies.values()),
-        "items": dict(led.items), "balanced": not led.check(), "imbalance": led.check(),
+        "items": dict(led.items),
+        "balanced": not led.check(),
+        "imbalance": led.check(),
         "finish_spread": (max(clocks) - min(clocks)) / max(clocks),
         "max_window_items": scheduler.max_window_seen,
     }
@@ -124,11 +133,22 @@ def _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source) -> 
         items += len(b.items)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
-        "mode": mode, "n": n, "window": window, "devices": source, "wall_s": wall, "gen_s": gen_s[0],
-        "items_per_s": n / wall, "items_per_s_without_gen": n / (wall - gen_s[0]), "cpu_s": cpu,
-        "items_per_cpu_s": n / cpu, "scheduler_s": wall,
-        "rss_before_mib": rss_before / 1024, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "batches": batches, "items": {"received": n, "completed": items}, "balanced": items == n,
+        "mode": mode,
+        "n": n,
+        "window": window,
+        "devices": source,
+        "wall_s": wall,
+        "gen_s": gen_s[0],
+        "items_per_s": n / wall,
+        "items_per_s_without_gen": n / (wall - gen_s[0]),
+        "cpu_s": cpu,
+        "items_per_cpu_s": n / cpu,
+        "scheduler_s": wall,
+        "rss_before_mib": rss_before / 1024,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "batches": batches,
+        "items": {"received": n, "completed": items},
+        "balanced": items == n,
         "imbalance": [] if items == n else [f"{items} of {n} items scheduled"],
         "finish_spread": (max(clocks.values()) - min(clocks.values())) / max(clocks.values()),
         "max_window_items": scheduler.max_window_seen,
@@ -142,8 +162,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=65536)
     ap.add_argument("--chunk", type=int, default=262144)
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--variants", default="loop,scheduler",
-                    help="loop: the run loop with the simulator and the ledger; scheduler: the scheduler alone")
+    ap.add_argument(
+        "--variants",
+        default="loop,scheduler",
+        help="loop: the run loop with the simulator and the ledger; scheduler: the scheduler alone",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: run this configuration, print JSON
     args = ap.parse_args()
     if args.one:
@@ -155,26 +178,51 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     for _ in range(args.rounds):  # interleaved: A B A B ...
         for m in modes:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--one", m, "--n", str(args.n),
-                                  "--window", str(args.window), "--chunk", str(args.chunk)],
-                                 capture_output=True, text=True, env=env, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.bench_scale",
+                    "--one",
+                    m,
+                    "--n",
+                    str(args.n),
+                    "--window",
+                    str(args.window),
+                    "--chunk",
+                    str(args.chunk),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[m].append(r)
-            print(f"# {m}: {r['items_per_s']:,.0f} items/s, {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
-                  f"balanced={r['balanced']}", file=sys.stderr)
+            print(
+                f"# {m}: {r['items_per_s']:,.0f} items/s, {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+                f"balanced={r['balanced']}",
+                file=sys.stderr,
+            )
     first = results[modes[0]][0]
-    print(f"\n{args.n:,} items, 50 prefixes, window {args.window:,}, eight devices ({first['devices']}), "
-          f"{args.rounds} round(s), medians\n")
-    print("| mode / variant | items/s (wall) | items/s without generating columns | items per CPU-second | wall s "
-          "| peak RSS MiB | RSS before the loop MiB | batches | ledger balanced | finish spread |")
+    print(
+        f"\n{args.n:,} items, 50 prefixes, window {args.window:,}, eight devices ({first['devices']}), "
+        f"{args.rounds} round(s), medians\n"
+    )
+    print(
+        "| mode / variant | items/s (wall) | items/s without generating columns | items per CPU-second | wall s "
+        "| peak RSS MiB | RSS before the loop MiB | batches | ledger balanced | finish spread |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in modes:
         rs = results[m]
         med = lambda k, rs=rs: statistics.median(r[k] for r in rs)  # noqa: E731
-        print(f"| {m} | {med('items_per_s'):,.0f} | {med('items_per_s_without_gen'):,.0f} | "
-              f"{med('items_per_cpu_s'):,.0f} | {med('wall_s'):.1f} | "
-              f"{max(r['peak_rss_mib'] for r in rs):.0f} | {med('rss_before_mib'):.0f} | {rs[0]['batches']:,} | "
-              f"{all(r['balanced'] for r in rs)} | {100 * med('finish_spread'):.2f}% |")
+        print(
+            f"| {m} | {med('items_per_s'):,.0f} | {med('items_per_s_without_gen'):,.0f} | "
+            f"{med('items_per_cpu_s'):,.0f} | {med('wall_s'):.1f} | "
+            f"{max(r['peak_rss_mib'] for r in rs):.0f} | {med('rss_before_mib'):.0f} | {rs[0]['batches']:,} | "
+            f"{all(r['balanced'] for r in rs)} | {100 * med('finish_spread'):.2f}% |"
+        )
     bad = [r for rs in results.values() for r in rs if not r["balanced"] or r["items"]["completed"] != args.n]
     if bad:
         raise SystemExit(f"ledger does not balance: {bad[0]['imbalance']} {bad[0]['items']}")

@@ -46,8 +46,16 @@ def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     from forge.functions.score import load_scores
     from forge.pluginmanager import make_plugin_manager
 
-    cfg = compose(["function=score", f"input.path={rows}", "batching=token", "runtime.executor=inprocess",
-                   f"devices={device}", "shard_size=100000"])
+    cfg = compose(
+        [
+            "function=score",
+            f"input.path={rows}",
+            "batching=token",
+            "runtime.executor=inprocess",
+            f"devices={device}",
+            "shard_size=100000",
+        ]
+    )
     t0 = time.perf_counter()
     report = execute(build_spec(cfg, out), make_plugin_manager())
     wall = time.perf_counter() - t0
@@ -78,7 +86,7 @@ def run_baseline(model, reqs, batch_size: int, device: str) -> tuple[float, dict
     out = {}
     with torch.inference_mode():
         for lo in range(0, len(order), batch_size):
-            chunk = [reqs[i] for i in order[lo:lo + batch_size]]
+            chunk = [reqs[i] for i in order[lo : lo + batch_size]]
             inps = [(ctx + cont)[-2049:][:-1] for _, ctx, cont in chunk]
             width = max(len(x) for x in inps)
             ids = torch.zeros(len(inps), width, dtype=torch.long)
@@ -87,7 +95,7 @@ def run_baseline(model, reqs, batch_size: int, device: str) -> tuple[float, dict
             logp = torch.log_softmax(model(input_ids=ids.to(device)).logits, dim=-1).cpu()
             for r, (rid, _, cont) in enumerate(chunk):
                 n = len(inps[r])
-                lp = logp[r, n - len(cont): n]
+                lp = logp[r, n - len(cont) : n]
                 tgt = torch.tensor(cont)
                 out[rid] = (float(lp.gather(1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all()))
     return time.perf_counter() - t0, out
@@ -115,16 +123,21 @@ def main() -> None:
     reqs = requests(rows)
     useful = sum(len(ctx) + len(cont) - 1 for _, ctx, cont in reqs)
     ctx_lens = [len(ctx) for _, ctx, _ in reqs]
-    print(f"{args.questions} questions x 4 choices = {len(reqs)} requests; context {np.mean(ctx_lens):.0f} tokens "
-          f"(min {min(ctx_lens)}, max {max(ctx_lens)}); {useful:,} useful tokens; device {device}; "
-          f"torch threads {torch.get_num_threads()}")
-    model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source()),
-                                                 dtype=torch.float32).to(device).eval()
+    print(
+        f"{args.questions} questions x 4 choices = {len(reqs)} requests; context {np.mean(ctx_lens):.0f} tokens "
+        f"(min {min(ctx_lens)}, max {max(ctx_lens)}); {useful:,} useful tokens; device {device}; "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    model = (
+        AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source()), dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     times: dict[str, list[float]] = {"forge": [], "baseline": []}
     results: dict[str, dict] = {}
     report = None
     for r in range(args.rounds):
-        for name in (("forge", "baseline") if r % 2 == 0 else ("baseline", "forge")):
+        for name in ("forge", "baseline") if r % 2 == 0 else ("baseline", "forge"):
             if name == "forge":
                 wall, res, report = run_forge(rows, tmp / f"forge-{r}", "auto")
             else:
@@ -139,15 +152,21 @@ def main() -> None:
     print()
     print(f"| strategy | wall s (median of {args.rounds}) | useful tok/s | ratio |")
     print("| --- | --- | --- | --- |")
-    print(f"| lm-eval-style: sorted by length, batch {args.batch_size}, no prefix reuse | {med['baseline']:.1f} | "
-          f"{useful / med['baseline']:,.0f} | 1.00 |")
-    print(f"| Forge score, batching=token, prefix cache | {med['forge']:.1f} | {useful / med['forge']:,.0f} | "
-          f"{med['baseline'] / med['forge']:.2f} |")
+    print(
+        f"| lm-eval-style: sorted by length, batch {args.batch_size}, no prefix reuse | {med['baseline']:.1f} | "
+        f"{useful / med['baseline']:,.0f} | 1.00 |"
+    )
+    print(
+        f"| Forge score, batching=token, prefix cache | {med['forge']:.1f} | {useful / med['forge']:,.0f} | "
+        f"{med['baseline'] / med['forge']:.2f} |"
+    )
     print()
-    print(f"same outputs: max |loglik difference| {diff:.2e} over {len(b)} requests; greedy flag equal on "
-          f"{greedy_same}/{len(b)}; Forge report: {report['batches']} batches, cache hit rate "
-          f"{report['cache_hit_rate']:.3f}, padding waste {report['padding_waste']:.4f}, acc "
-          f"{report['outputs']['accuracy']['acc']}, acc_norm {report['outputs']['accuracy']['acc_norm']}")
+    print(
+        f"same outputs: max |loglik difference| {diff:.2e} over {len(b)} requests; greedy flag equal on "
+        f"{greedy_same}/{len(b)}; Forge report: {report['batches']} batches, cache hit rate "
+        f"{report['cache_hit_rate']:.3f}, padding waste {report['padding_waste']:.4f}, acc "
+        f"{report['outputs']['accuracy']['acc']}, acc_norm {report['outputs']['accuracy']['acc_norm']}"
+    )
 
 
 if __name__ == "__main__":

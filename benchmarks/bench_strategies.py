@@ -101,8 +101,9 @@ class BenchFunction(Function):
 
     def open_worker(self, device: Device, cache_tokens: int):
         model = load_model(device.torch_device)
-        return BenchWorker(CausalLMRunner(model, layers=LAYERS, pooling="last", cache_tokens=cache_tokens,
-                                          pad_token_id=3))
+        return BenchWorker(
+            CausalLMRunner(model, layers=LAYERS, pooling="last", cache_tokens=cache_tokens, pad_token_id=3)
+        )
 
     def __getstate__(self):
         return {"items": []}  # workers get batches, not the workload
@@ -132,8 +133,15 @@ def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, exec
     device = Device(device.name, s.limits, torch_device=device.torch_device)
     run_dir = tmp / f"{s.name}-{executor}".replace(" ", "_").replace(",", "")
     shutil.rmtree(run_dir, ignore_errors=True)
-    spec = RunSpec(function=fn, mode=s.mode, mode_options=dict(s.options), devices=[device],
-                   cache_tokens=s.cache_tokens, run_dir=run_dir, runtime=Runtime(executor=executor))
+    spec = RunSpec(
+        function=fn,
+        mode=s.mode,
+        mode_options=dict(s.options),
+        devices=[device],
+        cache_tokens=s.cache_tokens,
+        run_dir=run_dir,
+        runtime=Runtime(executor=executor),
+    )
     report = execute(spec, make_plugin_manager())
     assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return report
@@ -146,8 +154,9 @@ def oracle_rates(model, device: str, lengths=(8, 16, 32, 64, 128, 256, 384, 512,
     rates = {}
     for n in lengths:
         rows = max(1, min(LIMITS.max_rows, 2 * LIMITS.max_batch_tokens // n))
-        batch = Batch(rows=[[Item(str(i), n, tokens=rng.integers(4, 2048, n).tolist())] for i in range(rows)],
-                      padded_len=n)
+        batch = Batch(
+            rows=[[Item(str(i), n, tokens=rng.integers(4, 2048, n).tolist())] for i in range(rows)], padded_len=n
+        )
         runner.run(batch)  # warm
         t0 = time.perf_counter()
         reps = 3
@@ -180,21 +189,26 @@ def main() -> None:
     fn = BenchFunction(items)
     chosen = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
     executors = args.executors.split(",")
-    strategies = [Strategy(f"{s.name} [{ex}]" if len(executors) > 1 else s.name, s.mode, s.options, s.cache_tokens,
-                           s.limits, ex) for s in chosen for ex in executors]
+    strategies = [
+        Strategy(f"{s.name} [{ex}]" if len(executors) > 1 else s.name, s.mode, s.options, s.cache_tokens, s.limits, ex)
+        for s in chosen
+        for ex in executors
+    ]
     tmp = Path(args.out)
     results: dict[str, list[dict]] = {s.name: [] for s in strategies}
     oracle: list[float] = []
     rates: dict[int, list[float]] = {}
-    print(f"device {dev}, torch threads {torch.get_num_threads()}, {len(items):,} items, "
-          f"{sum(it.num_tokens for it in items):,} tokens, {args.rounds} rounds")
+    print(
+        f"device {dev}, torch threads {torch.get_num_threads()}, {len(items):,} items, "
+        f"{sum(it.num_tokens for it in items):,} tokens, {args.rounds} rounds"
+    )
     for r in range(args.rounds):
         measured = oracle_rates(model, dev)
         for n, v in measured.items():
             rates.setdefault(n, []).append(v)
         # the fastest rate seen per length, so the oracle stays a lower bound as speed drifts
         oracle.append(oracle_seconds(items, {n: max(v) for n, v in rates.items()}))
-        for s in (strategies if r % 2 == 0 else strategies[::-1]):  # A B, B A, ...: drift cancels
+        for s in strategies if r % 2 == 0 else strategies[::-1]:  # A B, B A, ...: drift cancels
             rep = run_strategy(s, fn, device, tmp, s.executor)
             results[s.name].append(rep)
             print(f"  round {r + 1}: {s.name}: {rep['wall_s']:.2f} s", flush=True)
@@ -202,8 +216,10 @@ def main() -> None:
     base = statistics.median(r["wall_s"] for r in results[strategies[0].name])
     oracle_s = oracle[-1]
     print()
-    print("| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches "
-          "| oracle / wall | scheduler share |")
+    print(
+        "| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches "
+        "| oracle / wall | scheduler share |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in strategies:
         reps = results[s.name]
@@ -212,11 +228,15 @@ def main() -> None:
         last = reps[-1]
         sched = statistics.median(r["scheduler_s"] / r["wall_s"] for r in reps)
         hit = last["cache_hit_rate"]
-        print(f"| {s.name} | {wall:.2f} | {rate:,.0f} | {base / wall:.2f} | {100 * last['padding_waste']:.2f}% | "
-              f"{'-' if not hit else f'{100 * hit:.2f}%'} | {last['batches']} | {oracle_s / wall:.2f} | "
-              f"{100 * sched:.2f}% |")
-    print(f"\noracle (zero padding, every token computed): {oracle_s:.2f} s; zero-padding tok/s by length: "
-          + ", ".join(f"{n}: {max(v):,.0f}" for n, v in sorted(rates.items())))
+        print(
+            f"| {s.name} | {wall:.2f} | {rate:,.0f} | {base / wall:.2f} | {100 * last['padding_waste']:.2f}% | "
+            f"{'-' if not hit else f'{100 * hit:.2f}%'} | {last['batches']} | {oracle_s / wall:.2f} | "
+            f"{100 * sched:.2f}% |"
+        )
+    print(
+        f"\noracle (zero padding, every token computed): {oracle_s:.2f} s; zero-padding tok/s by length: "
+        + ", ".join(f"{n}: {max(v):,.0f}" for n, v in sorted(rates.items()))
+    )
 
 
 if __name__ == "__main__":

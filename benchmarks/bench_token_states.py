@@ -67,8 +67,9 @@ def nnsight_writer(rows_path: Path, out: Path, layer: int, batch_size: int = 32)
     torch.set_num_threads(2)
     src = materialize_model(embedded_model_source())
     tok = transformers.AutoTokenizer.from_pretrained(src)
-    lm = LanguageModel(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
-                       tokenizer=tok)
+    lm = LanguageModel(
+        transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), tokenizer=tok
+    )
     rows = _rows(rows_path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     seen: set[str] = set()
@@ -76,7 +77,7 @@ def nnsight_writer(rows_path: Path, out: Path, layer: int, batch_size: int = 32)
     prefixes: list[torch.Tensor] = []
     out.mkdir(parents=True, exist_ok=True)
     for lo in range(0, len(rows), batch_size):
-        batch = rows[lo:lo + batch_size]
+        batch = rows[lo : lo + batch_size]
         seqs, plens = [], []
         for r in batch:
             pre = tok(r["prefix"])["input_ids"] if r.get("prefix") else []
@@ -91,13 +92,15 @@ def nnsight_writer(rows_path: Path, out: Path, layer: int, batch_size: int = 32)
                 output = lm.model.layers[layer - 1].output
                 states = (output[0] if isinstance(output, tuple) else output).save()
         for r, s, p, h in zip(batch, seqs, plens, states):
-            own.append(h[p:len(s)].clone())
+            own.append(h[p : len(s)].clone())
             if p and r["prefix"] not in seen:
                 seen.add(r["prefix"])
                 prefixes.append(h[:p].clone())
     for name, parts in (("activations", own), ("prefix_states", prefixes)):
         offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(x) for x in parts]), 0).tolist()])
-        save_file({f"layer_{layer}": torch.cat(parts), f"layer_{layer}.offsets": offsets}, str(out / f"{name}.safetensors"))
+        save_file(
+            {f"layer_{layer}": torch.cat(parts), f"layer_{layer}.offsets": offsets}, str(out / f"{name}.safetensors")
+        )
 
 
 def saelens_writer(rows_path: Path, out: Path, layer: int) -> None:
@@ -119,10 +122,20 @@ def saelens_writer(rows_path: Path, out: Path, layer: int) -> None:
     (data / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     context = 256
     cfg = CacheActivationsRunnerConfig(
-        dataset_path=str(data), model_name=str(src), model_class_name="AutoModelForCausalLM",
-        hook_name=f"model.layers.{layer - 1}", d_in=int(transformers.AutoConfig.from_pretrained(src).hidden_size),
-        training_tokens=tokens // context * context, context_size=context, model_batch_size=32,
-        new_cached_activations_path=str(out), device="cpu", buffer_size_gb=0.25, shuffle=False, streaming=False)
+        dataset_path=str(data),
+        model_name=str(src),
+        model_class_name="AutoModelForCausalLM",
+        hook_name=f"model.layers.{layer - 1}",
+        d_in=int(transformers.AutoConfig.from_pretrained(src).hidden_size),
+        training_tokens=tokens // context * context,
+        context_size=context,
+        model_batch_size=32,
+        new_cached_activations_path=str(out),
+        device="cpu",
+        buffer_size_gb=0.25,
+        shuffle=False,
+        streaming=False,
+    )
     CacheActivationsRunner(cfg).run()
 
 
@@ -199,15 +212,30 @@ def write(a) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-token-states-"))
     rows = tmp / "rows.jsonl"
-    rows.write_text("".join(line + "\n" for line in embedded_dataset_path().read_text().splitlines()[:a.rows]))
-    forge = [sys.executable, "-m", "forge.cli", "run", "function=probe_gen", "pooling=none", f"layers=[{a.layer}]",
-             "storage_dtype=float32", f"input.path={rows}", "devices=cpu"]
+    rows.write_text("".join(line + "\n" for line in embedded_dataset_path().read_text().splitlines()[: a.rows]))
+    forge = [
+        sys.executable,
+        "-m",
+        "forge.cli",
+        "run",
+        "function=probe_gen",
+        "pooling=none",
+        f"layers=[{a.layer}]",
+        "storage_dtype=float32",
+        f"input.path={rows}",
+        "devices=cpu",
+    ]
     variants = {
         "Forge token, prefix cache": forge + ["batching=token"],
-        "Forge packed rows <= 256, cache": forge + ["batching=token", "batching.packing=packed",
-                                                    "batching.packed_row_tokens=256"],
+        "Forge packed rows <= 256, cache": forge
+        + ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=256"],
         f"nnsight {nnsight.__version__}, 32 rows, arrival order, no_grad": [sys.executable, "-m", MODULE, "nnsight"],
-        f"SAELens {sae_lens.__version__} CacheActivationsRunner (context 256)": [sys.executable, "-m", MODULE, "saelens"],
+        f"SAELens {sae_lens.__version__} CacheActivationsRunner (context 256)": [
+            sys.executable,
+            "-m",
+            MODULE,
+            "saelens",
+        ],
     }
     names = list(variants)
     walls: dict[str, list[float]] = {n: [] for n in names}
@@ -216,8 +244,11 @@ def write(a) -> None:
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             out = tmp / f"{names.index(name)}-{r}"
-            command = variants[name] + ([f"output_dir={out}"] if name.startswith("Forge")
-                                        else ["--rows-path", str(rows), "--out", str(out), "--layer", str(a.layer)])
+            command = variants[name] + (
+                [f"output_dir={out}"]
+                if name.startswith("Forge")
+                else ["--rows-path", str(rows), "--out", str(out), "--layer", str(a.layer)]
+            )
             wall, error = _timed(command)
             walls[name].append(wall)
             if error:
@@ -225,11 +256,15 @@ def write(a) -> None:
             outs[name] = out
             print(f"round {r}: {name}: {wall:.1f} s {error}", file=sys.stderr)
     nn_name = names[2]
-    diff = float("nan") if nn_name in notes else _largest_difference(outs[names[0]], outs[nn_name], a.layer, _rows(rows))
+    diff = (
+        float("nan") if nn_name in notes else _largest_difference(outs[names[0]], outs[nn_name], a.layer, _rows(rows))
+    )
     print(f"\n{a.rows} rows, layer {a.layer}, {a.rounds} rounds (medians of wall time, end to end)\n")
     covered = _row_tokens(_rows(rows))
-    print("| variant | wall s | stored tokens | bytes written | stored tokens/s | row tokens covered/s | "
-          "x nnsight (covered/s) | largest difference |")
+    print(
+        "| variant | wall s | stored tokens | bytes written | stored tokens/s | row tokens covered/s | "
+        "x nnsight (covered/s) | largest difference |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     table = {}
     for name in names:
@@ -243,10 +278,14 @@ def write(a) -> None:
         d = "0 (the reference)" if name.startswith("Forge token") else f"{diff:.2g}" if name == nn_name else "-"
         per_row = not name.startswith("SAELens")  # SAELens's windows run rows together: not per-prompt states
         ratio = f"{cover / table[nn_name][4]:.2f}" if per_row and table[nn_name][4] else "-"
-        print(f"| {name} | {wall:.1f} | {tokens:,} | {size / 1e6:,.1f} MB | {rate:,.0f} | "
-              f"{f'{cover:,.0f}' if per_row else '-'} | {ratio} | {d} |")
-    print(f"\nrow tokens covered: {covered:,} (every row's prefix and statement tokens: the states each "
-          "per-prompt variant gives back, prefixes stored once)")
+        print(
+            f"| {name} | {wall:.1f} | {tokens:,} | {size / 1e6:,.1f} MB | {rate:,.0f} | "
+            f"{f'{cover:,.0f}' if per_row else '-'} | {ratio} | {d} |"
+        )
+    print(
+        f"\nrow tokens covered: {covered:,} (every row's prefix and statement tokens: the states each "
+        "per-prompt variant gives back, prefixes stored once)"
+    )
     for name, why in notes.items():
         print(f"\n{name} failed: {why}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -303,9 +342,18 @@ def _small_model(root: Path) -> Path:
     path = root / "llama-h64"
     if (path / "config.json").exists():
         return path
-    cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    cfg = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     for f in embedded_model_source().iterdir():
@@ -335,9 +383,23 @@ def forge_store(root: Path, tokens: int, out: Path, model: Path) -> dict:
     rows = root / f"rows-{tokens}.jsonl"
     if not rows.exists():
         _token_rows(rows, tokens)
-    command = [sys.executable, "-m", "forge.cli", "run", "function=probe_gen", "pooling=none", "layers=[2]",
-               "storage_dtype=bfloat16", "model=hf", f"model.name={model}", f"input.path={rows}", "devices=cpu",
-               "batching=token", f"shard_mb={SHARD_MB}", f"output_dir={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "forge.cli",
+        "run",
+        "function=probe_gen",
+        "pooling=none",
+        "layers=[2]",
+        "storage_dtype=bfloat16",
+        "model=hf",
+        f"model.name={model}",
+        f"input.path={rows}",
+        "devices=cpu",
+        "batching=token",
+        f"shard_mb={SHARD_MB}",
+        f"output_dir={out}",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     watch = TreeRSS(proc.pid)
@@ -347,8 +409,13 @@ def forge_store(root: Path, tokens: int, out: Path, model: Path) -> dict:
         raise SystemExit(f"forge run failed: {err.strip().splitlines()[-1]}")
     report = json.loads((out / "report.json").read_text())
     stored = sum(int(_stored_tokens(s)) for s in out.glob("*/*.safetensors"))
-    return {"tokens": stored, "wall_s": time.perf_counter() - t0, "peak_tree": watch.peak_total,
-            "peak_one": watch.peak_one, "items": report["items"]["completed"]}
+    return {
+        "tokens": stored,
+        "wall_s": time.perf_counter() - t0,
+        "peak_tree": watch.peak_total,
+        "peak_one": watch.peak_one,
+        "items": report["items"]["completed"],
+    }
 
 
 def _stored_tokens(shard: Path) -> int:
@@ -367,8 +434,11 @@ def rss(a) -> None:
         out = root / f"run-{tokens}"
         shutil.rmtree(out, ignore_errors=True)
         m = forge_store(root, tokens, out, model)
-        print(f"| {m['tokens']:,} | {m['items']:,} | {m['wall_s']:.1f} | {m['tokens'] / m['wall_s']:,.0f} | "
-              f"{m['peak_tree'] / 2**20:,.0f} MiB | {m['peak_one'] / 2**20:,.0f} MiB |", flush=True)
+        print(
+            f"| {m['tokens']:,} | {m['items']:,} | {m['wall_s']:.1f} | {m['tokens'] / m['wall_s']:,.0f} | "
+            f"{m['peak_tree'] / 2**20:,.0f} MiB | {m['peak_one'] / 2**20:,.0f} MiB |",
+            flush=True,
+        )
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
 
@@ -406,16 +476,19 @@ def read(a) -> None:
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             how = "loader" if name.startswith("forge") else "naive"
-            done = subprocess.run([sys.executable, "-c", READ_LOOP, str(out), how], cwd=ROOT, capture_output=True,
-                                  text=True, check=True).stdout.split()
+            done = subprocess.run(
+                [sys.executable, "-c", READ_LOOP, str(out), how], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.split()
             seen[name].append((int(done[0]), float(done[1]), int(done[2])))
     print(f"\n{seen[names[0]][0][0]:,} stored tokens (bfloat16, hidden 64), {a.rounds} rounds, medians\n")
     print("| reader | tokens/s | peak RSS |")
     print("| --- | --- | --- |")
     for name in names:
         n = seen[name][0][0]
-        print(f"| {name} | {statistics.median(n / s for _, s, _ in seen[name]):,.0f} | "
-              f"{statistics.median(m for _, _, m in seen[name]) / 2**20:,.0f} MiB |")
+        print(
+            f"| {name} | {statistics.median(n / s for _, s, _ in seen[name]):,.0f} | "
+            f"{statistics.median(m for _, _, m in seen[name]) / 2**20:,.0f} MiB |"
+        )
 
 
 def main() -> None:

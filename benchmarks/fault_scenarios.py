@@ -27,30 +27,57 @@ def main() -> None:
     sys.path.insert(0, str(TESTS))
     from conftest import run_forge
 
-    base = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-            "budget.tokens_per_step=1024", "layers=[1,4]", f"input.limit={args.n}", "batching.window=16",
-            "plugins=[faults]"]
+    base = [
+        "devices=auto",
+        "devices.limits.max_batch_tokens=1024",
+        "devices.limits.max_seq_len=512",
+        "budget.tokens_per_step=1024",
+        "layers=[1,4]",
+        f"input.limit={args.n}",
+        "batching.window=16",
+        "plugins=[faults]",
+    ]
     proc = ["runtime.executor=process", "runtime.max_restarts=8", "runtime.max_in_flight=1"]
     scenarios = [
         ("kill before forward x3", {"kill": {"point": "before_forward", "every": 3, "times": 3}}, proc),
         ("kill during forward x3", {"kill": {"point": "during_forward", "every": 3, "times": 3}}, proc),
         ("kill after forward x3", {"kill": {"point": "after_forward", "every": 3, "times": 3}}, proc),
-        ("chaos (30% of batches, 4 kills)", {"chaos": {"share": 0.3, "times": 4, "seed": 7}},
-         [*proc, "runtime.max_in_flight=2"]),
-        ("hang 300 s (timeout 8 s, grace 1 s)", {"hang": {"seconds": 300, "nth": 2}},
-         [*proc, "runtime.batch_timeout_s=8", "runtime.kill_grace_s=1"]),
-        ("slow 16 s (timeout 8 s, grace 60 s)", {"hang": {"seconds": 16, "nth": 2}},
-         [*proc, "runtime.batch_timeout_s=8", "runtime.kill_grace_s=60"]),
-        ("out of memory above 400 slots", {"oom_above": 400},
-         ["runtime.executor=inprocess", "batching.prefix_cache=false"]),
-        ("out of memory above 300 slots (some items alone)", {"oom_above": 300},
-         ["runtime.executor=inprocess", "batching.prefix_cache=false", "runtime.failure_window=1000"]),
-        ("every batch fails (window 10)", {"fail": "simulated recurring fault"},
-         ["runtime.executor=inprocess", "runtime.failure_window=10"]),
+        (
+            "chaos (30% of batches, 4 kills)",
+            {"chaos": {"share": 0.3, "times": 4, "seed": 7}},
+            [*proc, "runtime.max_in_flight=2"],
+        ),
+        (
+            "hang 300 s (timeout 8 s, grace 1 s)",
+            {"hang": {"seconds": 300, "nth": 2}},
+            [*proc, "runtime.batch_timeout_s=8", "runtime.kill_grace_s=1"],
+        ),
+        (
+            "slow 16 s (timeout 8 s, grace 60 s)",
+            {"hang": {"seconds": 16, "nth": 2}},
+            [*proc, "runtime.batch_timeout_s=8", "runtime.kill_grace_s=60"],
+        ),
+        (
+            "out of memory above 400 slots",
+            {"oom_above": 400},
+            ["runtime.executor=inprocess", "batching.prefix_cache=false"],
+        ),
+        (
+            "out of memory above 300 slots (some items alone)",
+            {"oom_above": 300},
+            ["runtime.executor=inprocess", "batching.prefix_cache=false", "runtime.failure_window=1000"],
+        ),
+        (
+            "every batch fails (window 10)",
+            {"fail": "simulated recurring fault"},
+            ["runtime.executor=inprocess", "runtime.failure_window=10"],
+        ),
         ("first shard write fails (disk full)", {"fail_write": 1}, ["runtime.executor=inprocess", "shard_size=16"]),
     ]
-    print("| scenario | status | items completed / failed / unfinished | tokens retried | tokens discarded "
-          "| timeouts | lost | oom splits | late results | restarts |")
+    print(
+        "| scenario | status | items completed / failed / unfinished | tokens retried | tokens discarded "
+        "| timeouts | lost | oom splits | late results | restarts |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, plan, extra in scenarios:
         with tempfile.TemporaryDirectory() as tmp:
@@ -59,9 +86,12 @@ def main() -> None:
             r = run_forge(Path(tmp) / "run", *base, *extra)
             i, t, a = r["items"], r["tokens"], r["attempts"]
             assert r["balanced"], r["imbalance"]
-            print(f"| {name} | {r['status']} | {i['completed']} / {i['failed']} / {i['unfinished']} | "
-                  f"{t['retried']:,} | {t['discarded']:,} | {a['timeout']} | {a['lost']} | {a['oom_splits']} | "
-                  f"{a['late_results']} | {sum(r['restarts'].values())} |", flush=True)
+            print(
+                f"| {name} | {r['status']} | {i['completed']} / {i['failed']} / {i['unfinished']} | "
+                f"{t['retried']:,} | {t['discarded']:,} | {a['timeout']} | {a['lost']} | {a['oom_splits']} | "
+                f"{a['late_results']} | {sum(r['restarts'].values())} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

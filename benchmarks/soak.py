@@ -50,8 +50,13 @@ class SoakResult:
 
 
 def _forge(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "forge.cli", "run", *args], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", "run", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _kill(proc: subprocess.Popen) -> str:
@@ -69,8 +74,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0,
-         max_delay_s: float = 8.0) -> SoakResult:
+def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0, max_delay_s: float = 8.0) -> SoakResult:
     """Run the soak into `out`; `clean` gets an uninterrupted run of the same `base` overrides."""
     import torch
 
@@ -80,6 +84,7 @@ def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0,
     rng = random.Random(seed)
     result = SoakResult(cycles)
     args = [*base, f"output_dir={out}", "resume=true"]
+
     def plant() -> None:
         if not result.planted and (out / "run.json").exists():
             (out / FOREIGN).parent.mkdir(parents=True, exist_ok=True)
@@ -116,8 +121,12 @@ def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0,
     if final.returncode != 0:
         result.problems.append(f"final resume: exit {final.returncode}: {final.stderr.strip()[-300:]}")
         return result
-    done = subprocess.run([sys.executable, "-m", "forge.cli", "run", *base, f"output_dir={clean}"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "forge.cli", "run", *base, f"output_dir={clean}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         result.problems.append(f"clean run: exit {done.returncode}: {done.stderr.strip()[-300:]}")
         return result
@@ -146,15 +155,24 @@ def main() -> None:
     ap.add_argument("--executor", default="process", choices=["process", "inprocess"])
     ap.add_argument("--max-delay-s", type=float, default=10.0)
     a = ap.parse_args()
-    base = [f"input.limit={a.rows}", "layers=[1,4]", "shard_size=64", "runtime.commit_interval_s=0.5",
-            f"runtime.executor={a.executor}"]
+    base = [
+        f"input.limit={a.rows}",
+        "layers=[1,4]",
+        "shard_size=64",
+        "runtime.commit_interval_s=0.5",
+        f"runtime.executor={a.executor}",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
         r = soak(Path(tmp) / "run", Path(tmp) / "clean", base, a.cycles, a.seed, a.max_delay_s)
-    print(f"{a.cycles} cycles, {a.rows} rows, {a.executor} executor, {time.monotonic() - t0:.0f} s: "
-          f"{r.kills} kill -9, {r.refused} concurrent resumes refused, {r.finished_early} finished before the kill")
-    print(f"final run: {r.ids} ids, {r.unique_ids} unique; max |diff| vs a clean run {r.max_abs_diff:.2e}; "
-          f"foreign file kept: {r.foreign_kept}")
+    print(
+        f"{a.cycles} cycles, {a.rows} rows, {a.executor} executor, {time.monotonic() - t0:.0f} s: "
+        f"{r.kills} kill -9, {r.refused} concurrent resumes refused, {r.finished_early} finished before the kill"
+    )
+    print(
+        f"final run: {r.ids} ids, {r.unique_ids} unique; max |diff| vs a clean run {r.max_abs_diff:.2e}; "
+        f"foreign file kept: {r.foreign_kept}"
+    )
     for p in r.problems:
         print(f"PROBLEM: {p}")
     sys.exit(0 if r.ok else 1)

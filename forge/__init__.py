@@ -4,10 +4,30 @@ from forge.errors import ForgeError
 from forge.geometry import Batch, Device, Item, Limits
 from forge.hookspecs import hookimpl
 
-__all__ = ["Batch", "Device", "ForgeError", "Item", "Limits", "hookimpl", "load_activations",
-           # the public function API (forge.api), imported on first use: `import forge` stays light
-           "CausalLMFunction", "Column", "EncoderFunction", "Field", "Forward", "InputSpec", "ItemView",
-           "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens"]
+__all__ = [
+    "Batch",
+    "Device",
+    "ForgeError",
+    "Item",
+    "Limits",
+    "hookimpl",
+    "load_activations",
+    # the public function API (forge.api), imported on first use: `import forge` stays light
+    "CausalLMFunction",
+    "Column",
+    "EncoderFunction",
+    "Field",
+    "Forward",
+    "InputSpec",
+    "ItemView",
+    "ModelFunction",
+    "ModelFunctionConfig",
+    "ModelSpec",
+    "Prompt",
+    "Rejected",
+    "Row",
+    "Tokens",
+]
 _API = frozenset(__all__[7:])
 
 

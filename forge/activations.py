@@ -33,9 +33,16 @@ def load_activations(run_dir) -> Activations:
     except (ForgeError, KeyError):
         raise ForgeError(f"{run_dir}: no {SUBDIR}/meta.json; is this a probe_gen run directory?") from None
     if info.get("pooling") == "none":
-        raise ForgeError(f"{run_dir}: holds every token's states (pooling=none), not one vector per item; stream them "
-                         "with forge.data.token_states(run_dir, layer, ...)")
+        raise ForgeError(
+            f"{run_dir}: holds every token's states (pooling=none), not one vector per item; stream them "
+            "with forge.data.token_states(run_dir, layer, ...)"
+        )
     res = load(run_dir, SUBDIR)
-    return Activations(res.ids, res.meta or [None] * len(res),
-                       {layer: torch.from_numpy(res.columns[f"layer_{layer}"]) if len(res) else torch.empty(0)
-                        for layer in layers_kept})
+    return Activations(
+        res.ids,
+        res.meta or [None] * len(res),
+        {
+            layer: torch.from_numpy(res.columns[f"layer_{layer}"]) if len(res) else torch.empty(0)
+            for layer in layers_kept
+        },
+    )

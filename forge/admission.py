@@ -51,8 +51,16 @@ class Admission:
     were received (counted) and not yet handed on, so a run that stops early can account
     for them."""
 
-    def __init__(self, records: Iterable[Item | Rejected | Skipped], *, run: RunContext, hook, rules: AdmissionRules,
-                 committed: set[int] | frozenset = frozenset(), chunk: int = 512):
+    def __init__(
+        self,
+        records: Iterable[Item | Rejected | Skipped],
+        *,
+        run: RunContext,
+        hook,
+        rules: AdmissionRules,
+        committed: set[int] | frozenset = frozenset(),
+        chunk: int = 512,
+    ):
         self.records = iter(records)
         self.run, self.hook, self.rules, self.committed, self.chunk = run, hook, rules, committed, chunk
         self.pending: deque[Item] = deque()
@@ -93,8 +101,10 @@ class Admission:
                 hook.forge_input_skipped(run=run, record=record)
                 outcomes.append(None)
             elif record.num_tokens <= (record.prefix_len if record.prefix_key is not None else 0):
-                reason = (f"item {record.id!r} has {record.num_tokens} tokens and a {record.prefix_len}-token "
-                          "prefix: it needs at least one token of its own after the prefix")
+                reason = (
+                    f"item {record.id!r} has {record.num_tokens} tokens and a {record.prefix_len}-token "
+                    "prefix: it needs at least one token of its own after the prefix"
+                )
                 _fail_record(hook, run, rules, record.id, reason)
                 outcomes.append("no token after its prefix")
                 examples.setdefault("no token after its prefix", reason)
@@ -121,21 +131,31 @@ class Admission:
                 self.exhausted = True  # recurring bad input: read no further, the loop stops the run
 
 
-def admit(records: Iterable[Item | Rejected | Skipped], *, run: RunContext, hook, rules: AdmissionRules,
-          committed: set[int] | frozenset = frozenset(), chunk: int = 512) -> Admission:
+def admit(
+    records: Iterable[Item | Rejected | Skipped],
+    *,
+    run: RunContext,
+    hook,
+    rules: AdmissionRules,
+    committed: set[int] | frozenset = frozenset(),
+    chunk: int = 512,
+) -> Admission:
     """The items that may run, as an iterator; every record is reported to the hooks."""
     return Admission(records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk)
 
 
 def _fail_record(hook, run, rules: AdmissionRules, record_id: str, reason: str) -> None:
     if rules.fail_fast:
-        raise ForgeError(f"{reason} (fail_fast=true stops at the first bad record; set fail_fast=false "
-                         "to record bad records and go on)")
+        raise ForgeError(
+            f"{reason} (fail_fast=true stops at the first bad record; set fail_fast=false "
+            "to record bad records and go on)"
+        )
     hook.forge_input_failed(run=run, record_id=record_id, reason=reason)
 
 
-def _admit_chunk(items: list[Item], run, hook, rules: AdmissionRules, committed,
-                 state) -> tuple[list[Item], dict[int, tuple[str, str]]]:
+def _admit_chunk(
+    items: list[Item], run, hook, rules: AdmissionRules, committed, state
+) -> tuple[list[Item], dict[int, tuple[str, str]]]:
     """(the items that may run, {item index: (kind, reason)} of those that failed here)."""
     hook.forge_items_received(run=run, items=items)
     if committed:
@@ -157,22 +177,33 @@ def _admit_chunk(items: list[Item], run, hook, rules: AdmissionRules, committed,
         if item.num_tokens <= max_seq_len:
             ok.append(item)
         elif rules.too_long == "truncate" and item.prefix_len < max_seq_len:
-            short = replace(item, num_tokens=max_seq_len,
-                            tokens=item.tokens[:max_seq_len] if item.tokens is not None else None)
+            short = replace(
+                item, num_tokens=max_seq_len, tokens=item.tokens[:max_seq_len] if item.tokens is not None else None
+            )
             truncated.append((item, short))
             ok.append(short)
         else:
             too_long.append(item)
     if truncated:
-        hook.forge_items_truncated(run=run, items=[a for a, _ in truncated],
-                                   tokens=sum(a.num_tokens - b.num_tokens for a, b in truncated))
+        hook.forge_items_truncated(
+            run=run, items=[a for a, _ in truncated], tokens=sum(a.num_tokens - b.num_tokens for a, b in truncated)
+        )
     if too_long:
         if rules.too_long == "error":
             for item in too_long:
-                _fail_item(hook, run, rules, item, failed, "too long (too_long=error)", (
-                    f"item {item.id!r} has {item.num_tokens} tokens, over every device's max_seq_len ({max_seq_len}); "
-                    "too_long=error fails it (set too_long=skip or too_long=truncate, or add a device with a "
-                    "larger max_seq_len)"))
+                _fail_item(
+                    hook,
+                    run,
+                    rules,
+                    item,
+                    failed,
+                    "too long (too_long=error)",
+                    (
+                        f"item {item.id!r} has {item.num_tokens} tokens, over every device's max_seq_len "
+                        f"({max_seq_len}); too_long=error fails it (set too_long=skip or too_long=truncate, or add a device with a "
+                        "larger max_seq_len)"
+                    ),
+                )
         else:
             hook.forge_items_skipped(run=run, items=too_long, reason=f"too_long (> max_seq_len={max_seq_len})")
     if over_budget:

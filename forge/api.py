@@ -33,8 +33,9 @@ Every name this module exports is listed in ``__all__`` and held stable by tests
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,22 @@ from forge.schema import positive
 from forge.token_rule import RULE as TOKEN_RULE, TokenRule
 
 __all__ = [
-    "CausalLMFunction", "Column", "EncoderFunction", "Field", "ForgeError", "Forward", "InputSpec", "Item",
-    "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens",
+    "CausalLMFunction",
+    "Column",
+    "EncoderFunction",
+    "Field",
+    "ForgeError",
+    "Forward",
+    "InputSpec",
+    "Item",
+    "ItemView",
+    "ModelFunction",
+    "ModelFunctionConfig",
+    "ModelSpec",
+    "Prompt",
+    "Rejected",
+    "Row",
+    "Tokens",
 ]
 
 TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
@@ -74,10 +89,10 @@ class Prompt:
     """What one input row becomes: an item to run (a row may become several)."""
 
     text: str  # the text, tokenized without special tokens after a prefix (with them alone)
-    prefix: Optional[str] = None  # a shared prefix (few-shot examples): run once per batch, cacheable
+    prefix: str | None = None  # a shared prefix (few-shot examples): run once per batch, cacheable
     label: Any = None  # kept with the item (and in the journal by functions that keep labels)
     data: Any = None  # the function's own per-item metadata, handed back in `ItemView.data`
-    suffix: Optional[str] = None  # the item id is "<row id>/<suffix>" (rows that become several items)
+    suffix: str | None = None  # the item id is "<row id>/<suffix>" (rows that become several items)
 
 
 @dataclass
@@ -86,9 +101,9 @@ class Tokens:
 
     prefix: list[int]  # the shared prefix's ids ([]: none)
     text: list[int]  # the ids after it: the item's own tokens
-    prefix_key: Optional[str] = None  # identity of the prefix (items sharing it share its KV)
-    targets: Optional[tuple[int, ...]] = None  # None: the text's tokens given the prefix (the token rule)
-    target_start: Optional[int] = None  # position whose state predicts targets[0]; None: the prefix's last
+    prefix_key: str | None = None  # identity of the prefix (items sharing it share its KV)
+    targets: tuple[int, ...] | None = None  # None: the text's tokens given the prefix (the token rule)
+    target_start: int | None = None  # position whose state predicts targets[0]; None: the prefix's last
 
 
 @dataclass
@@ -118,8 +133,10 @@ class ModelFunction(Function):
         self.input_path = self.input.path
         self.shard_size = int(shard_size)
         if too_long == "truncate" and self.forward.targets:
-            raise ForgeError(f"too_long=truncate cuts items from the right, which would cut the targets {self.name} "
-                             "scores; use too_long=skip or error")
+            raise ForgeError(
+                f"too_long=truncate cuts items from the right, which would cut the targets {self.name} "
+                "scores; use too_long=skip or error"
+            )
         self._rule: TokenRule | None = None
         self._warnings: list[str] = []
 
@@ -189,14 +206,19 @@ class ModelFunction(Function):
                 continue
             tokens = made.prefix + made.text
             first = max(len(made.prefix), 1)
-            targets = () if not self.forward.targets else \
-                tuple(tokens[first:]) if made.targets is None else tuple(made.targets)
+            targets = (
+                ()
+                if not self.forward.targets
+                else tuple(tokens[first:])
+                if made.targets is None
+                else tuple(made.targets)
+            )
             tokens = np.asarray(tokens, dtype=np.int32)  # 4 bytes a token while it waits (a list: ~36)
             start = first - 1 if made.target_start is None else made.target_start
             meta = ItemMeta(targets, start, p.label, p.data, row.index)
             yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
 
-    def _tokenized(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+    def _tokenized(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """`tokenize(prompts)`, or, where it raises, each prompt alone: only a prompt the
         tokenizer cannot take fails (with the error); a ForgeError is not a row's fault."""
         try:
@@ -214,7 +236,7 @@ class ModelFunction(Function):
                     out.append(f"tokenizing failed on it ({first_line(exc)}); fix or drop the row")
             return out
 
-    def tokenize(self, prompts: list[Prompt]) -> list["Tokens | str"]:
+    def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
         rule = self.token_rule
         alone = [p.prefix is None for p in prompts]
@@ -250,9 +272,13 @@ class ModelFunction(Function):
         return {}
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"function": self.name, "model": self.hf.identity(),
-                "input": self.input.fingerprint(),
-                "token_rule": TOKEN_RULE, **self.options()}
+        return {
+            "function": self.name,
+            "model": self.hf.identity(),
+            "input": self.input.fingerprint(),
+            "token_rule": TOKEN_RULE,
+            **self.options(),
+        }
 
     def path(self) -> str:
         """How it runs, in one line (for the report)."""
@@ -262,10 +288,15 @@ class ModelFunction(Function):
         return {"model": self.hf.loaded_from or self.hf.source, "input": str(self.input_path), "path": self.path()}
 
     def result_schema(self) -> ResultSchema:
-        return ResultSchema(fields=tuple(self.fields), format=self.format, folder=self.folder or self.name,
-                            rows_per_shard=self.shard_size, bytes_per_shard=self.shard_bytes,
-                            meta_key="labels" if self.keep_labels else None,
-                            meta={"model": self.model.name, **self.options()})
+        return ResultSchema(
+            fields=tuple(self.fields),
+            format=self.format,
+            folder=self.folder or self.name,
+            rows_per_shard=self.shard_size,
+            bytes_per_shard=self.shard_bytes,
+            meta_key="labels" if self.keep_labels else None,
+            meta={"model": self.model.name, **self.options()},
+        )
 
     def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:
         return self.result_schema().output_bytes(items, own_tokens)
@@ -328,8 +359,9 @@ class CausalLMFunction(ModelFunction):
         if cls is None and "AutoModelForCausalLM" in auto_map and self.model.trust_remote_code:
             from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-            cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], self.hf.source,
-                                                **self.model.hub_kwargs())
+            cls = get_class_from_dynamic_module(
+                auto_map["AutoModelForCausalLM"], self.hf.source, **self.model.hub_kwargs()
+            )
         return capabilities(self.config, cls, self.model.attn_implementation)
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
@@ -344,8 +376,12 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.capabilities import causal_lm_class
 
         cls = causal_lm_class(self.config)
-        return [*super().worker_modules(), "forge.runtime.causal_lm", "forge.runtime.views",
-                *([cls.__module__] if cls else [])]
+        return [
+            *super().worker_modules(),
+            "forge.runtime.causal_lm",
+            "forge.runtime.views",
+            *([cls.__module__] if cls else []),
+        ]
 
     # -- memory -------------------------------------------------------------------------
     def extra_bytes_per_token(self) -> int:
@@ -362,15 +398,21 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.hf_compat import text_config
         from forge.runtime.memory_fit import Target, fitted_cost_model
 
-        target = Target(dtype=self.model.torch_dtype, attn=self.caps.attn or "eager",
-                        hidden_kept=max(1, len(set(self.forward.layers))), pooling=self.memory_pooling())
+        target = Target(
+            dtype=self.model.torch_dtype,
+            attn=self.caps.attn or "eager",
+            hidden_kept=max(1, len(set(self.forward.layers))),
+            pooling=self.memory_pooling(),
+        )
         try:
             base = fitted_cost_model(self.config, target, bool(self.model.trust_remote_code))
         except ForgeError:
             raise
         except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
-            self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
-                      "batching=memory plans from a first-principles estimate of its shape")
+            self.warn(
+                f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
+                "batching=memory plans from a first-principles estimate of its shape"
+            )
             base = self.shape_cost_model()
         extra = self.extra_bytes_per_token()
         if self.forward.targets:
@@ -386,8 +428,14 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.views import CausalViews
 
         model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
-        runner = CausalLMRunner(model, layers=list(self.forward.layers), cache_tokens=cache_tokens,
-                                pad_token_id=self.hf.pad_token_id, caps=self.caps, allow_no_layers=True)
+        runner = CausalLMRunner(
+            model,
+            layers=list(self.forward.layers),
+            cache_tokens=cache_tokens,
+            pad_token_id=self.hf.pad_token_id,
+            caps=self.caps,
+            allow_no_layers=True,
+        )
         return self._reducing_worker(CausalViews(runner, self.forward.targets))
 
 
@@ -406,8 +454,10 @@ class EncoderFunction(ModelFunction):
         if self.forward.targets:
             raise ForgeError(f"{self.name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
         if encoder_class(self.config) is None:
-            raise ForgeError(f"model.name={self.model.name}: transformers has no encoder (AutoModel) class for "
-                             f"model_type {getattr(self.config, 'model_type', '?')!r}")
+            raise ForgeError(
+                f"model.name={self.model.name}: transformers has no encoder (AutoModel) class for "
+                f"model_type {getattr(self.config, 'model_type', '?')!r}"
+            )
         self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
         self._mode = (False, False)  # (packed, prefix cache) until check_mode says
 
@@ -428,17 +478,24 @@ class EncoderFunction(ModelFunction):
         from forge.runtime.encoder import FakeEncoder
         from forge.runtime.memory_fit import FIT_SHAPES, Target, fitted_cost_model
 
-        target = Target(dtype=self.model.torch_dtype, attn=self.caps.attn or "eager",
-                        hidden_kept=max(1, len(set(self.forward.layers))), pooling="mean")
+        target = Target(
+            dtype=self.model.torch_dtype,
+            attn=self.caps.attn or "eager",
+            hidden_kept=max(1, len(set(self.forward.layers))),
+            pooling="mean",
+        )
         shapes = tuple(s for s in FIT_SHAPES if not s.prefix_len)
         try:
-            return fitted_cost_model(self.config, target, bool(self.model.trust_remote_code), fake=FakeEncoder,
-                                     shapes=shapes, kind="encoder")
+            return fitted_cost_model(
+                self.config, target, bool(self.model.trust_remote_code), fake=FakeEncoder, shapes=shapes, kind="encoder"
+            )
         except ForgeError:
             raise
         except Exception as exc:  # noqa: BLE001
-            self.warn(f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
-                      "batching=memory plans from a first-principles estimate of its shape")
+            self.warn(
+                f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
+                "batching=memory plans from a first-principles estimate of its shape"
+            )
             return self.shape_cost_model()
 
     def open_worker(self, device: Device, cache_tokens: int):
@@ -454,8 +511,10 @@ def check_layers(layers: tuple[int, ...], n: int) -> None:
     """Hidden-state indices must name one of the model's 0..n (negative ones count from the end: -1 = n)."""
     bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not -(n + 1) <= x <= n]
     if bad:
-        raise ForgeError(f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
-                         "(0 = embeddings; -1 = the final one)")
+        raise ForgeError(
+            f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
+            "(0 = embeddings; -1 = the final one)"
+        )
 
 
 def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:
@@ -464,12 +523,21 @@ def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:
 
     c = text_config(config)
     hidden, layers = c.hidden_size, num_layers(c)
-    inter = next((v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim",
-                                                               "ffn_hidden_size")) if v), 4 * hidden)
+    inter = next(
+        (v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")) if v),
+        4 * hidden,
+    )
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     per_layer = hidden * head_dim * (heads * 2 + kv_heads * 2) + 3 * hidden * inter + 2 * hidden
     embed = c.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    return CostModel.from_shape(num_params=embed + layers * per_layer + hidden, hidden=hidden, layers=layers,
-                                heads=heads, kv_heads=kv_heads, intermediate=inter, dtype_bytes=DTYPES[torch_dtype])
+    return CostModel.from_shape(
+        num_params=embed + layers * per_layer + hidden,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=inter,
+        dtype_bytes=DTYPES[torch_dtype],
+    )

@@ -32,13 +32,16 @@ class Calibration:
 
     def sim_block(self) -> dict[str, float]:
         """The `sim` entry of a simulated device that runs like this one (conf/devices/*.yaml)."""
-        return {"seconds_per_step": float(f"{self.seconds_per_step:.3e}"),
-                "seconds_per_slot": float(f"{self.seconds_per_slot:.3e}"),
-                "seconds_per_score": float(f"{self.seconds_per_score:.3e}")}
+        return {
+            "seconds_per_step": float(f"{self.seconds_per_step:.3e}"),
+            "seconds_per_slot": float(f"{self.seconds_per_slot:.3e}"),
+            "seconds_per_score": float(f"{self.seconds_per_score:.3e}"),
+        }
 
 
-def calibration_batches(items: list[Item], device: Device, sizes=(1, 2, 4, 8, 16, 32, 64, 128),
-                        at: float = 0.25) -> list[Batch]:
+def calibration_batches(
+    items: list[Item], device: Device, sizes=(1, 2, 4, 8, 16, 32, 64, 128), at: float = 0.25
+) -> list[Batch]:
     """Batches of the k shortest-spread items (similar lengths) from quantile `at` of the
     lengths up, k over `sizes`, within the limits."""
     lim = device.limits
@@ -46,7 +49,7 @@ def calibration_batches(items: list[Item], device: Device, sizes=(1, 2, 4, 8, 16
     if len(pool) < 2:
         raise ForgeError("calibration needs at least 2 items that fit the device; raise input.limit")
     start = min(int(len(pool) * at), max(0, len(pool) - max(sizes)))
-    mid = pool[start: start + max(sizes)] or pool
+    mid = pool[start : start + max(sizes)] or pool
     batches = []
     for k in sizes:
         rows = mid[:k]

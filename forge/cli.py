@@ -8,7 +8,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich import box
@@ -18,8 +18,11 @@ from rich.table import Table
 
 from forge.errors import ForgeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Forge: GPU batch functions scheduled, packed and accounted in tokens.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Forge: GPU batch functions scheduled, packed and accounted in tokens.",
+)
 console = Console()
 err = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -34,7 +37,7 @@ def _error_line(exc: Exception) -> None:
 def _status_line(report: dict) -> None:
     """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
     status, error = report["status"], str(report.get("error"))
-    why = error[len(status) + 1:].lstrip() if error.startswith(f"{status}:") else error
+    why = error[len(status) + 1 :].lstrip() if error.startswith(f"{status}:") else error
     err.print(f"[bold red]{status}:[/] {escape(why)}", highlight=False, soft_wrap=True)
 
 
@@ -87,9 +90,12 @@ def run(ctx: typer.Context) -> None:
     except ForgeError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/] during start-up, before any work: nothing was committed; run the "
-                  "command again (with resume=true if output_dir already holds the run)", highlight=False,
-                  soft_wrap=True)
+        err.print(
+            "[bold red]interrupted[/] during start-up, before any work: nothing was committed; run the "
+            "command again (with resume=true if output_dir already holds the run)",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(130) from None
     finally:
         if main:
@@ -127,8 +133,11 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
     from forge.location import run_dir_of
 
     try:
-        files = {f".hydra/{path.name}": path.read_bytes()
-                 for path in sorted((Path(hydra_output_dir) / ".hydra").glob("*")) if path.is_file()}
+        files = {
+            f".hydra/{path.name}": path.read_bytes()
+            for path in sorted((Path(hydra_output_dir) / ".hydra").glob("*"))
+            if path.is_file()
+        }
         yield run_dir_of(output_dir, hydra_output_dir), files
     finally:
         shutil.rmtree(hydra_output_dir, ignore_errors=True)
@@ -171,8 +180,10 @@ def _precheck(args: list[str]) -> None:
         if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
             simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
             if simulated:
-                raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
-                                 "plan on simulated ones with `forge plan` and the same overrides")
+                raise ForgeError(
+                    f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                    "plan on simulated ones with `forge plan` and the same overrides"
+                )
         output_dir = str(plain.get("output_dir", ""))
         check_output_dir(output_dir)
         if multirun:
@@ -212,7 +223,7 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
     if total <= MAX_SWEEP_CHECKS:
         return [list(combo) for combo in itertools.product(*choices)]
     firsts = [c[0] for c in choices]
-    return [firsts[:n] + [value] + firsts[n + 1:] for n, c in enumerate(choices) for value in c]
+    return [firsts[:n] + [value] + firsts[n + 1 :] for n, c in enumerate(choices) for value in c]
 
 
 def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
@@ -232,9 +243,10 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 def plan(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the batch geometry (item mode beside this mode) "
-                                        "and each device's timeline to a PNG."),
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Draw the batch geometry (item mode beside this mode) and each device's timeline to a PNG."
+    ),
+    config_dir: Path | None = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
     compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
     """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
@@ -251,8 +263,11 @@ def plan(
             from forge.plot import plot_plans
 
             other = "token" if report["batching"] == "item" else "item"
-            base = make_plan(build_spec(compose([*ctx.args, f"batching={other}"], config_dir), None),
-                             make_plugin_manager(), keep_batches=True)
+            base = make_plan(
+                build_spec(compose([*ctx.args, f"batching={other}"], config_dir), None),
+                make_plugin_manager(),
+                keep_batches=True,
+            )
             pair = (base, report) if other == "item" else (report, base)
             plot_plans(pair, plot, timeline=report)
     except ForgeError as exc:
@@ -293,10 +308,15 @@ def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> No
         table.add_column(col)
     for mode, p in plans.items():
         hit = p["cache_hit_rate"]
-        table.add_row(mode, f"{p['batches']:,}", f"{p['tokens']['padded_slots']:,}", f"{100 * p['padding_waste']:.2f}%",
-                      "-" if hit is None else f"{100 * hit:.2f}%",
-                      ", ".join(f"{d['name']}: {d['cache_misses']}" for d in p["devices"]),
-                      "yes" if p["balanced"] else "NO")
+        table.add_row(
+            mode,
+            f"{p['batches']:,}",
+            f"{p['tokens']['padded_slots']:,}",
+            f"{100 * p['padding_waste']:.2f}%",
+            "-" if hit is None else f"{100 * hit:.2f}%",
+            ", ".join(f"{d['name']}: {d['cache_misses']}" for d in p["devices"]),
+            "yes" if p["balanced"] else "NO",
+        )
     console.print(table)
 
 
@@ -304,7 +324,7 @@ def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> No
 def calibrate(
     ctx: typer.Context,
     items: int = typer.Option(256, "--items", help="How many input items to time batches of."),
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+    config_dir: Path | None = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
 ) -> None:
     """Measure each device's per-step overhead in token-equivalents (for batch_overhead_tokens)."""
     from itertools import islice
@@ -326,15 +346,22 @@ def calibrate(
                 c = measure(worker, device, sample)
             finally:
                 worker.close()
-            table.add_row(device.name, f"{c.seconds_per_step:.4f}", f"{1e6 * c.seconds_per_slot:.2f}",
-                          f"{1e9 * c.seconds_per_score:.3f}", str(c.overhead_tokens))
+            table.add_row(
+                device.name,
+                f"{c.seconds_per_step:.4f}",
+                f"{1e6 * c.seconds_per_slot:.2f}",
+                f"{1e9 * c.seconds_per_score:.3f}",
+                str(c.overhead_tokens),
+            )
             blocks.append((device, c))
     except ForgeError as exc:
         _fail(exc)
     console.print(table)
-    console.print("Put the number in the device's inventory entry (batch_overhead_tokens) "
-                  "or in batching.batch_overhead_tokens. A simulated device that runs like each one "
-                  "(an inventory entry for `forge plan`):")
+    console.print(
+        "Put the number in the device's inventory entry (batch_overhead_tokens) "
+        "or in batching.batch_overhead_tokens. A simulated device that runs like each one "
+        "(an inventory entry for `forge plan`):"
+    )
     for device, c in blocks:
         sim = ", ".join(f"{k}: {v:.3e}" for k, v in c.sim_block().items())  # YAML reads 1.000e-04 as a number
         mem = f", memory_gb: {device.memory_bytes / GIB:.3g}" if device.memory_bytes else ""
@@ -344,10 +371,11 @@ def calibrate(
 @app.command()
 def probe(
     run_dir: Path = typer.Argument(..., help="A probe_gen run directory (activations and labels)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Where to write the JSON (default: RUN_DIR/probe.json)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Where to draw the PNG (default: RUN_DIR/probe.png)."),
-    test_fraction: float = typer.Option(0.25, "--test-fraction",
-                                        help="Share of items (by a hash of their id) held out."),
+    out: Path | None = typer.Option(None, "--out", help="Where to write the JSON (default: RUN_DIR/probe.json)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Where to draw the PNG (default: RUN_DIR/probe.png)."),
+    test_fraction: float = typer.Option(
+        0.25, "--test-fraction", help="Share of items (by a hash of their id) held out."
+    ),
     c: float = typer.Option(1.0, "--C", help="Inverse L2 strength of the logistic regression."),
 ) -> None:
     """Fit a linear probe per layer on a probe_gen run; accuracy with a 95% interval per layer."""
@@ -357,14 +385,20 @@ def probe(
         result = probe_run(run_dir, out, plot, test_fraction, c)
     except ForgeError as exc:
         _fail(exc)
-    table = Table(title=f"linear probes: {result['split']['test_items']} test / "
-                        f"{result['labelled'] - result['split']['test_items']} train items, "
-                        f"chance {result['chance']:.3f}")
+    table = Table(
+        title=f"linear probes: {result['split']['test_items']} test / "
+        f"{result['labelled'] - result['split']['test_items']} train items, "
+        f"chance {result['chance']:.3f}"
+    )
     for col in ("layer", "test accuracy", "95% interval (Wilson)", "train accuracy"):
         table.add_column(col)
     for r in result["layers"]:
-        table.add_row(str(r["layer"]), f"{r['accuracy']:.3f}", f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
-                      f"{r['train_accuracy']:.3f}")
+        table.add_row(
+            str(r["layer"]),
+            f"{r['accuracy']:.3f}",
+            f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
+            f"{r['train_accuracy']:.3f}",
+        )
     console.print(table)
     console.print(f"wrote {out or run_dir / 'probe.json'} and {result['plot']}")
 
@@ -372,7 +406,7 @@ def probe(
 @app.command(name="ls", context_settings=EXTRA)
 def ls(
     ctx: typer.Context,
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
+    config_dir: Path | None = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
 ) -> None:
     """List functions and batching modes (with the plugin providing each, and whether a config
     selects it) and the devices found."""
@@ -403,8 +437,15 @@ def ls(
     for d in devices:
         lim = d.limits
         mem = f"{d.memory_bytes / (1 << 30):.2f} GiB" if d.memory_bytes else "-"
-        table.add_row(d.name, d.torch_device, str(lim.max_batch_tokens), str(lim.max_rows),
-                      str(lim.max_seq_len), str(lim.pad_multiple), mem)
+        table.add_row(
+            d.name,
+            d.torch_device,
+            str(lim.max_batch_tokens),
+            str(lim.max_rows),
+            str(lim.max_seq_len),
+            str(lim.pad_multiple),
+            mem,
+        )
     console.print(table)
 
 
@@ -428,8 +469,9 @@ def group_options(group: str, config_dir: Path | None = None) -> list[str]:
     overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        options = GlobalHydra.instance().config_loader().get_group_options(group, config_name="config",
-                                                                            overrides=overrides)
+        options = (
+            GlobalHydra.instance().config_loader().get_group_options(group, config_name="config", overrides=overrides)
+        )
     return sorted(options)
 
 
@@ -475,9 +517,13 @@ def print_summary(report: dict[str, Any]) -> None:
     title = f"{report['function']} · batching={report['batching']}" + (" · plan" if report.get("dry_run") else "")
     table = Table(title=title, show_header=False)
     table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
-    table.add_row("tokens", "  ".join(f"{k} {tokens.get(k, 0):,}" for k in
-                                      ("received", "routed", "completed", "failed", "skipped", "padding", "prefix",
-                                       "cache_hit")))
+    table.add_row(
+        "tokens",
+        "  ".join(
+            f"{k} {tokens.get(k, 0):,}"
+            for k in ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")
+        ),
+    )
     table.add_row("batches", f"{report.get('batches', 0):,}")
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
     table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
@@ -489,24 +535,34 @@ def print_summary(report: dict[str, Any]) -> None:
     if sized and sized.get("total"):
         per = sized.get("per_stored_token")
         fields = "  ".join(f"{k} {_bytes(v)}" for k, v in sized["fields"].items() if v)
-        table.add_row("will write", f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "")
-                      + f": {fields}")
+        table.add_row(
+            "will write",
+            f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "") + f": {fields}",
+        )
     attempts = {k: v for k, v in (report.get("attempts") or {}).items() if v}
     if attempts or report.get("items", {}).get("resumed"):
-        table.add_row("recovered", "  ".join([f"{k} {v:,}" for k, v in attempts.items()]
-                                             + [f"restarts {sum((report.get('restarts') or {}).values())}",
-                                                f"resumed {items.get('resumed', 0):,}"]))
+        table.add_row(
+            "recovered",
+            "  ".join(
+                [f"{k} {v:,}" for k, v in attempts.items()]
+                + [f"restarts {sum((report.get('restarts') or {}).values())}", f"resumed {items.get('resumed', 0):,}"]
+            ),
+        )
     if not report.get("dry_run"):
-        table.add_row("wall", f"{report.get('wall_s', 0):.2f} s  "
-                              f"({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)")
+        table.add_row(
+            "wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)"
+        )
         table.add_row("model", str(report.get("model")))
         out = report.get("outputs") or {}
-        table.add_row("outputs", str(out.get("results") or out.get("activations") or out.get("table")
-                                     or out.get("embeddings") or "-"))
+        table.add_row(
+            "outputs",
+            str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"),
+        )
         acc = out.get("accuracy")
         if acc and acc.get("questions"):
-            table.add_row("accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  "
-                                      f"({acc['questions']:,} questions)")
+            table.add_row(
+                "accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  ({acc['questions']:,} questions)"
+            )
     console.print(table)
     devices = report.get("devices", [])
     virtual = report.get("virtual_time")
@@ -524,15 +580,22 @@ def print_summary(report: dict[str, Any]) -> None:
     for col in cols:
         dev.add_column(col)
     for d in devices:
-        row = [d["name"], f"{d['batches']:,}", f"{d['tokens']:,}", f"{d['padded_slots']:,}",
-               str(d.get("cache_misses", 0))]
+        row = [
+            d["name"],
+            f"{d['batches']:,}",
+            f"{d['tokens']:,}",
+            f"{d['padded_slots']:,}",
+            str(d.get("cache_misses", 0)),
+        ]
         if memory:
-            row.append(f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
-                       if d.get("memory_budget_bytes") else "-")
+            row.append(
+                f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
+                if d.get("memory_budget_bytes")
+                else "-"
+            )
         if virtual:
             fmt = "{:,.2f}" if virtual["unit"] == "s" else "{:,.0f}"
-            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}",
-                    str(d.get("oom", 0))]
+            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}", str(d.get("oom", 0))]
         else:
             row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
         dev.add_row(*row)
@@ -541,8 +604,9 @@ def print_summary(report: dict[str, Any]) -> None:
         err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
     failures = report.get("failures") or []
     if failures:
-        err.print(f"[yellow]failed[/] {items.get('failed', 0)} item(s), "
-                  f"e.g. {failures[0]['id']}: {failures[0]['reason']}")
+        err.print(
+            f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}"
+        )
     for warning in report.get("warnings") or []:
         err.print(f"[yellow]warning:[/] {warning}")
     for why in (report.get("retired") or {}).values():

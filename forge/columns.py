@@ -91,12 +91,14 @@ class ItemFeed:
         empty = np.flatnonzero(num_tokens <= prefix_len)
         if len(empty):
             it = items[int(empty[0])]
-            raise ForgeError(f"item {it.id!r} has {it.num_tokens} tokens and a {it.prefix_len}-token prefix: "
-                             "it needs at least one token of its own (admission fails such items)")
+            raise ForgeError(
+                f"item {it.id!r} has {it.num_tokens} tokens and a {it.prefix_len}-token prefix: "
+                "it needs at least one token of its own (admission fails such items)"
+            )
         if n > self._top:
             self._grow(n - self._top)
         self._top -= n
-        ids = self._free[self._top:self._top + n].copy()
+        ids = self._free[self._top : self._top + n].copy()
         self._slots[ids] = np.fromiter(items, dtype=object, count=n)
         return Chunk(ids, num_tokens, prefix, prefix_len)
 
@@ -107,16 +109,23 @@ class ItemFeed:
             rows = [[it] for it in items]
         else:
             rows = [items[a:b] for a, b in zip([0, *cut.row_ends], cut.row_ends)]
-        return Batch(rows=rows, padded_len=cut.padded_len, prefix_key=self.key(cut.prefix),
-                     prefix_len=self.prefix_len(cut.prefix), split_prefix=cut.split_prefix,
-                     packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit)
+        return Batch(
+            rows=rows,
+            padded_len=cut.padded_len,
+            prefix_key=self.key(cut.prefix),
+            prefix_len=self.prefix_len(cut.prefix),
+            split_prefix=cut.split_prefix,
+            packed=cut.packed,
+            seq=cut.seq,
+            cache_hit=cut.cache_hit,
+        )
 
     def take(self, ids: np.ndarray) -> list[Item]:
         """Remove and return the Items named by `ids`, in that order."""
         items = self._slots[ids].tolist()
         self._slots[ids] = None
         n = len(ids)
-        self._free[self._top:self._top + n] = ids
+        self._free[self._top : self._top + n] = ids
         self._top += n
         return items
 
@@ -125,8 +134,13 @@ class ItemFeed:
         size = max(2 * old, old + at_least)
         self._slots = np.concatenate((self._slots, np.empty(size - old, dtype=object)))
         # new ids go under the free ones, so the stack stays [:_top]
-        self._free = np.concatenate((np.arange(size - 1, old - 1, -1, dtype=np.int64), self._free[:self._top],
-                                     np.empty(old - self._top, np.int64)))
+        self._free = np.concatenate(
+            (
+                np.arange(size - 1, old - 1, -1, dtype=np.int64),
+                self._free[: self._top],
+                np.empty(old - self._top, np.int64),
+            )
+        )
         self._top += size - old
 
 
@@ -134,8 +148,13 @@ class GeometryFeed:
     """Items as bare columns: `num_tokens` per item, and optionally its prefix code (an index
     into `prefix_lens`, or -1 for none). Ids are positions in the input."""
 
-    def __init__(self, num_tokens: np.ndarray, prefix: np.ndarray | None = None,
-                 prefix_lens: Sequence[int] = (), keys: Sequence[str] | None = None):
+    def __init__(
+        self,
+        num_tokens: np.ndarray,
+        prefix: np.ndarray | None = None,
+        prefix_lens: Sequence[int] = (),
+        keys: Sequence[str] | None = None,
+    ):
         self.num_tokens = np.asarray(num_tokens, np.int64)
         n = len(self.num_tokens)
         self.prefix = np.full(n, NO_PREFIX, np.int64) if prefix is None else np.asarray(prefix, np.int64)
@@ -182,8 +201,14 @@ class ItemColumns(Sequence):
     # `index` is the column of input positions; it hides Sequence.index (look items up by id instead)
     index: np.ndarray  # type: ignore[assignment]
 
-    def __init__(self, index: np.ndarray, num_tokens: np.ndarray, prefix: np.ndarray,
-                 keys: Sequence[str], prefix_lens: np.ndarray):
+    def __init__(
+        self,
+        index: np.ndarray,
+        num_tokens: np.ndarray,
+        prefix: np.ndarray,
+        keys: Sequence[str],
+        prefix_lens: np.ndarray,
+    ):
         self.index = index  # input position of each item (int64)
         self.num_tokens = num_tokens  # whole sequence, prefix included (int64)
         self.prefix = prefix  # prefix code per item, NO_PREFIX for none (int64)
@@ -206,8 +231,15 @@ class ItemColumns(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         code = int(self.prefix[i])
         index = int(self.index[i])
-        return Item(str(index), int(self.num_tokens[i]), None if code == NO_PREFIX else self._keys[code],
-                    int(self._prefix_lens[code]), None, None, index)
+        return Item(
+            str(index),
+            int(self.num_tokens[i]),
+            None if code == NO_PREFIX else self._keys[code],
+            int(self._prefix_lens[code]),
+            None,
+            None,
+            index,
+        )
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -230,7 +262,7 @@ class _LazyRows(Sequence):
         if self.row_ends is None:
             return [self.columns[i]]
         i = range(len(self))[i]
-        return self.columns[(self.row_ends[i - 1] if i else 0):self.row_ends[i]]
+        return self.columns[(self.row_ends[i - 1] if i else 0) : self.row_ends[i]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +297,17 @@ class ColumnBatch(Batch):
         return self.totals[2] if self.columns is not None else Batch.prefix_tokens.fget(self)
 
     def as_items(self) -> Batch:
-        return Batch(rows=list(self.rows), padded_len=self.padded_len, prefix_key=self.prefix_key,
-                     prefix_len=self.prefix_len, split_prefix=self.split_prefix, packed=self.packed, seq=self.seq,
-                     retry=self.retry, cache_hit=self.cache_hit)
+        return Batch(
+            rows=list(self.rows),
+            padded_len=self.padded_len,
+            prefix_key=self.prefix_key,
+            prefix_len=self.prefix_len,
+            split_prefix=self.split_prefix,
+            packed=self.packed,
+            seq=self.seq,
+            retry=self.retry,
+            cache_hit=self.cache_hit,
+        )
 
     def select(self, keep) -> Batch:
         return self.as_items().select(keep)
@@ -285,9 +325,14 @@ class ColumnFeed:
     each admitted chunk as `ItemColumns` (the ledger's `forge_items_received`).
     """
 
-    def __init__(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]], prefix_lens: Sequence[int],
-                 keys: Sequence[str] | None = None, capacity: int = 65536,
-                 received: Callable[[ItemColumns], None] | None = None):
+    def __init__(
+        self,
+        chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+        prefix_lens: Sequence[int],
+        keys: Sequence[str] | None = None,
+        capacity: int = 65536,
+        received: Callable[[ItemColumns], None] | None = None,
+    ):
         self._chunks = iter(chunks)
         self._buf: list[tuple[np.ndarray, np.ndarray]] = []  # pulled from `chunks`, not admitted yet
         self._buffered = 0
@@ -334,12 +379,13 @@ class ColumnFeed:
         prefix_len = self._table[prefix]
         if np.any(tokens <= prefix_len):
             i = int(np.argmax(tokens <= prefix_len))
-            raise ForgeError(f"item {self.admitted + i}: {tokens[i]} tokens, not more than its prefix; "
-                             "give it a suffix")
+            raise ForgeError(
+                f"item {self.admitted + i}: {tokens[i]} tokens, not more than its prefix; give it a suffix"
+            )
         if n > self._top:
             self._grow(n - self._top)
         self._top -= n
-        ids = self._free[self._top:self._top + n].copy()
+        ids = self._free[self._top : self._top + n].copy()
         index = np.arange(self.admitted, self.admitted + n, dtype=np.int64)
         self.admitted += n
         self._index[ids], self._num_tokens[ids], self._prefix[ids] = index, tokens, prefix
@@ -352,20 +398,28 @@ class ColumnFeed:
         ids = cut.ids
         cols = ItemColumns(self._index[ids], self._num_tokens[ids], self._prefix[ids], self.keys, self._table)
         n = len(ids)
-        self._free[self._top:self._top + n] = ids
+        self._free[self._top : self._top + n] = ids
         self._top += n
         num_tokens = cols.total_tokens
         prefix_len = self.prefix_len(cut.prefix)
         prefix_tokens = prefix_len * n if cut.prefix != NO_PREFIX else cols.prefix_tokens
-        return ColumnBatch(rows=_LazyRows(cols, cut.row_ends), padded_len=cut.padded_len,
-                           prefix_key=self.key(cut.prefix), prefix_len=prefix_len, split_prefix=cut.split_prefix,
-                           packed=cut.packed, seq=cut.seq, cache_hit=cut.cache_hit, columns=cols,
-                           totals=(num_tokens, cut.row_tokens, prefix_tokens))
+        return ColumnBatch(
+            rows=_LazyRows(cols, cut.row_ends),
+            padded_len=cut.padded_len,
+            prefix_key=self.key(cut.prefix),
+            prefix_len=prefix_len,
+            split_prefix=cut.split_prefix,
+            packed=cut.packed,
+            seq=cut.seq,
+            cache_hit=cut.cache_hit,
+            columns=cols,
+            totals=(num_tokens, cut.row_tokens, prefix_tokens),
+        )
 
     def waiting(self) -> list[Item]:
         """Every item held (admitted, not yet in a batch), as Items."""
         held = np.ones(len(self._index), bool)
-        held[self._free[:self._top]] = False
+        held[self._free[: self._top]] = False
         ids = np.flatnonzero(held)
         return list(ItemColumns(self._index[ids], self._num_tokens[ids], self._prefix[ids], self.keys, self._table))
 
@@ -373,8 +427,14 @@ class ColumnFeed:
         old = len(self._index)
         size = max(2 * old, old + at_least)
         pad = np.zeros(size - old, np.int64)
-        self._index, self._num_tokens, self._prefix = (np.concatenate((a, pad)) for a in
-                                                       (self._index, self._num_tokens, self._prefix))
-        self._free = np.concatenate((np.arange(size - 1, old - 1, -1, dtype=np.int64), self._free[:self._top],
-                                     np.empty(old - self._top, np.int64)))
+        self._index, self._num_tokens, self._prefix = (
+            np.concatenate((a, pad)) for a in (self._index, self._num_tokens, self._prefix)
+        )
+        self._free = np.concatenate(
+            (
+                np.arange(size - 1, old - 1, -1, dtype=np.int64),
+                self._free[: self._top],
+                np.empty(old - self._top, np.int64),
+            )
+        )
         self._top += size - old

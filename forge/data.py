@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import posixpath
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,48 +60,98 @@ class Shard:
     prefixes: bool  # a shard of prefix_states/ (each row: one prefix's states)
 
 
-def token_states(run_dir, layer: int, batch_size: int = 4096, shuffle_buffer: int = 1 << 20, seed: int = 0, *,
-                 prefix: str = "drop", with_ids: bool = False, dtype: torch.dtype | None = None,
-                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 chunk_tokens: int = 1 << 16) -> "TokenStates":
+def token_states(
+    run_dir,
+    layer: int,
+    batch_size: int = 4096,
+    shuffle_buffer: int = 1 << 20,
+    seed: int = 0,
+    *,
+    prefix: str = "drop",
+    with_ids: bool = False,
+    dtype: torch.dtype | None = None,
+    drop_last: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    chunk_tokens: int = 1 << 16,
+) -> TokenStates:
     """An `IterableDataset` of [batch_size, hidden] state batches of `layer` from a pooling=none
     run (a local path or an fsspec URL). `with_ids`: dicts with `states`, `token_ids`,
     `item_index`, `position` (in the item's whole sequence) and `item_id` instead. `rank` and
     `world_size` default to torch.distributed's when it is initialized. See the module doc."""
-    return TokenStates(run_dir, layer, batch_size, shuffle_buffer, seed, prefix=prefix, with_ids=with_ids,
-                       dtype=dtype, drop_last=drop_last, rank=rank, world_size=world_size, chunk_tokens=chunk_tokens)
+    return TokenStates(
+        run_dir,
+        layer,
+        batch_size,
+        shuffle_buffer,
+        seed,
+        prefix=prefix,
+        with_ids=with_ids,
+        dtype=dtype,
+        drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 class TokenStates(IterableDataset):
     """Shuffled batches of per-token states; `set_epoch(e)` changes the order (as DistributedSampler)."""
 
-    def __init__(self, run_dir, layer: int, batch_size: int, shuffle_buffer: int, seed: int, *, prefix: str,
-                 with_ids: bool, dtype: torch.dtype | None, drop_last: bool, rank: int | None,
-                 world_size: int | None, chunk_tokens: int):
+    def __init__(
+        self,
+        run_dir,
+        layer: int,
+        batch_size: int,
+        shuffle_buffer: int,
+        seed: int,
+        *,
+        prefix: str,
+        with_ids: bool,
+        dtype: torch.dtype | None,
+        drop_last: bool,
+        rank: int | None,
+        world_size: int | None,
+        chunk_tokens: int,
+    ):
         if prefix not in PREFIX_MODES:
             raise ForgeError(f"prefix={prefix!r}; choose one of: {', '.join(PREFIX_MODES)}")
-        for name, value in (("batch_size", batch_size), ("shuffle_buffer", shuffle_buffer),
-                            ("chunk_tokens", chunk_tokens)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("shuffle_buffer", shuffle_buffer),
+            ("chunk_tokens", chunk_tokens),
+        ):
             if int(value) < 1:
                 raise ForgeError(f"{name}={value}: must be positive")
         self.run_dir, self.layer, self.prefix = run_dir, int(layer), prefix
-        self.batch_size, self.shuffle_buffer, self.chunk_tokens = int(batch_size), int(shuffle_buffer), int(chunk_tokens)
+        self.batch_size, self.shuffle_buffer, self.chunk_tokens = (
+            int(batch_size),
+            int(shuffle_buffer),
+            int(chunk_tokens),
+        )
         self.seed, self.epoch, self.with_ids, self.dtype, self.drop_last = int(seed), 0, with_ids, dtype, drop_last
         self.rank, self.world_size = rank, world_size
         info = read_info(run_dir, ITEMS)
         if info.get("pooling") != "none":
-            raise ForgeError(f"{run_dir}: {ITEMS}/ holds pooled states (pooling={info.get('pooling')}); per-token "
-                             "states come from `forge run function=probe_gen pooling=none`")
+            raise ForgeError(
+                f"{run_dir}: {ITEMS}/ holds pooled states (pooling={info.get('pooling')}); per-token "
+                "states come from `forge run function=probe_gen pooling=none`"
+            )
         if self.layer not in info["layers"]:
             raise ForgeError(f"layer={layer}: the run stored layers {info['layers']}; choose one of them")
         self.field = f"layer_{self.layer}"
         self.stored_prefixes = info.get("prefix_states") == "once"
         if prefix != "drop" and not self.stored_prefixes:
-            raise ForgeError(f"prefix={prefix}: the run stored no prefix states (prefix_states=none); use prefix=drop "
-                             "or rerun with prefix_states=once")
+            raise ForgeError(
+                f"prefix={prefix}: the run stored no prefix states (prefix_states=none); use prefix=drop "
+                "or rerun with prefix_states=once"
+            )
         folders = {ITEMS: False, **({PREFIXES: True} if prefix == "once" else {})}
-        self.shards = [Shard(line["file"], tuple(line["index"]), tuple(line["ids"]), folders[folder])
-                       for line in read_journal(run_dir) if (folder := posixpath.dirname(line["file"])) in folders]
+        self.shards = [
+            Shard(line["file"], tuple(line["index"]), tuple(line["ids"]), folders[folder])
+            for line in read_journal(run_dir)
+            if (folder := posixpath.dirname(line["file"])) in folders
+        ]
         self.max_pool_tokens = 0  # the most tokens the shuffle buffer held (this reader, this process)
 
     def set_epoch(self, epoch: int) -> None:
@@ -139,8 +190,9 @@ class TokenStates(IterableDataset):
     # -- reading ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         reader, readers = self._reader()
-        g = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, self.epoch, reader, readers])
-                                              .integers(1 << 62)))
+        g = torch.Generator().manual_seed(
+            int(np.random.default_rng([self.seed, self.epoch, reader, readers]).integers(1 << 62))
+        )
         pool: list[dict[str, Any]] = []
         held = 0
         for unit in self._units(reader, readers):
@@ -167,8 +219,13 @@ class TokenStates(IterableDataset):
                 yield states
                 continue
             ids = self._item_ids()
-            yield {"states": states, "token_ids": batch["token_ids"], "item_index": batch["item_index"],
-                   "position": batch["position"], "item_id": [ids[i] for i in batch["item_index"].tolist()]}
+            yield {
+                "states": states,
+                "token_ids": batch["token_ids"],
+                "item_index": batch["item_index"],
+                "position": batch["position"],
+                "item_id": [ids[i] for i in batch["item_index"].tolist()],
+            }
 
     def _item_ids(self) -> dict[int, str]:
         if not hasattr(self, "_ids"):
@@ -180,8 +237,11 @@ class TokenStates(IterableDataset):
         with _opened(self.run_dir, shard.file) as f:
             offsets = f.get_tensor(self.field + OFFSETS)
             values, token_ids = f.get_slice(self.field), f.get_slice("token_ids")
-            prefix_len = f.get_tensor("prefix_len") if "prefix_len" in f.keys() else torch.zeros(len(offsets) - 1,
-                                                                                                 dtype=torch.int32)
+            prefix_len = (
+                f.get_tensor("prefix_len")
+                if "prefix_len" in f.keys()
+                else torch.zeros(len(offsets) - 1, dtype=torch.int32)
+            )
             prefix_ids = f.get_tensor("prefix_id")
             index = torch.as_tensor(shard.index, dtype=torch.long)
             a = lo
@@ -189,12 +249,16 @@ class TokenStates(IterableDataset):
                 b = int(torch.searchsorted(offsets, offsets[a] + self.chunk_tokens, right=True)) - 1
                 b = min(hi, max(b, a + 1))
                 t0, t1 = int(offsets[a]), int(offsets[b])
-                counts = (offsets[a + 1:b + 1] - offsets[a:b]).long()
-                chunk = {"states": values[t0:t1], "token_ids": token_ids[t0:t1].long(),
-                         "item_index": torch.repeat_interleave(index[a:b], counts),
-                         "position": _positions(counts) + torch.repeat_interleave(
-                             prefix_len[a:b].long() if not shard.prefixes else torch.zeros(b - a, dtype=torch.long),
-                             counts)}
+                counts = (offsets[a + 1 : b + 1] - offsets[a:b]).long()
+                chunk = {
+                    "states": values[t0:t1],
+                    "token_ids": token_ids[t0:t1].long(),
+                    "item_index": torch.repeat_interleave(index[a:b], counts),
+                    "position": _positions(counts)
+                    + torch.repeat_interleave(
+                        prefix_len[a:b].long() if not shard.prefixes else torch.zeros(b - a, dtype=torch.long), counts
+                    ),
+                }
                 if self.prefix == "each":
                     chunk = self._with_prefixes(chunk, prefix_ids[a:b], counts)
                 yield chunk
@@ -210,8 +274,10 @@ class TokenStates(IterableDataset):
             start += n
             if pid >= 0:
                 if pid not in table:
-                    raise ForgeError(f"{self.run_dir}: prefix {pid:012x} has no stored states (a run that did not "
-                                     "finish?); resume it, or use prefix=drop")
+                    raise ForgeError(
+                        f"{self.run_dir}: prefix {pid:012x} has no stored states (a run that did not "
+                        "finish?); resume it, or use prefix=drop"
+                    )
                 pre = table[pid]
                 parts += [{**pre, "item_index": own["item_index"][:1].expand(len(pre["states"]))}, own]
             else:
@@ -229,8 +295,11 @@ class TokenStates(IterableDataset):
                     values, token_ids = f.get_tensor(self.field), f.get_tensor("token_ids").long()
                     for r, pid in enumerate(f.get_tensor("prefix_id").tolist()):
                         a, b = offsets[r], offsets[r + 1]
-                        self._prefixes[pid] = {"states": values[a:b].clone(), "token_ids": token_ids[a:b].clone(),
-                                               "position": torch.arange(b - a)}
+                        self._prefixes[pid] = {
+                            "states": values[a:b].clone(),
+                            "token_ids": token_ids[a:b].clone(),
+                            "position": torch.arange(b - a),
+                        }
         return self._prefixes
 
 

@@ -94,8 +94,7 @@ def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float 
     return [Device(name="cpu", limits=limits, torch_device="cpu", memory_bytes=memory)]
 
 
-def _number(entry: Mapping[str, Any], key: str, where: str, *, integer: bool = False,
-            positive: bool = True) -> Any:
+def _number(entry: Mapping[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = True) -> Any:
     """An inventory entry's numeric field: None when absent, else a finite number in range."""
     value = entry.get(key)
     if value is None:
@@ -103,8 +102,10 @@ def _number(entry: Mapping[str, Any], key: str, where: str, *, integer: bool = F
     kind = "integer" if integer else "number"
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if not ok or isinstance(value, bool) or not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        raise ForgeError(f"{where}.{key}={value!r}: must be a {'positive' if positive else 'non-negative'} {kind}; "
-                         f"fix it in the devices config or leave it out")
+        raise ForgeError(
+            f"{where}.{key}={value!r}: must be a {'positive' if positive else 'non-negative'} {kind}; "
+            f"fix it in the devices config or leave it out"
+        )
     return value
 
 
@@ -126,8 +127,9 @@ def from_inventory(entries: Any, default_limits: Mapping[str, Any] | None) -> li
         names.add(name)
         unknown = set(entry) - ENTRY_KEYS
         if unknown:
-            raise ForgeError(f"{where} ({name}): unknown key(s) {sorted(unknown)}; an entry has "
-                             f"{', '.join(sorted(ENTRY_KEYS))}")
+            raise ForgeError(
+                f"{where} ({name}): unknown key(s) {sorted(unknown)}; an entry has {', '.join(sorted(ENTRY_KEYS))}"
+            )
         where = f"{where} ({name})"
         if entry.get("device") is not None and not isinstance(entry["device"], str):
             raise ForgeError(f"{where}.device={entry['device']!r}: must be a torch device name such as cuda:0 or cpu")

@@ -81,16 +81,23 @@ def placeable(packer: Packer, devices: list[Device], mode: str):
         ok = np.zeros(len(items), bool)
         for device in devices:
             ok |= packer.fits(n, p, device)
-        return [None if good else (
-            f"item {it.id!r} ({it.num_tokens} tokens, {it.prefix_len} of them prefix) fits no device under "
-            f"batching={mode}: a batch of it alone breaks every device's limits or memory budget; raise a "
-            "device's memory_gb or limits, or set too_long=truncate") for it, good in zip(items, ok.tolist())]
+        return [
+            None
+            if good
+            else (
+                f"item {it.id!r} ({it.num_tokens} tokens, {it.prefix_len} of them prefix) fits no device under "
+                f"batching={mode}: a batch of it alone breaks every device's limits or memory budget; raise a "
+                "device's memory_gb or limits, or set too_long=truncate"
+            )
+            for it, good in zip(items, ok.tolist())
+        ]
 
     return reasons
 
 
-def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
-            committed: set[int] | frozenset = frozenset()) -> tuple[RunContext, Scheduler]:
+def prepare(
+    spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool, committed: set[int] | frozenset = frozenset()
+) -> tuple[RunContext, Scheduler]:
     """Start a run: fire run_start, build the packer and the scheduler over admitted items."""
     if not spec.devices:
         raise ForgeError("no devices: set devices=auto or list devices in a devices config")
@@ -116,12 +123,22 @@ def prepare(spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool,
             "set batching.prefix_cache=false and batching.packing=rows"
         )
     pm.hook.forge_run_start(run=run)
-    rules = AdmissionRules(max_seq_len=max(d.limits.max_seq_len for d in spec.devices), too_long=spec.too_long,
-                           max_tokens=spec.max_tokens, fail_fast=spec.fail_fast,
-                           placeable=placeable(packer, spec.devices, spec.mode))
+    rules = AdmissionRules(
+        max_seq_len=max(d.limits.max_seq_len for d in spec.devices),
+        too_long=spec.too_long,
+        max_tokens=spec.max_tokens,
+        fail_fast=spec.fail_fast,
+        placeable=placeable(packer, spec.devices, spec.mode),
+    )
     items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed)
-    scheduler = Scheduler(packer, items, spec.devices, window=spec.window,
-                          cache_tokens=spec.cache_tokens if splits else 0, max_attempts=spec.runtime.max_attempts)
+    scheduler = Scheduler(
+        packer,
+        items,
+        spec.devices,
+        window=spec.window,
+        cache_tokens=spec.cache_tokens if splits else 0,
+        max_attempts=spec.runtime.max_attempts,
+    )
     return run, scheduler
 
 
@@ -130,8 +147,10 @@ def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) ->
     offered = executors(pm)
     name = spec.runtime.executor
     if name not in offered:
-        raise ForgeError(f"runtime.executor={name!r}; choose one of: {', '.join(sorted(offered))} "
-                         "(plugins add more through forge_executors)")
+        raise ForgeError(
+            f"runtime.executor={name!r}; choose one of: {', '.join(sorted(offered))} "
+            "(plugins add more through forge_executors)"
+        )
     ref, plugin = offered[name]
     factory = load_object(ref, f"executor {name} (plugin {plugin})")
     return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
@@ -149,17 +168,24 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     assert spec.run_dir is not None
     simulated = [d.name for d in spec.devices if d.sim is not None]
     if simulated:
-        raise ForgeError(f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
-                         "plan on simulated ones with `forge plan` and the same overrides")
+        raise ForgeError(
+            f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+            "plan on simulated ones with `forge plan` and the same overrides"
+        )
     started = time.perf_counter()
     began = time.time()
-    store = RunStore(spec.run_dir, spec.function.fingerprint(), resume=spec.resume,
-                     fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None))
+    store = RunStore(
+        spec.run_dir,
+        spec.function.fingerprint(),
+        resume=spec.resume,
+        fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None),
+    )
     try:
         if spec.check_disk and local_path(spec.run_dir) is not None:
             expected = spec.function.expected_items()
-            check_space(spec.function, local_path(spec.run_dir),
-                        None if expected is None else expected - len(store.committed))
+            check_space(
+                spec.function, local_path(spec.run_dir), None if expected is None else expected - len(store.committed)
+            )
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)
         store.add_missing(spec.files)
@@ -182,16 +208,33 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                 f"writing the last shard failed ({exc}); resume=true finishes the run",
             )
         return finish_report(
-            run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
+            run=run,
+            pm=pm,
+            spec=spec,
+            tallies=loop.tallies,
+            predicted_misses=scheduler.cache_misses,
             wall_s=time.perf_counter() - started,
-            extra={"status": status, "error": error, "outputs": outputs,
-                   "phases": phases(run.timings, executor, spec.started_at or began, began),
-                   "max_window_items": scheduler.max_window_seen, "scheduler_s": round(loop.scheduler_s, 4),
-                   "attempts": {**dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
-                                **dict(loop.counts), "oom_splits": scheduler.oom_splits},
-                   **executor.info(), "restarts": dict(executor.restarts), "retired": dict(executor.retired),
-                   "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
-                                        if d.limits != next(x for x in spec.devices if x.name == name).limits}},
+            extra={
+                "status": status,
+                "error": error,
+                "outputs": outputs,
+                "phases": phases(run.timings, executor, spec.started_at or began, began),
+                "max_window_items": scheduler.max_window_seen,
+                "scheduler_s": round(loop.scheduler_s, 4),
+                "attempts": {
+                    **dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
+                    **dict(loop.counts),
+                    "oom_splits": scheduler.oom_splits,
+                },
+                **executor.info(),
+                "restarts": dict(executor.restarts),
+                "retired": dict(executor.retired),
+                "effective_limits": {
+                    name: d.limits.as_dict()
+                    for name, d in scheduler.devices.items()
+                    if d.limits != next(x for x in spec.devices if x.name == name).limits
+                },
+            },
         )
     finally:
         store.close(status)  # after the report: the directory stays ours until it is written
@@ -224,8 +267,10 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
     }
 
 
-INTERRUPTED_TWICE = "interrupted twice: stopped at once without waiting for batches in flight; " \
-                    "committed work stays, resume=true finishes the run"
+INTERRUPTED_TWICE = (
+    "interrupted twice: stopped at once without waiting for batches in flight; "
+    "committed work stays, resume=true finishes the run"
+)
 
 
 def _drive(loop: RunLoop, executor: Executor, devices: list[Device]) -> tuple[str, str | None]:
@@ -257,8 +302,10 @@ def _stop_on_signals(loop: RunLoop):
     def handler(signum, frame):
         if loop.halt is not None and loop.halt[0] == "interrupted":
             raise KeyboardInterrupt
-        loop.halt = ("interrupted", f"interrupted by {signal.Signals(signum).name}; committed work stays, "
-                                    "resume=true finishes the run")
+        loop.halt = (
+            "interrupted",
+            f"interrupted by {signal.Signals(signum).name}; committed work stays, resume=true finishes the run",
+        )
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -95,8 +95,10 @@ class Function(ABC):
         worker's outputs then carry `columns` (`ResultColumns`) with those fields."""
         from forge.errors import ForgeError
 
-        raise ForgeError(f"function {self.name or type(self).__name__} declares no result_schema(); its author "
-                         "must declare one, or override open_sink() with a sink of its own")
+        raise ForgeError(
+            f"function {self.name or type(self).__name__} declares no result_schema(); its author "
+            "must declare one, or override open_sink() with a sink of its own"
+        )
 
     def open_sink(self, store: RunStore) -> Sink:
         """The sink committing results: by default the generic one for `result_schema()`."""

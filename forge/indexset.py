@@ -48,7 +48,7 @@ class IndexSet:
         top = int(indexes.max()) + 1
         if top > len(self._bits):
             grown = np.zeros(max(top, 2 * len(self._bits)), np.bool_)
-            grown[:len(self._bits)] = self._bits
+            grown[: len(self._bits)] = self._bits
             self._bits = grown
         self._bits[indexes] = True
 

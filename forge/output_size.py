@@ -30,10 +30,15 @@ def describe(function: Function, items: int, own_tokens: int) -> dict[str, Any] 
         return None
     total = sum(v for v in fields.values() if v is not None)
     per_token = any((function.output_bytes(0, 1) or {}).values())  # a field holds values per token
-    return {"fields": fields, "total": total, "items": items, "stored_tokens": own_tokens if per_token else 0,
-            "per_item": round(total / items, 3) if items else None,
-            "per_stored_token": round(total / own_tokens, 3) if own_tokens and per_token else None,
-            "unknown": sorted(name for name, v in fields.items() if v is None)}
+    return {
+        "fields": fields,
+        "total": total,
+        "items": items,
+        "stored_tokens": own_tokens if per_token else 0,
+        "per_item": round(total / items, 3) if items else None,
+        "per_stored_token": round(total / own_tokens, 3) if own_tokens and per_token else None,
+        "unknown": sorted(name for name, v in fields.items() if v is None),
+    }
 
 
 def check_space(function: Function, run_dir: Path, rows_left: int | None) -> dict[str, Any] | None:
@@ -51,11 +56,16 @@ def check_space(function: Function, run_dir: Path, rows_left: int | None) -> dic
     need = int(sized["total"] * MARGIN)
     free = shutil.disk_usage(run_dir).free
     if need > free:
-        per = f"{_size(sized['per_stored_token'])} per stored token" if sized["per_stored_token"] \
+        per = (
+            f"{_size(sized['per_stored_token'])} per stored token"
+            if sized["per_stored_token"]
             else f"{_size(sized['per_item'] or 0)} per item"
-        raise ForgeError(f"output_dir={run_dir}: the run will write about {_size(sized['total'])} ({per}, estimated "
-                         f"from {sampled:,} of {rows_left:,} rows) but its disk has {_size(free)} free; free space, "
-                         "choose another output_dir, or set check_disk=false to skip this check")
+        )
+        raise ForgeError(
+            f"output_dir={run_dir}: the run will write about {_size(sized['total'])} ({per}, estimated "
+            f"from {sampled:,} of {rows_left:,} rows) but its disk has {_size(free)} free; free space, "
+            "choose another output_dir, or set check_disk=false to skip this check"
+        )
     return sized
 
 

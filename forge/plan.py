@@ -63,8 +63,9 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     executor = SimExecutor(scheduler.packer.overhead_tokens, _true_bytes(spec, scheduler.packer), timeline=keep_batches)
     executor.start(spec.devices)
     kept = _Kept() if keep_batches else None
-    loop = RunLoop(scheduler, executor, Committer(kept, set(), float("inf")), run=run, hook=pm.hook,
-                   policy=spec.runtime)
+    loop = RunLoop(
+        scheduler, executor, Committer(kept, set(), float("inf")), run=run, hook=pm.hook, policy=spec.runtime
+    )
     status, error = "finished", None
     stored = _Stored()
     pm.register(stored)
@@ -75,25 +76,43 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     finally:
         pm.unregister(stored)
     report = finish_report(
-        run=run, pm=pm, spec=spec, tallies=loop.tallies, predicted_misses=scheduler.cache_misses,
+        run=run,
+        pm=pm,
+        spec=spec,
+        tallies=loop.tallies,
+        predicted_misses=scheduler.cache_misses,
         wall_s=time.perf_counter() - started,
-        extra={"status": status, "error": error, "max_window_items": scheduler.max_window_seen,
-               "attempts": {"oom": loop.counts.get("oom", 0), "oom_splits": scheduler.oom_splits},
-               "end_splits": scheduler.end_splits,
-               "effective_limits": {name: d.limits.as_dict() for name, d in scheduler.devices.items()
-                                    if d.limits != next(x for x in spec.devices if x.name == name).limits}},
+        extra={
+            "status": status,
+            "error": error,
+            "max_window_items": scheduler.max_window_seen,
+            "attempts": {"oom": loop.counts.get("oom", 0), "oom_splits": scheduler.oom_splits},
+            "end_splits": scheduler.end_splits,
+            "effective_limits": {
+                name: d.limits.as_dict()
+                for name, d in scheduler.devices.items()
+                if d.limits != next(x for x in spec.devices if x.name == name).limits
+            },
+        },
     )
     report.pop("useful_tokens_per_s", None)
     report["output_bytes"] = describe(spec.function, stored.items, stored.own_tokens)
     balance = executor.balance()
-    report["virtual_time"] = {"unit": unit, "makespan": round(balance["makespan"], 6),
-                              "finish_skew": round(balance["finish_skew"], 6),
-                              "min_busy_share": round(balance["min_busy_share"], 6)}
+    report["virtual_time"] = {
+        "unit": unit,
+        "makespan": round(balance["makespan"], 6),
+        "finish_skew": round(balance["finish_skew"], 6),
+        "min_busy_share": round(balance["min_busy_share"], 6),
+    }
     for d in report["devices"]:
         b = balance["devices"][d["name"]]
         d.pop("busy_s", None)  # wall time: a plan has only virtual time
-        d.update(virtual_busy=round(b["busy"], 6), virtual_finish=round(b["finish"], 6),
-                 busy_share=round(b["busy_share"], 6), oom=b["oom"])
+        d.update(
+            virtual_busy=round(b["busy"], 6),
+            virtual_finish=round(b["finish"], 6),
+            busy_share=round(b["busy_share"], 6),
+            oom=b["oom"],
+        )
         if executor.true_bytes is not None:
             d["simulated_peak_bytes"] = b["peak_bytes"]  # true peak (no margin) of its largest completed batch
     if unit == "token-equivalents":

@@ -53,7 +53,7 @@ def _image(rows, width: int) -> np.ndarray:
     for y, segs in enumerate(rows):
         x = 0
         for n, colour in segs:
-            img[y, x:x + n] = colour
+            img[y, x : x + n] = colour
             x += n
     return img
 
@@ -71,10 +71,26 @@ def plot_timeline(ax, report) -> None:
         if not mine:
             continue
         starts, widths = [s.start for s in mine], [s.end - s.start for s in mine]
-        ax.bar(starts, [0.85] * len(mine), width=widths, bottom=lane - 0.425, align="edge", color=BUSY,
-               edgecolor="white", linewidth=0.3)  # busy: the whole lane
-        ax.bar(starts, [-0.85 * s.rows / most for s in mine], width=widths, bottom=lane + 0.425, align="edge",
-               color=[OOM if s.status == "oom" else TOKEN for s in mine], edgecolor="white", linewidth=0.3)
+        ax.bar(
+            starts,
+            [0.85] * len(mine),
+            width=widths,
+            bottom=lane - 0.425,
+            align="edge",
+            color=BUSY,
+            edgecolor="white",
+            linewidth=0.3,
+        )  # busy: the whole lane
+        ax.bar(
+            starts,
+            [-0.85 * s.rows / most for s in mine],
+            width=widths,
+            bottom=lane + 0.425,
+            align="edge",
+            color=[OOM if s.status == "oom" else TOKEN for s in mine],
+            edgecolor="white",
+            linewidth=0.3,
+        )
     vt = report.get("virtual_time") or {}
     unit = "s" if vt.get("unit") == "s" else "token-equivalents"
     ax.set_yticks(range(len(names)))
@@ -82,8 +98,11 @@ def plot_timeline(ax, report) -> None:
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlim(0, vt.get("makespan") or max((s.end for s in spans), default=1))
     ax.set_xlabel(f"virtual time ({unit})")
-    ax.set_title(f"batching={report['batching']}: device timelines (bar height: rows of the batch, most {most}); "
-                 f"finish skew {100 * vt.get('finish_skew', 0):.1f}%", fontsize=11)
+    ax.set_title(
+        f"batching={report['batching']}: device timelines (bar height: rows of the batch, most {most}); "
+        f"finish skew {100 * vt.get('finish_skew', 0):.1f}%",
+        fontsize=11,
+    )
 
 
 def plot_plans(reports, path: Path, timeline=None) -> Path:
@@ -116,11 +135,16 @@ def plot_plans(reports, path: Path, timeline=None) -> Path:
         ax.set_title(
             f"batching={r['batching']}: {r['batches']:,} batches, {t['padded_slots']:,} slots\n"
             f"padding {100 * r['padding_waste']:.2f}%, prefix cache hits "
-            f"{'-' if hit is None else f'{100 * hit:.1f}%'}", fontsize=11)
+            f"{'-' if hit is None else f'{100 * hit:.1f}%'}",
+            fontsize=11,
+        )
         ax.set_xlabel("token slots per row")
         ax.set_ylabel("rows (batches separated by white)")
-    handles = [Patch(color=PREFIX, label="prefix (computed)"), Patch(color=TOKEN, label="item tokens / batch run"),
-               Patch(color=PAD, label="padding")]
+    handles = [
+        Patch(color=PREFIX, label="prefix (computed)"),
+        Patch(color=TOKEN, label="item tokens / batch run"),
+        Patch(color=PAD, label="padding"),
+    ]
     if timeline is not None:
         handles += [Patch(color=BUSY, label="device busy"), Patch(color=OOM, label="simulated out of memory")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles))

@@ -15,8 +15,9 @@ from forge.errors import ForgeError
 ENTRY_POINT_GROUP = "forge"
 
 
-def make_plugin_manager(load_entry_points: bool = True, extra: tuple = (),
-                        modules: tuple[str, ...] | list[str] = ()) -> pluggy.PluginManager:
+def make_plugin_manager(
+    load_entry_points: bool = True, extra: tuple = (), modules: tuple[str, ...] | list[str] = ()
+) -> pluggy.PluginManager:
     """A plugin manager with Forge's hookspecs, the `forge` entry points, `extra` plugin
     objects and the plugin `modules` named by import path (the `plugins` config key)."""
     pm = pluggy.PluginManager("forge")
@@ -25,8 +26,10 @@ def make_plugin_manager(load_entry_points: bool = True, extra: tuple = (),
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         except Exception as exc:  # noqa: BLE001  (an installed plugin that cannot import: say which, once)
-            raise ForgeError(f"an installed plugin of the {ENTRY_POINT_GROUP!r} entry-point group cannot load "
-                             f"({type(exc).__name__}: {exc}); reinstall or uninstall its package") from None
+            raise ForgeError(
+                f"an installed plugin of the {ENTRY_POINT_GROUP!r} entry-point group cannot load "
+                f"({type(exc).__name__}: {exc}); reinstall or uninstall its package"
+            ) from None
     for plugin in extra:
         pm.register(plugin)
     for name in modules:
@@ -47,8 +50,10 @@ def _offers(pm: pluggy.PluginManager, hook: str, what: str) -> dict[str, tuple[o
     for impl in getattr(pm.hook, hook).get_hookimpls():
         for name, value in (impl.function() or {}).items():
             if name in offers and offers[name][1] != impl.plugin_name:
-                raise ForgeError(f"{what} {name!r} is offered by two plugins, {offers[name][1]!r} and "
-                                 f"{impl.plugin_name!r}; uninstall one, or rename its {what}")
+                raise ForgeError(
+                    f"{what} {name!r} is offered by two plugins, {offers[name][1]!r} and "
+                    f"{impl.plugin_name!r}; uninstall one, or rename its {what}"
+                )
             offers[name] = (value, impl.plugin_name)
     return offers
 
@@ -81,8 +86,9 @@ def load_object(ref: object, what: str) -> object:
             obj = getattr(obj, part)
     except (ImportError, AttributeError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ForgeError(f"{what}={ref!r}: cannot import it ({first}); pick a function with "
-                         "function=<name> (see `forge ls`)") from None
+        raise ForgeError(
+            f"{what}={ref!r}: cannot import it ({first}); pick a function with function=<name> (see `forge ls`)"
+        ) from None
     return obj
 
 
@@ -97,15 +103,19 @@ def function_class(function_cfg: dict, pm: pluggy.PluginManager | None = None) -
         cls = load_object(target, "config function._target_")
         own = getattr(cls, "name", None)
         if name and isinstance(own, str) and own != name:
-            raise ForgeError(f"function.name={name!r}, but function._target_={target} is the function {own!r}; "
-                             "pick a function with function=<name> (see `forge ls`)")
+            raise ForgeError(
+                f"function.name={name!r}, but function._target_={target} is the function {own!r}; "
+                "pick a function with function=<name> (see `forge ls`)"
+            )
         return cls
     if not name:
         raise ForgeError("function: no name and no _target_; pick one with function=<name> (see `forge ls`)")
     registered = functions(pm or make_plugin_manager())
     if name not in registered:
-        raise ForgeError(f"function.name={name!r}: no installed plugin offers it and its config has no _target_; "
-                         f"installed functions: {', '.join(sorted(registered)) or 'none'} (see `forge ls`)")
+        raise ForgeError(
+            f"function.name={name!r}: no installed plugin offers it and its config has no _target_; "
+            f"installed functions: {', '.join(sorted(registered)) or 'none'} (see `forge ls`)"
+        )
     ref, plugin = registered[name]
     return load_object(ref, f"function {name} (plugin {plugin})")
 

@@ -43,7 +43,7 @@ class LayerProbe:
 def in_test(item_id: str, test_fraction: float) -> bool:
     """Whether `item_id` is a test item: the first 8 bytes of its SHA-256, as a fraction of 2^64."""
     digest = hashlib.sha256(str(item_id).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64 < test_fraction
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < test_fraction
 
 
 def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -56,8 +56,15 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def fit_probes(ids: Sequence[str], labels: Sequence[Any], layers: dict[int, np.ndarray], *,
-               test_fraction: float = 0.25, c: float = 1.0, max_iter: int = 2000) -> dict[str, Any]:
+def fit_probes(
+    ids: Sequence[str],
+    labels: Sequence[Any],
+    layers: dict[int, np.ndarray],
+    *,
+    test_fraction: float = 0.25,
+    c: float = 1.0,
+    max_iter: int = 2000,
+) -> dict[str, Any]:
     """Fit one probe per layer; the result is what probe.json holds (without the run's paths)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
@@ -67,8 +74,9 @@ def fit_probes(ids: Sequence[str], labels: Sequence[Any], layers: dict[int, np.n
         raise ForgeError(f"--test-fraction={test_fraction}: must be between 0 and 1 (exclusive)")
     keep = [i for i, label in enumerate(labels) if label is not None]
     if not keep:
-        raise ForgeError("no labels: the run's input rows carry no `label`; add a label column to the input "
-                         "and run probe_gen again")
+        raise ForgeError(
+            "no labels: the run's input rows carry no `label`; add a label column to the input and run probe_gen again"
+        )
     try:
         classes = sorted({_key(labels[i]) for i in keep}, key=lambda v: (type(v).__name__, v))
     except TypeError:
@@ -81,8 +89,10 @@ def fit_probes(ids: Sequence[str], labels: Sequence[Any], layers: dict[int, np.n
     y = np.array([classes.index(_key(labels[i])) for i in keep])
     test = np.array([in_test(ids[i], test_fraction) for i in keep])
     if test.all() or not test.any():
-        raise ForgeError(f"too few labelled items ({len(keep)}) to split {test_fraction:.0%} / "
-                         f"{1 - test_fraction:.0%} by id; add items or change --test-fraction")
+        raise ForgeError(
+            f"too few labelled items ({len(keep)}) to split {test_fraction:.0%} / "
+            f"{1 - test_fraction:.0%} by id; add items or change --test-fraction"
+        )
     if len(np.unique(y[~test])) < 2:
         raise ForgeError("the training split holds one class only; add items or change --test-fraction")
     majority = np.bincount(y[~test], minlength=len(classes)).argmax()
@@ -96,8 +106,18 @@ def fit_probes(ids: Sequence[str], labels: Sequence[Any], layers: dict[int, np.n
         correct = int(np.sum(model.predict(x[test]) == y[test]))
         n_test = int(test.sum())
         low, high = wilson(correct, n_test)
-        fits.append(LayerProbe(layer, correct / n_test, low, high, correct, n_test, int((~test).sum()),
-                               float(np.mean(model.predict(x[~test]) == y[~test]))))
+        fits.append(
+            LayerProbe(
+                layer,
+                correct / n_test,
+                low,
+                high,
+                correct,
+                n_test,
+                int((~test).sum()),
+                float(np.mean(model.predict(x[~test]) == y[~test])),
+            )
+        )
     return {
         "layers": [asdict(f) for f in fits],
         "classes": classes,
@@ -105,9 +125,12 @@ def fit_probes(ids: Sequence[str], labels: Sequence[Any], layers: dict[int, np.n
         "items": len(ids),
         "labelled": len(keep),
         "interval": "Wilson score, 95%",
-        "split": {"method": "sha256(id) < test_fraction", "test_fraction": test_fraction,
-                  "test_items": len(test_ids),
-                  "test_ids_sha256": hashlib.sha256("\n".join(test_ids).encode()).hexdigest()},
+        "split": {
+            "method": "sha256(id) < test_fraction",
+            "test_fraction": test_fraction,
+            "test_items": len(test_ids),
+            "test_ids_sha256": hashlib.sha256("\n".join(test_ids).encode()).hexdigest(),
+        },
         "probe": {"model": "StandardScaler + LogisticRegression", "C": c, "max_iter": max_iter},
     }
 
@@ -117,8 +140,9 @@ def _key(label: Any) -> Any:
     return int(label) if isinstance(label, bool) else label
 
 
-def probe_run(run_dir: str | Path, out: Path | None = None, plot: Path | None = None,
-              test_fraction: float = 0.25, c: float = 1.0) -> dict[str, Any]:
+def probe_run(
+    run_dir: str | Path, out: Path | None = None, plot: Path | None = None, test_fraction: float = 0.25, c: float = 1.0
+) -> dict[str, Any]:
     """Fit probes on a probe_gen run; write probe.json and probe.png (default: in the run dir)."""
     from forge import load_activations
 
@@ -131,8 +155,9 @@ def probe_run(run_dir: str | Path, out: Path | None = None, plot: Path | None = 
         raise ForgeError(f"{run_dir} is not a probe_gen run with activations ({exc})") from None
     if not ids:
         raise ForgeError(f"{run_dir}: the run committed no activations; finish it (resume=true) first")
-    result = fit_probes(ids, labels, {layer: t.numpy() for layer, t in layers.items()},
-                        test_fraction=test_fraction, c=c)
+    result = fit_probes(
+        ids, labels, {layer: t.numpy() for layer, t in layers.items()}, test_fraction=test_fraction, c=c
+    )
     out = out or run_dir / "probe.json"
     plot = plot or run_dir / "probe.png"
     result = {"run_dir": str(run_dir), **result, "plot": str(plot)}

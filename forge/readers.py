@@ -53,8 +53,10 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
     for name, column in columns.items():
         if name not in schema.names:
             if column.required:
-                raise ForgeError(f"{key}={path}: no {name!r} column (columns: {', '.join(schema.names)}); "
-                                 f"add a {' or '.join(column.kinds)} column {name!r}")
+                raise ForgeError(
+                    f"{key}={path}: no {name!r} column (columns: {', '.join(schema.names)}); "
+                    f"add a {' or '.join(column.kinds)} column {name!r}"
+                )
             continue
         t = schema.field(name).type
         if pa.types.is_dictionary(t):
@@ -62,8 +64,10 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
         if pa.types.is_null(t) and not column.required:
             continue  # an all-null optional column: every row lacks it
         if not any(kinds[k](t) for k in column.kinds):
-            raise ForgeError(f"{key}={path}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
-                             f"(cast it, e.g. with pyarrow or pandas, and write the file again)")
+            raise ForgeError(
+                f"{key}={path}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
+                f"(cast it, e.g. with pyarrow or pandas, and write the file again)"
+            )
 
 
 def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
@@ -85,9 +89,16 @@ def jsonl_records(path: Path, cap: int, only: set[int] | None = None) -> Iterato
             if only is not None and index not in only:
                 yield Record(index, line_no, None, "not read", "not read")
             elif raw is None:
-                yield Record(index, line_no, None, (f"line {line_no}: {size} bytes, over input.max_row_bytes={cap}; "
-                                                     "raise input.max_row_bytes or split the row"),
-                              "row over input.max_row_bytes")
+                yield Record(
+                    index,
+                    line_no,
+                    None,
+                    (
+                        f"line {line_no}: {size} bytes, over input.max_row_bytes={cap}; "
+                        "raise input.max_row_bytes or split the row"
+                    ),
+                    "row over input.max_row_bytes",
+                )
             else:
                 yield parse_line(index, line_no, raw)
 
@@ -125,25 +136,51 @@ def parse_line(index: int, line_no: int, raw: bytes) -> Record:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return Record(index, line_no, None, (f"{where}: invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                              f"{exc.start + 1}); save the file as UTF-8"), "invalid UTF-8")
+        return Record(
+            index,
+            line_no,
+            None,
+            (f"{where}: invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8"),
+            "invalid UTF-8",
+        )
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
-        return Record(index, line_no, None, (f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                                              "each line must be one JSON object"), "invalid JSON")
+        return Record(
+            index,
+            line_no,
+            None,
+            (f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"),
+            "invalid JSON",
+        )
     except RecursionError:
-        return Record(index, line_no, None, f"{where}: nested too deeply to parse; flatten the row",
-                       "nested too deeply")
+        return Record(
+            index, line_no, None, f"{where}: nested too deeply to parse; flatten the row", "nested too deeply"
+        )
     except Exception as exc:  # noqa: BLE001  (e.g. an integer of more digits than Python converts)
-        return Record(index, line_no, None, (f"{where}: cannot be parsed ({first_line(exc)}); each line must "
-                                              "be one JSON object"), "unparseable JSON")
+        return Record(
+            index,
+            line_no,
+            None,
+            (f"{where}: cannot be parsed ({first_line(exc)}); each line must be one JSON object"),
+            "unparseable JSON",
+        )
     if not isinstance(row, dict):
-        return Record(index, line_no, None, (f"{where}: expected a JSON object, got {type(row).__name__}; "
-                                              'write each row as {"text": ...}'), "not a JSON object")
+        return Record(
+            index,
+            line_no,
+            None,
+            (f'{where}: expected a JSON object, got {type(row).__name__}; write each row as {{"text": ...}}'),
+            "not a JSON object",
+        )
     if _deeper_than(row, MAX_DEPTH):
-        return Record(index, line_no, None, f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the row",
-                       "nested too deeply")
+        return Record(
+            index,
+            line_no,
+            None,
+            f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the row",
+            "nested too deeply",
+        )
     return Record(index, line_no, row)
 
 
@@ -189,8 +226,13 @@ def parquet_records(path: Path, cap: int) -> Iterator[Record]:
             yield from _batch_records(batch.slice(0, take), start + done, cap)
             done += take
         for index in range(start + done, start + n):
-            yield Record(index, None, None, (f"row {index}: row group {group} of the Parquet file cannot be read "
-                                              f"({why}); write the file again"), "unreadable Parquet row group")
+            yield Record(
+                index,
+                None,
+                None,
+                (f"row {index}: row group {group} of the Parquet file cannot be read ({why}); write the file again"),
+                "unreadable Parquet row group",
+            )
         start += n
 
 
@@ -207,16 +249,28 @@ def _batch_records(batch, start: int, cap: int) -> Iterator[Record]:
     for k in range(batch.num_rows):
         index = start + k
         if over[k]:
-            yield Record(index, None, None, (f"row {index}: {int(sizes[k])} bytes, over input.max_row_bytes={cap}; "
-                                              "raise input.max_row_bytes or split the row"),
-                          "row over input.max_row_bytes")
+            yield Record(
+                index,
+                None,
+                None,
+                (
+                    f"row {index}: {int(sizes[k])} bytes, over input.max_row_bytes={cap}; "
+                    "raise input.max_row_bytes or split the row"
+                ),
+                "row over input.max_row_bytes",
+            )
             continue
         row = next(rows)
         if isinstance(row, dict):
             yield Record(index, None, row)
         else:
-            yield Record(index, None, None, f"row {index}: cannot be read ({row}); write the file again",
-                          "unreadable Parquet row")
+            yield Record(
+                index,
+                None,
+                None,
+                f"row {index}: cannot be read ({row}); write the file again",
+                "unreadable Parquet row",
+            )
 
 
 def _row_sizes(batch) -> np.ndarray:
@@ -255,8 +309,9 @@ def is_string_type(t) -> bool:
     """Whether a pyarrow type holds strings (string, large string, string view)."""
     import pyarrow as pa
 
-    return (pa.types.is_string(t) or pa.types.is_large_string(t)
-            or getattr(pa.types, "is_string_view", lambda _: False)(t))
+    return (
+        pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    )
 
 
 def place(index: int, line: int | None) -> str:

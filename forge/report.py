@@ -40,8 +40,14 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
                 "busy_s": round(tallies[d.name].busy_s, 4),
                 "cache_misses": tallies[d.name].cache_misses,
                 "predicted_cache_misses": predicted_misses.get(d.name, 0),
-                **({"predicted_peak_bytes": tallies[d.name].peak_bytes,
-                    "memory_budget_bytes": tallies[d.name].budget_bytes} if tallies[d.name].peak_bytes else {}),
+                **(
+                    {
+                        "predicted_peak_bytes": tallies[d.name].peak_bytes,
+                        "memory_budget_bytes": tallies[d.name].budget_bytes,
+                    }
+                    if tallies[d.name].peak_bytes
+                    else {}
+                ),
             }
             for d in spec.devices
         ],

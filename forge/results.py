@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -82,11 +83,15 @@ class Field:
         return self.itemsize * int(np.prod(self.shape, dtype=np.int64))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape),
-                "ragged": self.ragged}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+            "ragged": self.ragged,
+        }
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Field":
+    def from_dict(d: dict[str, Any]) -> Field:
         shape = d.get("shape", ())
         return Field(d["name"], d["dtype"], None if shape is None else tuple(shape), bool(d.get("ragged", False)))
 
@@ -115,8 +120,10 @@ class ResultSchema:
         if self.format == "parquet" and any(f.dtype == BFLOAT16 for f in self.fields):
             raise ForgeError("result format parquet has no bfloat16; write bfloat16 fields as safetensors")
         if self.rows_per_shard < 1 or self.bytes_per_shard < 1:
-            raise ForgeError(f"rows_per_shard and bytes_per_shard must be positive, got {self.rows_per_shard} "
-                             f"and {self.bytes_per_shard}")
+            raise ForgeError(
+                f"rows_per_shard and bytes_per_shard must be positive, got {self.rows_per_shard} "
+                f"and {self.bytes_per_shard}"
+            )
 
     def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None]:
         """Bytes each field will hold for `items` items whose own tokens (after their prefixes)
@@ -130,8 +137,12 @@ class ResultSchema:
 
     def describe(self) -> dict[str, Any]:
         """meta.json: the function's meta plus how to read the shards."""
-        return {**self.meta, "format": self.format, "fields": [f.as_dict() for f in self.fields],
-                "meta_key": self.meta_key}
+        return {
+            **self.meta,
+            "format": self.format,
+            "fields": [f.as_dict() for f in self.fields],
+            "meta_key": self.meta_key,
+        }
 
 
 @dataclass
@@ -177,8 +188,12 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
         raise ForgeError(f"{run_dir}: no {folder}/{META}; is this a Forge run directory?")
     info = json.loads(where.read_bytes(f"{folder}/{META}"))
     if "format" not in info and "layers" in info:
-        info = {**info, "format": "safetensors", "meta_key": "labels",
-                "fields": [{"name": f"layer_{layer}", "dtype": "float32", "shape": None} for layer in info["layers"]]}
+        info = {
+            **info,
+            "format": "safetensors",
+            "meta_key": "labels",
+            "fields": [{"name": f"layer_{layer}", "dtype": "float32", "shape": None} for layer in info["layers"]],
+        }
     return info
 
 
@@ -187,8 +202,10 @@ def _folder(run_dir, folder: str | None) -> str:
         return folder
     folders = result_folders(run_dir)
     if len(folders) != 1:
-        raise ForgeError(f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
-                         + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>"))
+        raise ForgeError(
+            f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "
+            + ("is this a Forge run directory?" if not folders else "pass folder=<one of them>")
+        )
     return folders[0]
 
 
@@ -238,8 +255,10 @@ def _read_shard(where: Location, rel: str, fmt: str, fields: list[Field]) -> dic
             from safetensors.numpy import load, load_file
 
             tensors = load_file(str(path)) if path is not None else load(where.read_bytes(rel))
-        return {name: _split_ragged(tensors[name], tensors[name + OFFSETS]) if name + OFFSETS in tensors
-                else tensors[name] for name in wanted}
+        return {
+            name: _split_ragged(tensors[name], tensors[name + OFFSETS]) if name + OFFSETS in tensors else tensors[name]
+            for name in wanted
+        }
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -48,8 +48,9 @@ def check(data: Mapping, columns: Mapping[str, Column]) -> str | None:
     for name, column in columns.items():
         if name == "id" or "string" not in column.kinds:
             continue
-        problem = string_problem(data, name, required=column.required,
-                                 empty_ok=isinstance(column, MayBeEmpty) or not column.required)
+        problem = string_problem(
+            data, name, required=column.required, empty_ok=isinstance(column, MayBeEmpty) or not column.required
+        )
         if problem is not None:
             return problem
     return json_problem(data, "label")
@@ -71,8 +72,10 @@ def string_problem(row: Mapping[str, Any], name: str, *, required: bool, empty_o
         return f"has an empty or non-string {name!r} ({short(value)}); {fix}"
     bad = unencodable(value)
     if bad is not None:
-        return (f"{name!r} holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
-                "write the character whole or drop it")
+        return (
+            f"{name!r} holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
+            "write the character whole or drop it"
+        )
     return None
 
 
@@ -86,8 +89,10 @@ def json_problem(row: Mapping[str, Any], name: str) -> str | None:
     try:
         json.dumps(value)
     except (TypeError, ValueError, RecursionError) as exc:
-        return (f"{name!r} must be a JSON value (a number, string, list or object), got {type(value).__name__} "
-                f"({first_line(exc)}); convert the column or leave it out")
+        return (
+            f"{name!r} must be a JSON value (a number, string, list or object), got {type(value).__name__} "
+            f"({first_line(exc)}); convert the column or leave it out"
+        )
     return None
 
 

@@ -120,8 +120,9 @@ class FailureWindow:
         kind, n = self.counts.most_common(1)[0]
         if n >= self.share * size:
             example = self.examples.get(kind)
-            self.stop = (f"{n} of the last {size} {what} failed with: {kind}"
-                         + (f" (e.g. {example})" if example and example != kind else ""))
+            self.stop = f"{n} of the last {size} {what} failed with: {kind}" + (
+                f" (e.g. {example})" if example and example != kind else ""
+            )
 
 
 def batch_stats(batch, seconds: float, prefix_computed_tokens: int) -> BatchStats:

@@ -262,8 +262,11 @@ class Scheduler:
                 near, far = self._affinity_order(device)
                 cut = self._first_ready(_keys(near), device, Urgency.ROOM)
             # work stealing: another device's prefix, before cutting what should wait
-            cut = (cut or self._first_ready(_keys(far, ready=True), device, Urgency.WAIT)
-                   or self._first_ready(_keys(far), device, Urgency.ROOM))
+            cut = (
+                cut
+                or self._first_ready(_keys(far, ready=True), device, Urgency.WAIT)
+                or self._first_ready(_keys(far), device, Urgency.ROOM)
+            )
             if cut is not None:
                 return cut
         # Nothing more will arrive, or nothing is worth waiting for: cut what there is, in

@@ -149,8 +149,17 @@ OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
 def schema_for(function_schema: type | None, runtime_schema: type = Runtime) -> type:
     """The root schema: the core's keys (with the chosen runtime's) plus the function's (a
     dataclass of root keys)."""
-    core = CoreConfig if runtime_schema is Runtime else dataclass(type("CoreConfig", (CoreConfig,), {
-        "__annotations__": {"runtime": runtime_schema}, "runtime": field(default_factory=runtime_schema)}))
+    core = (
+        CoreConfig
+        if runtime_schema is Runtime
+        else dataclass(
+            type(
+                "CoreConfig",
+                (CoreConfig,),
+                {"__annotations__": {"runtime": runtime_schema}, "runtime": field(default_factory=runtime_schema)},
+            )
+        )
+    )
     if function_schema is None:
         return core
     clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(core)}
@@ -206,8 +215,10 @@ def _check_executor(name) -> None:
 
     offered = executors(make_plugin_manager())
     if name is not None and name not in offered:
-        raise ForgeError(f"config runtime.executor={_show(name)}: choose one of: {', '.join(sorted(offered))} "
-                         "(plugins add more through forge_executors)")
+        raise ForgeError(
+            f"config runtime.executor={_show(name)}: choose one of: {', '.join(sorted(offered))} "
+            "(plugins add more through forge_executors)"
+        )
 
 
 def explain_compose_error(exc: BaseException) -> str | None:
@@ -285,8 +296,13 @@ def _show(value) -> str:
     return repr(value)
 
 
-NODE_TYPES = {IntegerNode: "an integer", FloatNode: "a number", BooleanNode: "true or false",
-              StringNode: "a string", ListConfig: "a list"}
+NODE_TYPES = {
+    IntegerNode: "an integer",
+    FloatNode: "a number",
+    BooleanNode: "true or false",
+    StringNode: "a string",
+    ListConfig: "a list",
+}
 PLAIN_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 

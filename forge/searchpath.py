@@ -29,7 +29,7 @@ def _is_forge(search_path: ConfigSearchPath) -> bool:
         if path == "pkg://forge.conf":
             return True
         if path.startswith("file://"):
-            path = path[len("file://"):]
+            path = path[len("file://") :]
         if entry.provider == "main" and path and Path(path).resolve() == ours:
             return True
     return False

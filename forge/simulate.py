@@ -46,16 +46,30 @@ class GeometryFunction(Function):
         return {"model": "geometry", "input": "items"}
 
 
-def plan_geometry(items: Iterable[Item], devices: list[Device], mode: str = "memory", *,
-                  cost: CostModel | None = None, options: dict[str, Any] | None = None,
-                  cache_tokens: int = 32768, window: int = DEFAULT_WINDOW, keep_batches: bool = False,
-                  pm=None) -> dict[str, Any]:
+def plan_geometry(
+    items: Iterable[Item],
+    devices: list[Device],
+    mode: str = "memory",
+    *,
+    cost: CostModel | None = None,
+    options: dict[str, Any] | None = None,
+    cache_tokens: int = 32768,
+    window: int = DEFAULT_WINDOW,
+    keep_batches: bool = False,
+    pm=None,
+) -> dict[str, Any]:
     """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
     from forge.plan import plan
     from forge.pluginmanager import make_plugin_manager
 
     options = dict(options or {})
     splits = mode != "item" and options.get("prefix_cache", True)
-    spec = RunSpec(function=GeometryFunction(items, cost), mode=mode, mode_options=options, devices=devices,
-                   window=window, cache_tokens=cache_tokens if splits else 0)
+    spec = RunSpec(
+        function=GeometryFunction(items, cost),
+        mode=mode,
+        mode_options=options,
+        devices=devices,
+        window=window,
+        cache_tokens=cache_tokens if splits else 0,
+    )
     return plan(spec, pm or make_plugin_manager(), keep_batches=keep_batches)

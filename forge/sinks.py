@@ -11,12 +11,24 @@ table with `id`, `index` and a column per field. `forge.results.load` reads eith
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from forge.errors import ForgeError
-from forge.results import BFLOAT16, FORMATS, META, OFFSETS, STRING, Field, ResultSchema, ragged_array, storage_dtype, to_storage
+from forge.results import (
+    BFLOAT16,
+    FORMATS,
+    META,
+    OFFSETS,
+    STRING,
+    Field,
+    ResultSchema,
+    ragged_array,
+    storage_dtype,
+    to_storage,
+)
 
 if TYPE_CHECKING:
     from forge.geometry import Batch
@@ -26,7 +38,7 @@ if TYPE_CHECKING:
 class ShardBuffer:
     """Buffers result rows; `flush` commits them as one shard of the schema's format."""
 
-    def __init__(self, store: "RunStore", schema: ResultSchema):
+    def __init__(self, store: RunStore, schema: ResultSchema):
         self.store = store
         self.schema = schema
         self.rows_per_shard = schema.rows_per_shard
@@ -55,8 +67,11 @@ class ShardBuffer:
         checked = {f.name: self._check(f, columns, n) for f in self.schema.fields}
         for name, values in checked.items():
             self._parts[name].append(values)
-            self.bytes_buffered += values.nbytes if values.dtype != object else \
-                sum(v.nbytes if isinstance(v, np.ndarray) else len(str(v)) for v in values)
+            self.bytes_buffered += (
+                values.nbytes
+                if values.dtype != object
+                else sum(v.nbytes if isinstance(v, np.ndarray) else len(str(v)) for v in values)
+            )
         self._ids.extend(str(i) for i in ids)
         self._index.extend(int(i) for i in index)
         if self.schema.meta_key:
@@ -64,20 +79,28 @@ class ShardBuffer:
 
     def _check(self, f: Field, columns: dict[str, Any], n: int) -> np.ndarray:
         if f.name not in columns:
-            raise ForgeError(f"result field {f.name!r} missing from the worker's output (it gave "
-                             f"{', '.join(sorted(columns)) or 'nothing'}); "
-                             "the function's result_schema and worker disagree")
+            raise ForgeError(
+                f"result field {f.name!r} missing from the worker's output (it gave "
+                f"{', '.join(sorted(columns)) or 'nothing'}); "
+                "the function's result_schema and worker disagree"
+            )
         if f.ragged:  # an array [n, *shape] per item (shape (): any array, flattened)
             values = [to_storage(v, f.dtype) for v in columns[f.name]]
             if len(values) != n:
                 raise ForgeError(f"result field {f.name!r}: the worker gave {len(values)} values for {n} item(s)")
-            shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values[0].shape[1:] if values else ())
+            shape = (
+                f.shape
+                if f.shape is not None
+                else self._shapes.setdefault(f.name, values[0].shape[1:] if values else ())
+            )
             for k, v in enumerate(values):
                 if not shape:
                     values[k] = v.reshape(-1)
                 elif v.shape[1:] != tuple(shape):
-                    raise ForgeError(f"result field {f.name!r}: the worker gave shape {v.shape} for one item, "
-                                     f"expected (n, {', '.join(map(str, shape))})")
+                    raise ForgeError(
+                        f"result field {f.name!r}: the worker gave shape {v.shape} for one item, "
+                        f"expected (n, {', '.join(map(str, shape))})"
+                    )
             return ragged_array(values)
         if f.dtype == BFLOAT16:
             values = to_storage(columns[f.name], f.dtype)
@@ -89,8 +112,9 @@ class ShardBuffer:
             values = values.astype(f.dtype, copy=False)
         shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values.shape[1:])
         if values.shape != (n, *shape):
-            raise ForgeError(f"result field {f.name!r}: the worker gave shape {values.shape} for {n} item(s), "
-                             f"expected {(n, *shape)}")
+            raise ForgeError(
+                f"result field {f.name!r}: the worker gave shape {values.shape} for {n} item(s), expected {(n, *shape)}"
+            )
         return values
 
     def flush(self) -> None:
@@ -117,7 +141,11 @@ class ShardBuffer:
                 values = columns[f.name]
                 if f.ragged:  # values end to end, and where each row's start
                     tensors[f.name + OFFSETS] = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
-                    values = np.concatenate(list(values)) if len(values) else np.zeros((0, *(f.shape or ())), storage_dtype(f.dtype))
+                    values = (
+                        np.concatenate(list(values))
+                        if len(values)
+                        else np.zeros((0, *(f.shape or ())), storage_dtype(f.dtype))
+                    )
                 tensors[f.name] = np.ascontiguousarray(values)
             bf16 = [f.name for f in self.schema.fields if f.dtype == BFLOAT16]
             if bf16:  # numpy has no bfloat16: write the shard through torch, as real BF16 tensors
@@ -142,8 +170,13 @@ class ShardBuffer:
         """Flush what is left; figures for the report."""
         self.flush()
         where = self.store.url(self.schema.folder)
-        return {"results": where, self.schema.folder: where, "format": self.schema.format,
-                "shards": self.shards, "rows": self.rows_written}
+        return {
+            "results": where,
+            self.schema.folder: where,
+            "format": self.schema.format,
+            "shards": self.shards,
+            "rows": self.rows_written,
+        }
 
 
 class ResultSink:
@@ -151,20 +184,23 @@ class ResultSink:
     the output's `columns` (aligned with `batch.items`), ids and input indexes from the items,
     and each item's `meta` is kept when the schema names a `meta_key`."""
 
-    def __init__(self, store: "RunStore", schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
+    def __init__(self, store: RunStore, schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
         self.buffer = ShardBuffer(store, schema)
         self.meta_of = meta_of or (lambda item: item.meta)  # what the journal keeps of an item (schema.meta_key)
 
-    def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
+    def write(self, batch: Batch, output: Any, keep: list[bool] | None) -> None:
         items = batch.items
         columns = dict(output.columns)
         if keep is not None:
             mask = np.asarray(keep, bool)
             items = [it for it, k in zip(items, keep) if k]
-            columns = {name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else
-                       np.asarray(values)[mask] for name, values in columns.items()}
-        self.buffer.add([it.id for it in items], [it.index for it in items], columns,
-                        [self.meta_of(it) for it in items])
+            columns = {
+                name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else np.asarray(values)[mask]
+                for name, values in columns.items()
+            }
+        self.buffer.add(
+            [it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items]
+        )
 
     def full(self) -> bool:
         return self.buffer.full()
@@ -186,7 +222,7 @@ class RoutedSink:
         self.sinks = sinks  # name -> sink; the first is the main one (its figures lead the report's)
         self.route = route  # item -> the name of the sink its row goes to
 
-    def write(self, batch: "Batch", output: Any, keep: list[bool] | None) -> None:
+    def write(self, batch: Batch, output: Any, keep: list[bool] | None) -> None:
         keep = keep if keep is not None else [True] * len(batch.items)
         routes = [self.route(it) for it in batch.items]
         for name, sink in self.sinks.items():
@@ -211,6 +247,6 @@ class RoutedSink:
         return out
 
 
-def open_sink(store: "RunStore", schema: ResultSchema) -> ResultSink:
+def open_sink(store: RunStore, schema: ResultSchema) -> ResultSink:
     """A sink committing `schema`'s fields: safetensors shards or Parquet tables."""
     return ResultSink(store, schema)

@@ -157,10 +157,18 @@ def _journal(where: Location, name: str = JOURNAL, durable: bool = True):
 def check_journal_path(rel: Any, run_dir) -> str:
     """A journaled file name, if it stays inside the run directory (a relative path without
     '..'); a corrupt or crafted journal is one line, never a read elsewhere."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or ":" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
-        raise ForgeError(f"{run_dir}: its journal names {rel!r}, which is not a file inside the run directory; "
-                         "the journal is damaged: restore commits from a copy, or run again into a new output_dir")
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or rel.startswith("/")
+        or "\\" in rel
+        or ":" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise ForgeError(
+            f"{run_dir}: its journal names {rel!r}, which is not a file inside the run directory; "
+            "the journal is damaged: restore commits from a copy, or run again into a new output_dir"
+        )
     return rel
 
 
@@ -173,8 +181,13 @@ class RunStore:
     non-empty directory that holds no run is refused.
     """
 
-    def __init__(self, run_dir: Path | str, fingerprint: dict[str, Any], resume: bool = False,
-                 fault: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        run_dir: Path | str,
+        fingerprint: dict[str, Any],
+        resume: bool = False,
+        fault: Callable[[str], None] | None = None,
+    ):
         # fault: called with a point's name (a test seam): "write_shard" once a shard is written
         # but not in place, "commit_record" once it is in place but its record is not written
         self.fault = fault
@@ -209,8 +222,10 @@ class RunStore:
         else:
             changes = fingerprint_changes(previous.get("fingerprint", {}), self.fingerprint)
             if changes:
-                raise ForgeError(f"resume refused: {'; '.join(changes)} since the run in {run_dir} started; "
-                                 "run with its settings again, or choose a new output_dir")
+                raise ForgeError(
+                    f"resume refused: {'; '.join(changes)} since the run in {run_dir} started; "
+                    "run with its settings again, or choose a new output_dir"
+                )
             self.session = int(previous.get("sessions", 0))
             self.shards = self._journal.read(repair=True)
             for record in self.shards:
@@ -286,8 +301,14 @@ class RunStore:
 
     # -- status -----------------------------------------------------------------
     def _save(self) -> None:
-        self.write_file(RUN_FILE, json.dumps({"fingerprint": self.fingerprint, "status": self.status,
-                                              "sessions": self.session + 1}, indent=2, default=str))
+        self.write_file(
+            RUN_FILE,
+            json.dumps(
+                {"fingerprint": self.fingerprint, "status": self.status, "sessions": self.session + 1},
+                indent=2,
+                default=str,
+            ),
+        )
 
     def _release(self) -> None:
         self._journal.close()
@@ -329,8 +350,10 @@ def _refuse_foreign(where: Location, run_dir) -> None:
     if RUN_FILE in names or not set(names) - LEFT_BY_A_START:
         return
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    raise ForgeError(f"output_dir={run_dir} is not empty ({shown}) and holds no Forge run; Forge writes only "
-                     "into a new or empty directory or into its own run: choose another output_dir")
+    raise ForgeError(
+        f"output_dir={run_dir} is not empty ({shown}) and holds no Forge run; Forge writes only "
+        "into a new or empty directory or into its own run: choose another output_dir"
+    )
 
 
 def _previous_run(where: Location, run_dir, resume: bool) -> dict | None:
@@ -342,8 +365,10 @@ def _previous_run(where: Location, run_dir, resume: bool) -> dict | None:
     except ValueError:
         raise ForgeError(f"output_dir={run_dir}: its {RUN_FILE} is damaged; choose a new output_dir") from None
     if not resume:
-        raise ForgeError(f"output_dir={run_dir} already holds a run ({previous.get('status', 'unknown')}); "
-                         "add resume=true to finish it, or choose a new output_dir")
+        raise ForgeError(
+            f"output_dir={run_dir} already holds a run ({previous.get('status', 'unknown')}); "
+            "add resume=true to finish it, or choose a new output_dir"
+        )
     return previous
 
 
@@ -360,8 +385,10 @@ def check_sweep_dir(output_dir: str) -> None:
     names = reach(output_dir, where.entries)
     foreign = [n for n in names if not n.isdigit()]
     if foreign:
-        raise ForgeError(f"output_dir={output_dir} holds {', '.join(foreign[:3])}, which is not a job of a Forge "
-                         "sweep (a sweep writes only numbered run directories); choose another output_dir")
+        raise ForgeError(
+            f"output_dir={output_dir} holds {', '.join(foreign[:3])}, which is not a job of a Forge "
+            "sweep (a sweep writes only numbered run directories); choose another output_dir"
+        )
 
 
 def read_journal(run_dir: Path | str) -> list[dict]:

@@ -38,8 +38,12 @@ MODES: dict[str, list[str]] = {
     "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
 }
 # small steps, so that a few rows make several batches of several items
-SMALL_LIMITS = ["devices=auto", "devices.limits.max_batch_tokens=256", "devices.limits.max_seq_len=128",
-                "budget.tokens_per_step=256"]
+SMALL_LIMITS = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=256",
+    "devices.limits.max_seq_len=128",
+    "budget.tokens_per_step=256",
+]
 
 
 @dataclass
@@ -64,8 +68,9 @@ def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides:
 
     key = (function, str(rows_path), tuple(overrides))
     if key not in _COMPOSED:  # Hydra composes each configuration once
-        _COMPOSED[key] = compose([f"function={function}", f"input.path={rows_path}", "runtime.executor=inprocess",
-                                  *overrides])
+        _COMPOSED[key] = compose(
+            [f"function={function}", f"input.path={rows_path}", "runtime.executor=inprocess", *overrides]
+        )
     from forge.location import local_path
 
     spec = build_spec(copy.deepcopy(_COMPOSED[key]), local_path(run_dir) or str(run_dir))
@@ -96,8 +101,16 @@ def compare(got: Any, want: Any, tol: float) -> float:
     return worst
 
 
-def check_modes(function: str, rows: Sequence[dict], work_dir: Path, *, tol: float, overrides: Sequence[str] = (),
-                modes: dict[str, list[str]] | None = None, limits: Sequence[str] = tuple(SMALL_LIMITS)) -> ModeCheck:
+def check_modes(
+    function: str,
+    rows: Sequence[dict],
+    work_dir: Path,
+    *,
+    tol: float,
+    overrides: Sequence[str] = (),
+    modes: dict[str, list[str]] | None = None,
+    limits: Sequence[str] = tuple(SMALL_LIMITS),
+) -> ModeCheck:
     """Run `function` over `rows` one item at a time and in every mode; assert each mode equals
     the one-item-at-a-time results within `tol`. Returns what was found (differences, refusals)."""
     from forge.results import load

@@ -47,9 +47,11 @@ class TokenRule:
             key = hashlib.sha1(prefix.encode()).hexdigest()[:12]
             hit = self.prefixes[prefix] = (key, ids)
             if prefix != prefix.rstrip(" \t\r\f\v"):
-                self._warn(f"prefix {key} ends in whitespace: tokenizing it apart from the text can differ from "
-                           "tokenizing the joined string (BPE merges across the boundary); end prefixes with a "
-                           "newline or start texts with the space")
+                self._warn(
+                    f"prefix {key} ends in whitespace: tokenizing it apart from the text can differ from "
+                    "tokenizing the joined string (BPE merges across the boundary); end prefixes with a "
+                    "newline or start texts with the space"
+                )
         return hit
 
     def _strip_eos(self, prefix: str, ids: list[int]) -> list[int]:
@@ -57,10 +59,12 @@ class TokenRule:
         if eos is None or not ids or ids[-1] != eos:
             return ids
         plain = self.tok(prefix, add_special_tokens=False)["input_ids"]
-        if not plain or ids[-1 - len(plain):-1] != plain:
+        if not plain or ids[-1 - len(plain) : -1] != plain:
             return ids  # the EOS is the prefix's own text (or a BOS that doubles as EOS)
-        self._warn("the tokenizer appends EOS to every text: Forge drops it from prefixes (it would sit "
-                   "between prefix and text) and keeps it at the end of rows without a prefix")
+        self._warn(
+            "the tokenizer appends EOS to every text: Forge drops it from prefixes (it would sit "
+            "between prefix and text) and keeps it at the end of rows without a prefix"
+        )
         return ids[:-1]
 
 
@@ -78,7 +82,7 @@ class PairEncoder:
         self.tok = tokenizer
         plain = tokenizer("a", add_special_tokens=False)["input_ids"]
         full = tokenizer("a", add_special_tokens=True)["input_ids"]
-        at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
         self.start = list(full[:at]) if add_special_tokens else []  # what precedes every text (BOS)
         self.dropped_eos = add_special_tokens and len(full) > at + len(plain)
         bos = tokenizer.bos_token_id
@@ -95,4 +99,4 @@ class PairEncoder:
         if not ctx:  # nothing to predict the first token from: the BOS (or EOS) stands in
             return list(self.empty_context), list(self.tok(continuation, add_special_tokens=False)["input_ids"])
         whole = self.enc(context + continuation)
-        return ctx, whole[len(ctx):]
+        return ctx, whole[len(ctx) :]

@@ -62,9 +62,17 @@ class _Embedding:
     columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
     forward = Forward(layers=(FINAL,))
 
-    def __init__(self, model: dict, input: dict, pooling: str = "mean", normalize: bool = True,
-                 max_seq_length: int | None = None, output_format: str = "safetensors", shard_size: int = 4096,
-                 too_long: str = "skip"):
+    def __init__(
+        self,
+        model: dict,
+        input: dict,
+        pooling: str = "mean",
+        normalize: bool = True,
+        max_seq_length: int | None = None,
+        output_format: str = "safetensors",
+        shard_size: int = 4096,
+        too_long: str = "skip",
+    ):
         if output_format not in FORMATS:
             raise ForgeError(f"output_format={output_format!r}; choose one of: {', '.join(FORMATS)}")
         self.pooling, self.normalize, self.format = pooling, bool(normalize), output_format
@@ -84,8 +92,10 @@ class _Embedding:
             raise ForgeError(f"model.name={self.model.name}: {path} is not valid JSON; fix or remove it") from None
         length = data.get("max_seq_length")
         if length is not None and (not isinstance(length, int) or length < 1):
-            raise ForgeError(f"model.name={self.model.name}: {path} has max_seq_length={length!r}; "
-                             "set max_seq_length=N to override it")
+            raise ForgeError(
+                f"model.name={self.model.name}: {path} has max_seq_length={length!r}; "
+                "set max_seq_length=N to override it"
+            )
         return data
 
     def _tokenizer_max_length(self) -> int | None:
@@ -93,8 +103,13 @@ class _Embedding:
         return int(value) if isinstance(value, int) and 0 < value < UNBOUNDED else None
 
     def options(self) -> dict[str, Any]:
-        return {"pooling": self.pooling, "normalize": self.normalize, "max_seq_length": self.max_seq_length,
-                "lowercase": self.lowercase, "output_format": self.format}
+        return {
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "max_seq_length": self.max_seq_length,
+            "lowercase": self.lowercase,
+            "output_format": self.format,
+        }
 
     def prompts(self, row: Row) -> list[Prompt]:
         text = row.data["text"]
@@ -111,8 +126,10 @@ class _Embedding:
     def warnings(self) -> list[str]:
         notes = list(super().warnings())
         if self._truncated:
-            notes.append(f"{self._truncated} texts reached max_seq_length={self.max_seq_length} tokens: longer ones "
-                         "are truncated to it (as sentence-transformers does); set max_seq_length to change it")
+            notes.append(
+                f"{self._truncated} texts reached max_seq_length={self.max_seq_length} tokens: longer ones "
+                "are truncated to it (as sentence-transformers does); set max_seq_length to change it"
+            )
         return notes
 
     def reduce(self, view: ItemView) -> dict[str, Any]:
@@ -135,8 +152,10 @@ class DecoderEmbed(_Embedding, CausalLMFunction):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.pooling == "cls":
-            raise ForgeError(f"pooling=cls is not meaningful for {self.caps.family}: a causal decoder computes its "
-                             "first token without seeing the rest of the text; use pooling=mean or pooling=last")
+            raise ForgeError(
+                f"pooling=cls is not meaningful for {self.caps.family}: a causal decoder computes its "
+                "first token without seeing the rest of the text; use pooling=mean or pooling=last"
+            )
 
     def memory_pooling(self) -> str:
         return "mean" if self.pooling == "mean" else "last"
@@ -154,9 +173,17 @@ class Embed:
     name = "embed"
     config_schema = EmbedConfig
 
-    def __new__(cls, model: dict, input: dict, pooling: str = "mean", normalize: bool = True,
-                max_seq_length: int | None = None, output_format: str = "safetensors", shard_size: int = 4096,
-                too_long: str = "skip"):
+    def __new__(
+        cls,
+        model: dict,
+        input: dict,
+        pooling: str = "mean",
+        normalize: bool = True,
+        max_seq_length: int | None = None,
+        output_format: str = "safetensors",
+        shard_size: int = 4096,
+        too_long: str = "skip",
+    ):
         from forge.modelspec import HFModel
         from forge.runtime.capabilities import capabilities
 

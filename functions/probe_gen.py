@@ -21,7 +21,7 @@ model's dtype by default. Shards are safetensors under ``activations/``, labels 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
 from forge.schema import MISSING, one_of, positive
@@ -43,9 +43,9 @@ class PrefixRow:
 class ProbeGenConfig(ModelFunctionConfig):
     """The root keys probe_gen reads (its constructor's parameters), checked at the edge."""
 
-    layers: List[int] = MISSING  # hidden-state indices (0 = embeddings)
+    layers: list[int] = MISSING  # hidden-state indices (0 = embeddings)
     pooling: str = one_of("last", *POOLINGS)  # none: every token's state
-    storage_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
+    storage_dtype: str | None = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
     prefix_states: str = one_of("once", "once", "none")  # pooling=none: store each prefix's states once, or not
     shard_mb: int = positive(256)  # a shard is also cut once its rows hold this many MiB (per-token states)
 
@@ -57,14 +57,25 @@ class ProbeGen(CausalLMFunction):
     folder = "activations"
     keep_labels = True
 
-    def __init__(self, model: dict, input: dict, layers: list[int], pooling: str = "last", shard_size: int = 4096,
-                 too_long: str = "skip", storage_dtype: str | None = None, prefix_states: str = "once",
-                 shard_mb: int = 256):
+    def __init__(
+        self,
+        model: dict,
+        input: dict,
+        layers: list[int],
+        pooling: str = "last",
+        shard_size: int = 4096,
+        too_long: str = "skip",
+        storage_dtype: str | None = None,
+        prefix_states: str = "once",
+        shard_mb: int = 256,
+    ):
         if pooling not in POOLINGS:
             raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
-            raise ForgeError(f"storage_dtype={storage_dtype!r}; choose one of: {', '.join(STORAGE_DTYPES)} "
-                             "(or null: float32 pooled, the model's dtype per token)")
+            raise ForgeError(
+                f"storage_dtype={storage_dtype!r}; choose one of: {', '.join(STORAGE_DTYPES)} "
+                "(or null: float32 pooled, the model's dtype per token)"
+            )
         self.layers, self.pooling, self.prefix_states = list(layers), pooling, prefix_states
         self.shard_bytes = int(shard_mb) << 20
         if not self.layers:
@@ -73,16 +84,25 @@ class ProbeGen(CausalLMFunction):
         super().__init__(model, input, shard_size, too_long)
         self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
         hidden = (self.hidden_size,)
-        self.fields = tuple(Field(f"layer_{layer}", self.dtype, hidden, ragged=pooling == "none")
-                            for layer in self.layers)
+        self.fields = tuple(
+            Field(f"layer_{layer}", self.dtype, hidden, ragged=pooling == "none") for layer in self.layers
+        )
         if pooling == "none":
-            self.fields += (Field("token_ids", "int32", (), ragged=True), Field("prefix_id", "int64"),
-                            Field("prefix_len", "int32"))
+            self.fields += (
+                Field("token_ids", "int32", (), ragged=True),
+                Field("prefix_id", "int64"),
+                Field("prefix_len", "int32"),
+            )
         self._stored: set[str] = set()  # prefixes whose states have an item of their own (prefix_states=once)
 
     def options(self) -> dict[str, Any]:
-        per_token = {"storage_dtype": self.dtype, "prefix_states": self.prefix_states} if self.pooling == "none" \
-            else {"storage_dtype": self.dtype} if self.dtype != "float32" else {}
+        per_token = (
+            {"storage_dtype": self.dtype, "prefix_states": self.prefix_states}
+            if self.pooling == "none"
+            else {"storage_dtype": self.dtype}
+            if self.dtype != "float32"
+            else {}
+        )
         return {"layers": self.layers, "pooling": self.pooling, **per_token}
 
     def memory_pooling(self) -> str:
@@ -115,8 +135,10 @@ class ProbeGen(CausalLMFunction):
         from forge.sinks import ResultSink, RoutedSink
 
         main = self.result_schema()
-        sinks = {"items": super().open_sink(store),
-                 PREFIX_FOLDER: ResultSink(store, replace(main, folder=PREFIX_FOLDER, meta_key=None))}
+        sinks = {
+            "items": super().open_sink(store),
+            PREFIX_FOLDER: ResultSink(store, replace(main, folder=PREFIX_FOLDER, meta_key=None)),
+        }
         return RoutedSink(sinks, lambda item: PREFIX_FOLDER if isinstance(item.meta.data, PrefixRow) else "items")
 
     def reduce(self, view: ItemView) -> dict[str, Any]:
@@ -126,9 +148,12 @@ class ProbeGen(CausalLMFunction):
             import torch
 
             key = view.data.key if isinstance(view.data, PrefixRow) else view.prefix_key
-            return {**{f"layer_{layer}": view.hidden[layer].to(self.torch_dtype) for layer in self.layers},
-                    "token_ids": torch.as_tensor(view.tokens[view.prefix_len:], dtype=torch.int32),
-                    "prefix_id": prefix_id(key), "prefix_len": view.prefix_len}
+            return {
+                **{f"layer_{layer}": view.hidden[layer].to(self.torch_dtype) for layer in self.layers},
+                "token_ids": torch.as_tensor(view.tokens[view.prefix_len :], dtype=torch.int32),
+                "prefix_id": prefix_id(key),
+                "prefix_len": view.prefix_len,
+            }
         if not view.hidden[self.layers[0]].shape[0]:
             raise ValueError(f"item {view.id!r} has no tokens after its prefix; mean pooling needs at least one")
         return {f"layer_{layer}": view.hidden[layer].float().mean(dim=0).to(self.torch_dtype) for layer in self.layers}

@@ -32,6 +32,7 @@ DEFAULT_MAX_LENGTH = 2048  # lm-eval's when the model's config names no maximum
 @dataclass
 class ScoreConfig(ModelFunctionConfig):
     """The root keys score reads (its constructor's parameters), checked at the edge."""
+
     target_delimiter: str = " "  # multiple choice: continuation = target_delimiter + choice (lm-eval's default)
     add_special_tokens: bool = True  # the tokenizer's own start tokens (BOS) before every context
     max_length: int | None = positive(None)  # tokens the model reads; null: the model's maximum
@@ -59,12 +60,28 @@ class Score(CausalLMFunction):
         "id": Column(kinds=("string", "integer")),
     }
     folder = "scores"
-    fields = (Field("question", "string"), Field("choice", "int32"), Field("num_choices", "int32"),
-              Field("gold", "int32"), Field("loglik", "float64"), Field("num_tokens", "int32"),
-              Field("greedy", "bool"), Field("num_bytes", "int32"), Field("truncated", "int32"))
+    fields = (
+        Field("question", "string"),
+        Field("choice", "int32"),
+        Field("num_choices", "int32"),
+        Field("gold", "int32"),
+        Field("loglik", "float64"),
+        Field("num_tokens", "int32"),
+        Field("greedy", "bool"),
+        Field("num_bytes", "int32"),
+        Field("truncated", "int32"),
+    )
 
-    def __init__(self, model: dict, input: dict, target_delimiter: str = " ", add_special_tokens: bool = True,
-                 max_length: int | None = None, shard_size: int = 4096, too_long: str = "skip"):
+    def __init__(
+        self,
+        model: dict,
+        input: dict,
+        target_delimiter: str = " ",
+        add_special_tokens: bool = True,
+        max_length: int | None = None,
+        shard_size: int = 4096,
+        too_long: str = "skip",
+    ):
         super().__init__(model, input, shard_size, too_long)
         self.target_delimiter, self.add_special_tokens = str(target_delimiter), bool(add_special_tokens)
         self.max_length = int(max_length) if max_length else self._model_max_length()
@@ -82,8 +99,12 @@ class Score(CausalLMFunction):
         return next((v for v in values if isinstance(v, int) and 0 < v < 1 << 30), DEFAULT_MAX_LENGTH)
 
     def options(self) -> dict[str, Any]:
-        return {"token_rule": _Encoder.RULE, "target_delimiter": self.target_delimiter,
-                "add_special_tokens": self.add_special_tokens, "max_length": self.max_length}
+        return {
+            "token_rule": _Encoder.RULE,
+            "target_delimiter": self.target_delimiter,
+            "add_special_tokens": self.add_special_tokens,
+            "max_length": self.max_length,
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_encoder": None}
@@ -92,11 +113,15 @@ class Score(CausalLMFunction):
         return None  # multiple-choice rows expand to several items: unknown until read
 
     def warnings(self) -> list[str]:
-        eos = self._encoder is not None and self._encoder.dropped_eos
-        return [*super().warnings(), *(["the tokenizer appends EOS to every text: score drops it (it would sit "
-                                        "between context and continuation)"] if eos else []),
-                *([f"{self._truncated} item(s) read more than max_length={self.max_length} tokens: their contexts "
-                   "were cut from the left (column 'truncated' counts the tokens)"] if self._truncated else [])]
+        out = super().warnings()
+        if self._encoder is not None and self._encoder.dropped_eos:
+            out.append("the tokenizer appends EOS to every text: score drops it (between context and continuation)")
+        if self._truncated:
+            out.append(
+                f"{self._truncated} item(s) read more than max_length={self.max_length} tokens: their "
+                "contexts were cut from the left (column 'truncated' counts the tokens)"
+            )
+        return out
 
     # -- rows -> items ------------------------------------------------------------------
     def prompts(self, row: Row) -> list[Prompt] | str:
@@ -114,8 +139,15 @@ class Score(CausalLMFunction):
         if gold is not None and (isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices)):
             return f"'gold' is {short(gold)}, not a choice index 0..{len(choices) - 1}; fix it or leave it out"
         gold = -1 if gold is None else gold
-        return [Prompt(self.target_delimiter + c, context, suffix=str(k),
-                       data=Choice(row.id, k, len(choices), gold, len(c.encode()))) for k, c in enumerate(choices)]
+        return [
+            Prompt(
+                self.target_delimiter + c,
+                context,
+                suffix=str(k),
+                data=Choice(row.id, k, len(choices), gold, len(c.encode())),
+            )
+            for k, c in enumerate(choices)
+        ]
 
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         if self._encoder is None:
@@ -127,9 +159,11 @@ class Score(CausalLMFunction):
         if not cont:
             return f"continuation {p.text!r} has no tokens of its own after the context"
         if len(cont) > self.max_length:
-            return (f"continuation {p.text[:30]!r}... has {len(cont)} tokens, more than max_length={self.max_length}; "
-                    "shorten it or raise max_length")
-        run = (ctx + cont[:-1])[max(0, len(ctx) + len(cont) - 1 - self.max_length):]  # what the model reads
+            return (
+                f"continuation {p.text[:30]!r}... has {len(cont)} tokens, more than max_length={self.max_length}; "
+                "shorten it or raise max_length"
+            )
+        run = (ctx + cont[:-1])[max(0, len(ctx) + len(cont) - 1 - self.max_length) :]  # what the model reads
         p.data.truncated = len(ctx) + len(cont) - 1 - len(run)
         self._truncated += p.data.truncated > 0
         at = len(run) - len(cont)  # the prefix: the context minus its last token, whose state predicts cont[0]
@@ -139,9 +173,17 @@ class Score(CausalLMFunction):
     # -- results ------------------------------------------------------------------------
     def reduce(self, view: ItemView) -> dict[str, Any]:
         c: Choice = view.data
-        return {"question": c.question, "choice": c.choice, "num_choices": c.num_choices, "gold": c.gold,
-                "loglik": view.logprobs.double().sum(), "num_tokens": view.targets.numel(),
-                "greedy": view.greedy.all(), "num_bytes": c.num_bytes, "truncated": c.truncated}
+        return {
+            "question": c.question,
+            "choice": c.choice,
+            "num_choices": c.num_choices,
+            "gold": c.gold,
+            "loglik": view.logprobs.double().sum(),
+            "num_tokens": view.targets.numel(),
+            "greedy": view.greedy.all(),
+            "num_bytes": c.num_bytes,
+            "truncated": c.truncated,
+        }
 
     def open_sink(self, store):
         return _QuestionSink(super().open_sink(store), store)
@@ -179,20 +221,26 @@ def question_table(scores):
     import pyarrow as pa
 
     found: dict[str, tuple[int, int, dict[int, tuple[float, int]]]] = {}
-    for q, c, k, g, ll, nb in zip(*(scores.column(n).to_pylist() for n in ("question", "choice", "num_choices", "gold",
-                                                                           "loglik", "num_bytes"))):
+    for q, c, k, g, ll, nb in zip(
+        *(scores.column(n).to_pylist() for n in ("question", "choice", "num_choices", "gold", "loglik", "num_bytes"))
+    ):
         if c >= 0 and g is not None and g >= 0:
             found.setdefault(q, (k, g, {}))[2][c] = (ll, max(nb, 1))
     done = [(q, k, g, [got[c] for c in range(k)]) for q, (k, g, got) in found.items() if len(got) == k]  # all scored
     pred = [int(np.argmax([ll for ll, _ in ch])) for *_, ch in done]
     norm = [int(np.argmax([ll / nb for ll, nb in ch])) for *_, ch in done]
     gold = [g for _, _, g, _ in done]
-    return pa.table({"question": [d[0] for d in done], "num_choices": [d[1] for d in done], "gold": gold,
-                     "pred": pred, "pred_norm": norm, "acc": [float(p == g) for p, g in zip(pred, gold)],
-                     "acc_norm": [float(p == g) for p, g in zip(norm, gold)]},
-                    schema=pa.schema([("question", pa.string()), ("num_choices", pa.int32()), ("gold", pa.int32()),
-                                      ("pred", pa.int32()), ("pred_norm", pa.int32()), ("acc", pa.float64()),
-                                      ("acc_norm", pa.float64())]))
+    columns = {
+        "question": [d[0] for d in done],
+        "num_choices": [d[1] for d in done],
+        "gold": gold,
+        "pred": pred,
+        "pred_norm": norm,
+        "acc": [float(p == g) for p, g in zip(pred, gold)],
+        "acc_norm": [float(p == g) for p, g in zip(norm, gold)],
+    }
+    kinds = {"question": pa.string(), "acc": pa.float64(), "acc_norm": pa.float64()}
+    return pa.table(columns, schema=pa.schema([(name, kinds.get(name, pa.int32())) for name in columns]))
 
 
 def accuracy(questions) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from forge.hookspecs import hookimpl
 
 @hookimpl
 def forge_executors():
-    return {"process": "forge.executors.process:ProcessExecutor.from_runtime",
-            "inprocess": "forge.executors.inprocess:InProcessExecutor.from_runtime",
-            "ray": "forge.executors.ray:RayExecutor.from_runtime"}
+    return {
+        "process": "forge.executors.process:ProcessExecutor.from_runtime",
+        "inprocess": "forge.executors.inprocess:InProcessExecutor.from_runtime",
+        "ray": "forge.executors.ray:RayExecutor.from_runtime",
+    }

@@ -25,8 +25,22 @@ from forge.hookspecs import hookimpl
 NAME = "ledger"
 MAX_FAILURES_IN_REPORT = 20
 ITEM_KEYS = ("received", "completed", "failed", "skipped", "unfinished", "resumed")
-TOKEN_KEYS = ("received", "routed", "completed", "failed", "skipped", "truncated", "unfinished", "resumed",
-              "retried", "discarded", "padding", "padded_slots", "prefix", "cache_hit")
+TOKEN_KEYS = (
+    "received",
+    "routed",
+    "completed",
+    "failed",
+    "skipped",
+    "truncated",
+    "unfinished",
+    "resumed",
+    "retried",
+    "discarded",
+    "padding",
+    "padded_slots",
+    "prefix",
+    "cache_hit",
+)
 
 
 @dataclass
@@ -44,16 +58,22 @@ class Ledger:
         i, t = self.items, self.tokens
         problems = []
         if i["received"] != i["completed"] + i["failed"] + i["skipped"] + i["unfinished"]:
-            problems.append(f"items: received {i['received']} != completed {i['completed']} + failed "
-                            f"{i['failed']} + skipped {i['skipped']} + unfinished {i['unfinished']}")
+            problems.append(
+                f"items: received {i['received']} != completed {i['completed']} + failed "
+                f"{i['failed']} + skipped {i['skipped']} + unfinished {i['unfinished']}"
+            )
         if t["received"] != t["completed"] + t["failed"] + t["skipped"] + t["truncated"] + t["unfinished"]:
-            problems.append(f"tokens: received {t['received']} != completed {t['completed']} + failed "
-                            f"{t['failed']} + skipped {t['skipped']} + truncated {t['truncated']} "
-                            f"+ unfinished {t['unfinished']}")
+            problems.append(
+                f"tokens: received {t['received']} != completed {t['completed']} + failed "
+                f"{t['failed']} + skipped {t['skipped']} + truncated {t['truncated']} "
+                f"+ unfinished {t['unfinished']}"
+            )
         ran = t["completed"] - t["resumed"]
         if t["routed"] != ran + self.failed_in_batches + t["retried"] + t["discarded"]:
-            problems.append(f"tokens: routed {t['routed']} != completed this session {ran} + failed in batches "
-                            f"{self.failed_in_batches} + retried {t['retried']} + discarded {t['discarded']}")
+            problems.append(
+                f"tokens: routed {t['routed']} != completed this session {ran} + failed in batches "
+                f"{self.failed_in_batches} + retried {t['retried']} + discarded {t['discarded']}"
+            )
         return problems
 
 
@@ -207,5 +227,8 @@ def forge_run_end(run, report):
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]
     _write_jsonl(run, "failures.jsonl", led.failures)
-    _write_jsonl(run, "skipped.jsonl", [{"id": i, **({"line": line} if line is not None else {}), "reason": reason}
-                                        for i, line, reason in led.skips])
+    _write_jsonl(
+        run,
+        "skipped.jsonl",
+        [{"id": i, **({"line": line} if line is not None else {}), "reason": reason} for i, line, reason in led.skips],
+    )

@@ -18,10 +18,16 @@ NAME = "progress"
 class _Bar:
     def __init__(self, total: int | None):
         self.progress = Progress(
-            TextColumn("[bold]forge[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("items"),
-            TextColumn("{task.fields[rate]:>8} tok/s"), TextColumn("pad {task.fields[pad]}"),
-            TextColumn("cache {task.fields[hit]}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=False,
+            TextColumn("[bold]forge[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("items"),
+            TextColumn("{task.fields[rate]:>8} tok/s"),
+            TextColumn("pad {task.fields[pad]}"),
+            TextColumn("cache {task.fields[hit]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
         )
         self.task = self.progress.add_task("run", total=total, rate="-", pad="-", hit="-")
         self.started = time.perf_counter()
@@ -36,7 +42,9 @@ class _Bar:
         self.hit += stats.cache_hit_tokens
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(
-            self.task, advance=len(batch.items), rate=f"{self.tokens / elapsed:,.0f}",
+            self.task,
+            advance=len(batch.items),
+            rate=f"{self.tokens / elapsed:,.0f}",
             pad=f"{100 * self.padding / max(self.slots, 1):.1f}%",
             hit=f"{100 * self.hit / self.prefix:.1f}%" if self.prefix else "-",
         )

@@ -22,8 +22,12 @@ def pm():
 
 
 # Small limits so that a few hundred embedded rows make many batches.
-SMALL = ["devices=auto", "devices.limits.max_batch_tokens=2048", "devices.limits.max_seq_len=1024",
-         "budget.tokens_per_step=2048"]
+SMALL = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=2048",
+    "devices.limits.max_seq_len=1024",
+    "budget.tokens_per_step=2048",
+]
 
 
 def compose(*overrides):

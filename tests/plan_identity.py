@@ -67,16 +67,32 @@ def canonical(seen: list[tuple[str, Any]], report: dict[str, Any]) -> str:
     lines = []
     for device, b in seen:
         rows = ";".join(",".join(it.id for it in row) for row in b.rows)
-        lines.append(json.dumps([device, b.prefix_key, b.prefix_len, b.split_prefix, b.packed, b.retry, b.seq,
-                                 b.padded_len, b.cache_hit, rows]))
+        lines.append(
+            json.dumps(
+                [
+                    device,
+                    b.prefix_key,
+                    b.prefix_len,
+                    b.split_prefix,
+                    b.packed,
+                    b.retry,
+                    b.seq,
+                    b.padded_len,
+                    b.cache_hit,
+                    rows,
+                ]
+            )
+        )
     figures = {
         k: report[k]
         for k in ("batches", "tokens", "status", "end_splits", "attempts", "effective_limits")
         if k in report
     }
     figures["virtual_time"] = report.get("virtual_time")
-    figures["devices"] = [{k: d.get(k) for k in ("name", "batches", "tokens", "cache_misses", "virtual_busy",
-                                                  "virtual_finish", "oom")} for d in report["devices"]]
+    figures["devices"] = [
+        {k: d.get(k) for k in ("name", "batches", "tokens", "cache_misses", "virtual_busy", "virtual_finish", "oom")}
+        for d in report["devices"]
+    ]
     lines.append(json.dumps(figures, sort_keys=True, default=str))
     return "\n".join(lines) + "\n"
 

@@ -7,8 +7,24 @@ import sys
 import forge
 import forge.api as api
 
-PUBLIC = ["CausalLMFunction", "Column", "EncoderFunction", "Field", "ForgeError", "Forward", "InputSpec", "Item",
-          "ItemView", "ModelFunction", "ModelFunctionConfig", "ModelSpec", "Prompt", "Rejected", "Row", "Tokens"]
+PUBLIC = [
+    "CausalLMFunction",
+    "Column",
+    "EncoderFunction",
+    "Field",
+    "ForgeError",
+    "Forward",
+    "InputSpec",
+    "Item",
+    "ItemView",
+    "ModelFunction",
+    "ModelFunctionConfig",
+    "ModelSpec",
+    "Prompt",
+    "Rejected",
+    "Row",
+    "Tokens",
+]
 
 
 def test_the_public_names_are_exactly_these():
@@ -19,8 +35,20 @@ def test_the_public_names_are_exactly_these():
 
 def test_the_item_view_and_specs_keep_their_fields():
     names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
-    assert names(api.ItemView) == ["id", "index", "tokens", "prefix_len", "hidden", "prefix_state", "targets",
-                                   "logprobs", "greedy", "label", "data", "prefix_key"]
+    assert names(api.ItemView) == [
+        "id",
+        "index",
+        "tokens",
+        "prefix_len",
+        "hidden",
+        "prefix_state",
+        "targets",
+        "logprobs",
+        "greedy",
+        "label",
+        "data",
+        "prefix_key",
+    ]
     assert names(api.Forward) == ["layers", "targets"]
     assert names(api.Prompt) == ["text", "prefix", "label", "data", "suffix"]
     assert names(api.ModelSpec) == ["name", "torch_dtype", "attn_implementation", "revision", "trust_remote_code"]

@@ -43,10 +43,10 @@ def test_import_is_cheap():
     # The assets module must not pull in torch/transformers at import time.
     import subprocess
 
-    code = ("import sys, forge.functions.assets; "
-            "print('torch' in sys.modules or 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ASSETS_DIR.parent.parent, check=True)
+    code = "import sys, forge.functions.assets; print('torch' in sys.modules or 'transformers' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ASSETS_DIR.parent.parent, check=True
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -77,8 +77,10 @@ def test_prefix_text_boundary(rows, tokenizer):
         if "prefix" not in r:
             continue
         joined = tokenizer(r["prefix"] + r["text"], add_special_tokens=False).input_ids
-        split = (tokenizer(r["prefix"], add_special_tokens=False).input_ids
-                 + tokenizer(r["text"], add_special_tokens=False).input_ids)
+        split = (
+            tokenizer(r["prefix"], add_special_tokens=False).input_ids
+            + tokenizer(r["text"], add_special_tokens=False).input_ids
+        )
         assert joined == split, r["id"]
 
 

@@ -61,13 +61,32 @@ def test_run_writes_report_and_activations(cli, tmp_path):
     assert report["balanced"] and report["items"]["completed"] == 30
     assert (out / "commits.jsonl").exists() and (out / "run.json").exists()
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
-    for key in ("function", "batching", "model", "input", "config", "padding_waste", "cache_hit_rate",
-                "devices", "wall_s", "useful_tokens_per_s"):
+    for key in (
+        "function",
+        "batching",
+        "model",
+        "input",
+        "config",
+        "padding_waste",
+        "cache_hit_rate",
+        "devices",
+        "wall_s",
+        "useful_tokens_per_s",
+    ):
         assert key in report
     assert "balanced" in result.output
     phases = report["phases"]  # where the time went, start-up included
-    assert set(phases) == {"start_s", "open_s", "worker_load_s", "worker_ready_s", "first_batch_s", "drain_s",
-                           "read_tokenize_s", "commit_s", "total_s"}
+    assert set(phases) == {
+        "start_s",
+        "open_s",
+        "worker_load_s",
+        "worker_ready_s",
+        "first_batch_s",
+        "drain_s",
+        "read_tokenize_s",
+        "commit_s",
+        "total_s",
+    }
     assert all(isinstance(v, (int, float)) and v >= 0 for v in phases.values()), phases
     assert phases["start_s"] + phases["open_s"] <= phases["first_batch_s"] <= phases["total_s"]
     assert phases["worker_ready_s"] <= phases["first_batch_s"] and phases["read_tokenize_s"] > 0
@@ -112,10 +131,12 @@ def test_run_with_user_config_dir(cli, tmp_path):
     conf.mkdir(parents=True)
     (conf / "lab.yaml").write_text(
         "discover: false\ninventory:\n"
-        "  - {name: lab0, device: cpu, limits: {max_batch_tokens: 2048, max_rows: 64, max_seq_len: 1024}}\n")
+        "  - {name: lab0, device: cpu, limits: {max_batch_tokens: 2048, max_rows: 64, max_seq_len: 1024}}\n"
+    )
     out = tmp_path / "run"
-    result = cli.invoke(app, ["run", "--config-dir", str(tmp_path / "conf"), "devices=lab",
-                              f"output_dir={out}", "input.limit=10"])
+    result = cli.invoke(
+        app, ["run", "--config-dir", str(tmp_path / "conf"), "devices=lab", f"output_dir={out}", "input.limit=10"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert [d["name"] for d in report["devices"]] == ["lab0"]
@@ -178,8 +199,8 @@ BAD_CONFIG = {
     "batching.window=-5": "error: config batching.window=-5: must be a positive integer",
     "devices.limits.max_rows=0": "error: config devices.limits.max_rows=0: must be a positive integer",
     "+foo=1": "error: config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
-              "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
-              "storage_dtype, prefix_states, shard_mb",
+    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
+    "storage_dtype, prefix_states, shard_mb",
 }
 
 
@@ -203,8 +224,11 @@ def test_sweep_checks_every_swept_value_before_launching(cli, tmp_path):
     _one_error_line(result, BAD_CONFIG["budget.tokens_per_step=abc"])
     assert not out.exists()  # the good value's job did not run either
     result = cli.invoke(app, ["run", "--multirun", "runtime.executor=process,thread", f"output_dir={out}"])
-    _one_error_line(result, "error: config runtime.executor='thread': choose one of: inprocess, process, ray "
-                               "(plugins add more through forge_executors)")
+    _one_error_line(
+        result,
+        "error: config runtime.executor='thread': choose one of: inprocess, process, ray "
+        "(plugins add more through forge_executors)",
+    )
     assert not out.exists()
 
 

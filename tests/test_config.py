@@ -11,8 +11,10 @@ from conftest import compose, spec_for
 from forge.config import conf_dir
 from forge.errors import ForgeError
 
-GROUPS = {g: sorted(p.stem for p in (conf_dir() / g).glob("*.yaml"))
-          for g in ("function", "batching", "devices", "model", "runtime")}
+GROUPS = {
+    g: sorted(p.stem for p in (conf_dir() / g).glob("*.yaml"))
+    for g in ("function", "batching", "devices", "model", "runtime")
+}
 
 
 def test_every_group_has_options():
@@ -84,7 +86,9 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
     )
     spec = build_spec(cli_compose(["devices=lab"], tmp_path), None)
     assert [(d.name, d.limits.max_batch_tokens, d.limits.pad_multiple) for d in spec.devices] == [
-        ("big", 8192, 8), ("small", 2048, 1)]
+        ("big", 8192, 8),
+        ("small", 2048, 1),
+    ]
 
 
 def test_a_non_causal_function_cannot_share_prefixes(pm):
@@ -134,21 +138,21 @@ BAD = {
     "runtime.max_failure_share=0": "config runtime.max_failure_share=0.0: must be a share in (0, 1]",
     "runtime.kill_grace_s=-1": "config runtime.kill_grace_s=-1.0: must be 0 or more",
     "runtime.executor=thread": "config runtime.executor='thread': choose one of: inprocess, process, ray "
-                               "(plugins add more through forge_executors)",
+    "(plugins add more through forge_executors)",
     "too_long=drop": "config too_long='drop': choose one of: skip, truncate, error",
     "model.torch_dtype=int8": "config model.torch_dtype='int8': choose one of: float32, float16, bfloat16",
     # unknown keys
     "+foo=1": "config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
-              "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
-              "storage_dtype, prefix_states, shard_mb",
+    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, layers, pooling, "
+    "storage_dtype, prefix_states, shard_mb",
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
-                          "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
-                          "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "
-                          "drain_s",
+    "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
+    "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "
+    "drain_s",
     "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
-                                    "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
+    "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
     "+model.branch=main": "config: unknown key 'branch' in model; valid keys: name, torch_dtype, "
-                          "attn_implementation, revision, trust_remote_code",
+    "attn_implementation, revision, trust_remote_code",
 }
 
 
@@ -190,8 +194,11 @@ def test_sweep_combinations_expand_like_the_basic_sweeper():
     from forge.cli import MAX_SWEEP_CHECKS, sweep_combinations
 
     assert sweep_combinations(["batching=item,token", "layers=[1]", "input.limit=range(1,3)"]) == [
-        ["batching=item", "layers=[1]", "input.limit=1"], ["batching=item", "layers=[1]", "input.limit=2"],
-        ["batching=token", "layers=[1]", "input.limit=1"], ["batching=token", "layers=[1]", "input.limit=2"]]
+        ["batching=item", "layers=[1]", "input.limit=1"],
+        ["batching=item", "layers=[1]", "input.limit=2"],
+        ["batching=token", "layers=[1]", "input.limit=1"],
+        ["batching=token", "layers=[1]", "input.limit=2"],
+    ]
     globbed = sweep_combinations(["batching=glob(*)"])  # the built-in modes, and any an installed plugin adds
     assert globbed == sorted(globbed) and {"batching=item", "batching=memory", "batching=token"} <= {
         c[0] for c in globbed
@@ -209,8 +216,10 @@ def test_a_function_name_that_disagrees_with_its_target_is_refused():
     for command in ("run", "plan"):
         result = CliRunner().invoke(app, [command, "function.name=nope"])
         assert result.exit_code == 2, result.output
-        assert "function.name='nope', but function._target_=" in result.output and "is the function 'probe_gen'" \
-            in result.output
+        assert (
+            "function.name='nope', but function._target_=" in result.output
+            and "is the function 'probe_gen'" in result.output
+        )
 
 
 def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
@@ -223,8 +232,10 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
     from forge.config import conf_dir
     from forge.schema import RayRuntime, Runtime
 
-    for path, schema in ((conf_dir() / "runtime" / "local.yaml", Runtime), (conf_dir() / "runtime" / "ray.yaml",
-                                                                            RayRuntime)):
+    for path, schema in (
+        (conf_dir() / "runtime" / "local.yaml", Runtime),
+        (conf_dir() / "runtime" / "ray.yaml", RayRuntime),
+    ):
         assert set(yaml.safe_load(path.read_text())) == {"defaults"}, f"{path.name} restates a default"
         got = spec_for(f"runtime={path.stem}").runtime
         assert type(got) is schema and got == schema()

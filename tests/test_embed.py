@@ -62,13 +62,26 @@ def tiny_bert(tmp_path_factory):
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     folder = tmp_path_factory.mktemp("tiny-bert")
-    words = sorted({w for row in _statements() for part in (row["text"], row.get("prefix") or "")
-                    for w in re.findall(r"\w+|[^\w\s]", part.lower())})
+    words = sorted(
+        {
+            w
+            for row in _statements()
+            for part in (row["text"], row.get("prefix") or "")
+            for w in re.findall(r"\w+|[^\w\s]", part.lower())
+        }
+    )
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True, model_max_length=512)
     tok.save_pretrained(folder)
-    config = BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=512, pad_token_id=0)
+    config = BertConfig(
+        vocab_size=len(words) + 5,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
     torch.manual_seed(7)
     BertModel(config).save_pretrained(folder)
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
@@ -134,21 +147,43 @@ def _check_run(tmp_path, report, reference, atol, n_bad=len(BAD_ROWS)):  # noqa:
 ENCODER_MODES = {
     "item": ["batching=item", "batching.batch_size=8"],
     "token-rows": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": ["batching=token", "batching.prefix_cache=false", "batching.packing=packed",
-                     "batching.packed_row_tokens=96", "runtime.executor=process"],
+    "token-packed": [
+        "batching=token",
+        "batching.prefix_cache=false",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=96",
+        "runtime.executor=process",
+    ],
     "memory-rows": ["batching=memory", "batching.prefix_cache=false", "devices.cpu_memory_gb=0.02"],
-    "memory-packed": ["batching=memory", "batching.prefix_cache=false", "batching.packing=packed",
-                      "batching.packed_row_tokens=96", "devices.cpu_memory_gb=0.02"],
+    "memory-packed": [
+        "batching=memory",
+        "batching.prefix_cache=false",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=96",
+        "devices.cpu_memory_gb=0.02",
+    ],
 }
-DEVICE = [*SMALL[:1], "devices.limits.max_batch_tokens=384", "devices.limits.max_seq_len=384",
-          "budget.tokens_per_step=384"]
+DEVICE = [
+    *SMALL[:1],
+    "devices.limits.max_batch_tokens=384",
+    "devices.limits.max_seq_len=384",
+    "budget.tokens_per_step=384",
+]
 
 
 @pytest.mark.parametrize("mode", list(ENCODER_MODES))
 def test_encoder_modes_equal_one_text_forward(tmp_path, tiny_bert, texts_file, bert_reference, mode):
     pooling = "cls" if mode == "token-packed" else "mean"
-    report = run_forge(tmp_path, "function=embed", "model=hf", f"model.name={tiny_bert}", f"input.path={texts_file}",
-                       f"pooling={pooling}", *DEVICE, *ENCODER_MODES[mode])
+    report = run_forge(
+        tmp_path,
+        "function=embed",
+        "model=hf",
+        f"model.name={tiny_bert}",
+        f"input.path={texts_file}",
+        f"pooling={pooling}",
+        *DEVICE,
+        *ENCODER_MODES[mode],
+    )
     _check_run(tmp_path, report, bert_reference[pooling], atol=1e-5)
     assert "encoder" in report["path"] and ("packed rows on" in report["path"]) == ("packed" in mode)
 
@@ -165,8 +200,15 @@ DECODER_MODES = {
 def test_decoder_modes_equal_one_text_forward(tmp_path, short_texts_file, llama_reference, mode):
     path, bad = short_texts_file
     pooling = "last" if mode == "token-packed" else "mean"
-    report = run_forge(tmp_path, "function=embed", f"input.path={path}", f"pooling={pooling}",
-                       "normalize=false", *DEVICE, *DECODER_MODES[mode])
+    report = run_forge(
+        tmp_path,
+        "function=embed",
+        f"input.path={path}",
+        f"pooling={pooling}",
+        "normalize=false",
+        *DEVICE,
+        *DECODER_MODES[mode],
+    )
     _check_run(tmp_path, report, llama_reference[pooling], atol=1e-4, n_bad=bad)
 
 
@@ -218,8 +260,17 @@ def test_refusals_before_any_work(tmp_path, tiny_bert, texts_file):
 
 
 def test_parquet_output_and_resume(tmp_path, tiny_bert, texts_file):
-    base = ["function=embed", "model=hf", f"model.name={tiny_bert}", f"input.path={texts_file}", *DEVICE,
-            "batching=token", "batching.prefix_cache=false", "output_format=parquet", "shard_size=16"]
+    base = [
+        "function=embed",
+        "model=hf",
+        f"model.name={tiny_bert}",
+        f"input.path={texts_file}",
+        *DEVICE,
+        "batching=token",
+        "batching.prefix_cache=false",
+        "output_format=parquet",
+        "shard_size=16",
+    ]
     first = run_forge(tmp_path, *base, "budget.max_tokens=300")  # admits some, skips the rest
     done = first["items"]["completed"]
     assert 0 < done < N_GOOD and first["balanced"]
@@ -237,14 +288,23 @@ def test_parquet_output_and_resume(tmp_path, tiny_bert, texts_file):
 
 
 def test_plan_works_for_embed(tiny_bert, texts_file):
-    plan = plan_forge("function=embed", "model=hf", f"model.name={tiny_bert}", f"input.path={texts_file}",
-                      *DEVICE, "batching=token", "batching.prefix_cache=false", "batching.packing=packed")
+    plan = plan_forge(
+        "function=embed",
+        "model=hf",
+        f"model.name={tiny_bert}",
+        f"input.path={texts_file}",
+        *DEVICE,
+        "batching=token",
+        "batching.prefix_cache=false",
+        "batching.packing=packed",
+    )
     assert plan["items"]["received"] == N_GOOD + len(BAD_ROWS)
     assert plan["items"]["failed"] == len(BAD_ROWS) and plan["balanced"]
     assert plan["batches"] > 2 and "packed rows on" in plan["path"]
 
 
 # -- sentence-transformers parity on the real all-MiniLM-L6-v2 (optional extra: minilm) ----------
+
 
 def _minilm_or_skip():
     pytest.importorskip(
@@ -259,8 +319,13 @@ def _varied_texts(n):
     for i in range(n):
         row = rows[(i * 37) % len(rows)]
         k = i % 4
-        out.append(row["text"] if k < 2 else (row.get("prefix") or "") + row["text"] if k == 2
-                   else " ".join([row.get("prefix") or row["text"]] * 3))  # some past max_seq_length=256
+        out.append(
+            row["text"]
+            if k < 2
+            else (row.get("prefix") or "") + row["text"]
+            if k == 2
+            else " ".join([row.get("prefix") or row["text"]] * 3)
+        )  # some past max_seq_length=256
     return out
 
 
@@ -282,10 +347,19 @@ def test_minilm_equals_sentence_transformers_encode(tmp_path, minilm_expected):
     """Packed rows (Forge's fastest encoder layout); rows are held to the one-text forward above."""
     layout = ["batching.packing=packed", "batching.packed_row_tokens=512"]
     path, want = minilm_expected
-    report = run_forge(tmp_path, "function=embed", "model=minilm", f"input.path={path}",
-                       "batching=token", "batching.prefix_cache=false", *layout,
-                       "devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-                       "budget.tokens_per_step=1024")
+    report = run_forge(
+        tmp_path,
+        "function=embed",
+        "model=minilm",
+        f"input.path={path}",
+        "batching=token",
+        "batching.prefix_cache=false",
+        *layout,
+        "devices=auto",
+        "devices.limits.max_batch_tokens=1024",
+        "devices.limits.max_seq_len=512",
+        "budget.tokens_per_step=1024",
+    )
     assert report["balanced"] and report["items"]["completed"] == len(want) and report["batches"] > 1
     got = load_embeddings(tmp_path)
     assert got.ids == [f"t{i}" for i in range(len(want))]

@@ -21,9 +21,15 @@ from forge.errors import ForgeError
 
 N = 48
 # small batches, so a few dozen rows make many of them
-FAST = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-        "budget.tokens_per_step=1024",
-        "layers=[1,4]", f"input.limit={N}", "batching.window=16"]
+FAST = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=1024",
+    "devices.limits.max_seq_len=512",
+    "budget.tokens_per_step=1024",
+    "layers=[1,4]",
+    f"input.limit={N}",
+    "batching.window=16",
+]
 PROC = ["runtime.executor=process", "plugins=[faults]", "runtime.max_restarts=8", "runtime.max_in_flight=1"]
 TESTS = Path(__file__).resolve().parent
 
@@ -70,8 +76,15 @@ def test_chaos(tmp_path, faults, clean):
 
 def _forge(*args, env=None, **kw):
     """`forge run` in its own process group, as a user's terminal would start it."""
-    return subprocess.Popen([sys.executable, "-m", "forge.cli", "run", *args], cwd=TESTS, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", "run", *args],
+        cwd=TESTS,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
 
 
 def test_kill9_of_the_whole_tree_then_resume(tmp_path, faults, clean):
@@ -101,8 +114,9 @@ def test_resume_is_refused_when_results_would_differ(tmp_path):
     with pytest.raises(ForgeError, match=r"resume refused: layers: \[1, 4\] -> \[1, 2\]"):
         run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "input.limit=8", "resume=true", "layers=[1,2]")
     with pytest.raises(ForgeError, match="resume refused: model.torch_dtype: 'float32' -> 'bfloat16'"):
-        run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "input.limit=8", "resume=true",
-                  "model.torch_dtype=bfloat16")
+        run_forge(
+            tmp_path, *FAST, "runtime.executor=inprocess", "input.limit=8", "resume=true", "model.torch_dtype=bfloat16"
+        )
     report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "input.limit=8", "resume=true")
     assert report["items"]["resumed"] == 8 and report["tokens"]["routed"] == 0 and report["balanced"]
 
@@ -119,8 +133,14 @@ def test_out_of_memory_splits_and_lowers_the_budget(tmp_path, faults, clean):
 
 def test_an_item_out_of_memory_alone_fails_with_its_reason(tmp_path, faults):
     faults(oom_above=300)  # below the longest items' own length (350-token prefixes)
-    report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "plugins=[faults]",
-                       "batching.prefix_cache=false", "runtime.failure_window=1000")
+    report = run_forge(
+        tmp_path,
+        *FAST,
+        "runtime.executor=inprocess",
+        "plugins=[faults]",
+        "batching.prefix_cache=false",
+        "runtime.failure_window=1000",
+    )
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
     assert 1 <= report["items"]["failed"] < N / 2
     assert report["items"]["completed"] + report["items"]["failed"] == N
@@ -150,8 +170,7 @@ def test_a_late_result_is_committed_once_and_the_duplicate_discarded(tmp_path, f
 
 def test_a_recurring_failure_stops_the_run_with_its_reason(tmp_path, faults):
     faults(fail="simulated recurring fault")
-    report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "plugins=[faults]",
-                       "runtime.failure_window=10")
+    report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "plugins=[faults]", "runtime.failure_window=10")
     assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
     assert "of the last 10 items failed with: RuntimeError: simulated recurring fault" in report["error"]
     assert report["items"]["unfinished"] > 0 and report["items"]["failed"] >= 5
@@ -173,8 +192,9 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clea
 def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
     out = tmp_path / "run"
     faults(hang={"seconds": 30, "nth": 4})  # a long batch to interrupt
-    proc = _forge(*FAST, *PROC, "shard_size=4", "runtime.commit_interval_s=0.1", f"output_dir={out}",
-                  env=dict(os.environ))
+    proc = _forge(
+        *FAST, *PROC, "shard_size=4", "runtime.commit_interval_s=0.1", f"output_dir={out}", env=dict(os.environ)
+    )
     deadline = time.monotonic() + 120
     while not ((out / "commits.jsonl").exists() and (out / "commits.jsonl").read_text()):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()
@@ -203,12 +223,19 @@ def test_one_percent_bad_rows_are_recorded_and_the_rest_complete(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "run"
-    report = run_forge(out, "devices=cpu", f"input.path={data}", "layers=[1]", "runtime.executor=inprocess",
-                       "batching.packing=packed")
+    report = run_forge(
+        out, "devices=cpu", f"input.path={data}", "layers=[1]", "runtime.executor=inprocess", "batching.packing=packed"
+    )
     assert len(rows) == 5000 and len(bad) == 50
     assert report["balanced"], report["imbalance"]
-    assert report["items"] == {"received": 5000, "completed": 4950, "failed": 50, "skipped": 0,
-                               "unfinished": 0, "resumed": 0}
+    assert report["items"] == {
+        "received": 5000,
+        "completed": 4950,
+        "failed": 50,
+        "skipped": 0,
+        "unfinished": 0,
+        "resumed": 0,
+    }
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert len(failures) == 50 and all(f["reason"] for f in failures)
     # unreadable lines are named by line number, readable rows without usable text by their id
@@ -234,8 +261,14 @@ def test_a_heavy_tail_never_stalls(tmp_path, packing, how):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     from conftest import plan_forge
 
-    args = ["devices=sim_16g_32g", "batching=memory", f"batching.packing={packing}", f"input.path={data}",
-            "layers=[1]", "batching.packed_row_tokens=256"]
+    args = [
+        "devices=sim_16g_32g",
+        "batching=memory",
+        f"batching.packing={packing}",
+        f"input.path={data}",
+        "layers=[1]",
+        "batching.packed_row_tokens=256",
+    ]
     n = 600 if how == "plan" else 150
     report = plan_forge(*args) if how == "plan" else run_forge(tmp_path / "run", *args, f"input.limit={n}")
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
@@ -253,8 +286,9 @@ def test_a_worker_that_cannot_load_retires_its_device_with_the_reason(tmp_path):
     model = tmp_path / "broken-model"
     shutil.copytree(materialize_model(embedded_model_source()), model)
     (model / "model.safetensors").write_bytes(b"not a safetensors file")
-    report = run_forge(tmp_path / "run", *FAST, f"model.name={model}", "runtime.executor=process",
-                       "runtime.max_restarts=1")
+    report = run_forge(
+        tmp_path / "run", *FAST, f"model.name={model}", "runtime.executor=process", "runtime.max_restarts=1"
+    )
     assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] == 1 and "cpu" in report["retired"]
     assert "could not load the model" in report["error"] and report["items"]["unfinished"] == N
@@ -263,8 +297,9 @@ def test_a_worker_that_cannot_load_retires_its_device_with_the_reason(tmp_path):
 def test_a_failure_that_would_always_recur_is_refused_before_work(tmp_path):
     """Packed rows under an attention implementation that cannot take their 4D mask would fail
     every batch: refused at once, with one line, and nothing written."""
-    with pytest.raises(ForgeError, match="packed rows need a 4D mask, which flash_attention_2 attention does not "
-                                         "take") as err:
+    with pytest.raises(
+        ForgeError, match="packed rows need a 4D mask, which flash_attention_2 attention does not take"
+    ) as err:
         run_forge(tmp_path / "run", *FAST, "batching.packing=packed", "model.attn_implementation=flash_attention_2")
     assert "\n" not in str(err.value) and not (tmp_path / "run" / "report.json").exists()
     assert not (tmp_path / "run" / "run.json").exists()  # refused: the directory holds no run

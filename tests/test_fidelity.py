@@ -90,12 +90,25 @@ MODES = {
     "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
 }
 # (mode, pooling) pairs run for every family: every mode once, both poolings on the prefix paths
-CASES = [("item", "last"), ("item", "mean"), ("token-cache", "last"), ("token-cache", "mean"),
-         ("token-nocache", "mean"), ("token-packed", "last"), ("token-packed", "mean"), ("memory", "last")]
+CASES = [
+    ("item", "last"),
+    ("item", "mean"),
+    ("token-cache", "last"),
+    ("token-cache", "mean"),
+    ("token-nocache", "mean"),
+    ("token-packed", "last"),
+    ("token-packed", "mean"),
+    ("memory", "last"),
+]
 # refused before work, with the reason the message must name
 REFUSED = {("bloom", "token-packed"): "ALiBi", ("falcon-alibi", "token-packed"): "ALiBi"}
-SMALL = ["devices=auto", "devices.limits.max_batch_tokens=256", "devices.limits.max_seq_len=128",
-         "budget.tokens_per_step=256", f"layers=[{','.join(map(str, LAYERS))}]"]
+SMALL = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=256",
+    "devices.limits.max_seq_len=128",
+    "budget.tokens_per_step=256",
+    f"layers=[{','.join(map(str, LAYERS))}]",
+]
 
 
 def _rows() -> list[dict]:
@@ -108,7 +121,7 @@ def _rows() -> list[dict]:
     texts = [r["text"] for r in rows[:40]]
     out = []
     for j in range(16):
-        text = " ".join(texts[j: j + 1 + j % 3])  # 1..3 statements
+        text = " ".join(texts[j : j + 1 + j % 3])  # 1..3 statements
         out.append({"id": f"r{j}", "text": text, "prefix": short if j % 2 else mid, "label": j % 2})
     out += [{"id": "np0", "text": texts[30], "label": 0}, {"id": "np1", "text": " ".join(texts[31:33]), "label": 1}]
     return out
@@ -178,8 +191,16 @@ def _run(tmp_path, path, rows, mode, pooling, *extra):
 
     key = (mode, pooling, extra)
     if key not in _COMPOSED:
-        _COMPOSED[key] = compose(*SMALL, *MODES[mode], "model=hf", "model.name=DIR", f"input.path={rows}",
-                                 f"pooling={pooling}", "runtime.executor=inprocess", *extra)
+        _COMPOSED[key] = compose(
+            *SMALL,
+            *MODES[mode],
+            "model=hf",
+            "model.name=DIR",
+            f"input.path={rows}",
+            f"pooling={pooling}",
+            "runtime.executor=inprocess",
+            *extra,
+        )
     cfg = copy.deepcopy(_COMPOSED[key])
     cfg.model.name = str(path)
     return execute(build_spec(cfg, tmp_path), make_plugin_manager())
@@ -215,10 +236,16 @@ def _family_type(path: Path) -> str:
 # -- reduced precision: against a one-prompt reference in the same dtype ------------------------
 COS_MIN = 0.999  # per vector
 REL_MAX = 0.01  # per vector: max |got - want| <= REL_MAX * ||want||
-LOW_CASES = [("llama", "bfloat16", "token-cache", "last"), ("llama", "float16", "token-packed", "mean"),
-             ("mistral-window", "bfloat16", "token-packed", "last"), ("gemma2", "bfloat16", "token-cache", "mean"),
-             ("gemma3", "bfloat16", "token-packed", "mean"), ("gpt2", "bfloat16", "token-packed", "last"),
-             ("bloom", "bfloat16", "token-cache", "last"), ("qwen2_moe", "bfloat16", "memory", "mean")]
+LOW_CASES = [
+    ("llama", "bfloat16", "token-cache", "last"),
+    ("llama", "float16", "token-packed", "mean"),
+    ("mistral-window", "bfloat16", "token-packed", "last"),
+    ("gemma2", "bfloat16", "token-cache", "mean"),
+    ("gemma3", "bfloat16", "token-packed", "mean"),
+    ("gpt2", "bfloat16", "token-packed", "last"),
+    ("bloom", "bfloat16", "token-cache", "last"),
+    ("qwen2_moe", "bfloat16", "memory", "mean"),
+]
 
 
 @pytest.mark.parametrize("name,dtype,mode,pooling", LOW_CASES, ids=["-".join(c) for c in LOW_CASES])
@@ -246,11 +273,14 @@ def test_path_is_stated(tmp_path, data):
     assert "packed rows on" in report["path"] and "sliding window 16 masked per layer type" in report["path"]
     from forge.config import build_spec
 
-    cfg = compose(*SMALL, "batching=token", "model=hf", f"model.name={family('llama', data)[0]}",
-                  f"input.path={data[1]}")
+    cfg = compose(
+        *SMALL, "batching=token", "model=hf", f"model.name={family('llama', data)[0]}", f"input.path={data[1]}"
+    )
     planned = plan(build_spec(cfg, None), make_plugin_manager())
-    assert planned["path"] == "llama: sdpa attention (auto: SDPA supported); prefix run once per batch; " \
-                              "prefix cache on; packed rows off"
+    assert (
+        planned["path"] == "llama: sdpa attention (auto: SDPA supported); prefix run once per batch; "
+        "prefix cache on; packed rows off"
+    )
 
 
 def test_attn_implementation_override(tmp_path, data):
@@ -265,8 +295,9 @@ def test_attn_implementation_override(tmp_path, data):
 
 
 def test_not_causal_refused_before_work(tmp_path, data):
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                  vocab_size=2048)
+    cfg = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=2048
+    )
     path = tmp_path / "bert"
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     with pytest.raises(ForgeError) as err:
@@ -294,10 +325,18 @@ def test_capabilities_from_config_alone(name):
 def test_remote_code_needs_consent(tmp_path):
     from forge.functions.probe_gen import ProbeGen
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "forge_custom_lm", "num_hidden_layers": 2,
-        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
-                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "forge_custom_lm",
+                "num_hidden_layers": 2,
+                "auto_map": {
+                    "AutoConfig": "configuration_custom.CustomConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+                },
+            }
+        )
+    )
     with pytest.raises(
         ForgeError, match="needs its repository's own code; if you trust it, set model.trust_remote_code=true"
     ):
@@ -312,13 +351,19 @@ def test_eos_appending_tokenizer(tmp_path, data):
     eos_dir = tmp_path / "eos"
     shutil.copytree(path, eos_dir)
     tok = json.loads((eos_dir / "tokenizer.json").read_text())
-    tok["post_processor"] = {"type": "TemplateProcessing",
-                             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                                        {"Sequence": {"id": "A", "type_id": 0}},
-                                        {"SpecialToken": {"id": "</s>", "type_id": 0}}],
-                             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                             "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
-                                                "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}}
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "</s>", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+            "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]},
+        },
+    }
     (eos_dir / "tokenizer.json").write_text(json.dumps(tok))
     fn = ProbeGen(model={"name": str(eos_dir)}, input={"path": str(data[1])}, layers=LAYERS)
     items = list(fn.records())
@@ -367,8 +412,15 @@ def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
     path, _ = family(name, data)
     key = ("surprisal", mode)
     if key not in _COMPOSED:
-        _COMPOSED[key] = compose(*SMALL[:-1], *MODES[mode], "function=surprisal", "model=hf", "model.name=DIR",
-                                 f"input.path={data[1]}", "runtime.executor=inprocess")
+        _COMPOSED[key] = compose(
+            *SMALL[:-1],
+            *MODES[mode],
+            "function=surprisal",
+            "model=hf",
+            "model.name=DIR",
+            f"input.path={data[1]}",
+            "runtime.executor=inprocess",
+        )
     cfg = copy.deepcopy(_COMPOSED[key])
     cfg.model.name = str(path)
     from forge.config import build_spec

@@ -15,29 +15,64 @@ from forge.inputs import InputFile, Row
 from forge.readers import BOM
 from forge.run import Rejected, Skipped
 
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 POLICIES = ("error", "first", "last")
 
-ids = st.one_of(st.none(), st.integers(-3, 3), st.sampled_from(["1", "2", "a", "", "#1", "#x", "\ud800", "é"]),
-                st.booleans(), st.floats(allow_nan=False), st.lists(st.integers(0, 2), max_size=2),
-                st.dictionaries(st.just("k"), st.integers(0, 1), max_size=1))
+ids = st.one_of(
+    st.none(),
+    st.integers(-3, 3),
+    st.sampled_from(["1", "2", "a", "", "#1", "#x", "\ud800", "é"]),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.dictionaries(st.just("k"), st.integers(0, 1), max_size=1),
+)
 texts = st.one_of(st.text(max_size=12), st.none(), st.integers(), st.sampled_from(["", "  ", "half \ud800 pair"]))
-rows = st.fixed_dictionaries({}, optional={"id": ids, "text": texts, "prefix": st.one_of(st.text(max_size=4),
-                                                                                         st.integers()),
-                                           "label": st.one_of(st.integers(), st.text(max_size=3))})
+rows = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": ids,
+        "text": texts,
+        "prefix": st.one_of(st.text(max_size=4), st.integers()),
+        "label": st.one_of(st.integers(), st.text(max_size=3)),
+    },
+)
+
 
 def _deep(depth: int) -> bytes:
     return b'{"text": "t", "x": ' + b"[" * depth + b"]" * depth + b"}"
 
 
-ODD_LINES = [b"", b"   ", b"\t", b"\r", BOM, BOM + b'{"text": "x"}', b'{"text": "caf\xe9"}', b"[1, 2]", b'"str"',
-             b"null", b'{"text": "t", "id": 1e400}', b'{"id": ' + b"9" * 5000 + b', "text": "t"}',  # too many digits
-             _deep(101), _deep(999), _deep(1500), _deep(5000),
-             # ids the id scan's regex must not miss: escapes, spacing, nesting, repeated keys, -0
-             b'{"\\u0069d": "1", "text": "t"}', b'{"id": "\\u0031", "text": "t"}', b'{"id"\t :\n 1, "text": "t"}',
-             b'{"meta": {"id": "1"}, "text": "t"}', b'{"id": "2", "id": "1", "text": "t"}', b'{"id": -0, "text": "t"}',
-             b'{"text": "say \\"id\\": 1", "id": "1"}', b'{"id": "a\\"b", "text": "t"}', b'{"id": "1"}']
+ODD_LINES = [
+    b"",
+    b"   ",
+    b"\t",
+    b"\r",
+    BOM,
+    BOM + b'{"text": "x"}',
+    b'{"text": "caf\xe9"}',
+    b"[1, 2]",
+    b'"str"',
+    b"null",
+    b'{"text": "t", "id": 1e400}',
+    b'{"id": ' + b"9" * 5000 + b', "text": "t"}',  # too many digits
+    _deep(101),
+    _deep(999),
+    _deep(1500),
+    _deep(5000),
+    # ids the id scan's regex must not miss: escapes, spacing, nesting, repeated keys, -0
+    b'{"\\u0069d": "1", "text": "t"}',
+    b'{"id": "\\u0031", "text": "t"}',
+    b'{"id"\t :\n 1, "text": "t"}',
+    b'{"meta": {"id": "1"}, "text": "t"}',
+    b'{"id": "2", "id": "1", "text": "t"}',
+    b'{"id": -0, "text": "t"}',
+    b'{"text": "say \\"id\\": 1", "id": "1"}',
+    b'{"id": "a\\"b", "text": "t"}',
+    b'{"id": "1"}',
+]
 lines = st.one_of(
     rows.map(lambda r: json.dumps(r).encode()),
     st.binary(max_size=30),  # anything: bad UTF-8, stray newlines, NULs
@@ -50,7 +85,7 @@ lines = st.one_of(
 def _oracle_count(data: bytes, limit: int | None) -> int:
     """Non-blank lines, by the plain definition (a BOM at the start is not part of the first line)."""
     if data.startswith(BOM):
-        data = data[len(BOM):]
+        data = data[len(BOM) :]
     n = sum(1 for line in data.split(b"\n") if line.strip())
     return n if limit is None else min(n, limit)
 
@@ -118,8 +153,13 @@ def _check(path, count: int | None, **options) -> None:
 
 
 @FUZZ
-@given(body=st.lists(lines, min_size=1, max_size=25), sep=st.sampled_from([b"\n", b"\r\n"]), bom=st.booleans(),
-       cap=st.sampled_from([64, 300, 1 << 20, 1 << 20]), limit=st.one_of(st.none(), st.integers(1, 20)))
+@given(
+    body=st.lists(lines, min_size=1, max_size=25),
+    sep=st.sampled_from([b"\n", b"\r\n"]),
+    bom=st.booleans(),
+    cap=st.sampled_from([64, 300, 1 << 20, 1 << 20]),
+    limit=st.one_of(st.none(), st.integers(1, 20)),
+)
 def test_jsonl_bytes_every_record_ends_as_an_item_a_failure_or_a_skip(tmp_path_factory, body, sep, bom, cap, limit):
     data = (BOM if bom else b"") + sep.join(body)
     if not data:
@@ -155,11 +195,20 @@ def tables(draw):
     if "list" in odd:
         columns["nums"] = (pa.list_(pa.int32()), col(st.one_of(st.none(), st.lists(st.integers(0, 9), max_size=3))))
     if "struct" in odd:
-        columns["meta"] = (pa.struct([("a", pa.string())]), col(st.one_of(st.none(), st.builds(
-            lambda a: {"a": a}, st.text(max_size=3)))))
+        columns["meta"] = (
+            pa.struct([("a", pa.string())]),
+            col(st.one_of(st.none(), st.builds(lambda a: {"a": a}, st.text(max_size=3)))),
+        )
     if "time" in odd:
-        columns["at"] = (pa.timestamp("us"), col(st.one_of(st.none(), st.datetimes(
-            min_value=datetime.datetime(1, 1, 1), max_value=datetime.datetime(9999, 1, 1)))))
+        columns["at"] = (
+            pa.timestamp("us"),
+            col(
+                st.one_of(
+                    st.none(),
+                    st.datetimes(min_value=datetime.datetime(1, 1, 1), max_value=datetime.datetime(9999, 1, 1)),
+                )
+            ),
+        )
     if "float" in odd:
         columns["score"] = (pa.float64(), col(st.one_of(st.none(), st.floats())))
     if "null" in odd:
@@ -171,10 +220,14 @@ def tables(draw):
 
 
 @FUZZ
-@given(made=tables(), cap=st.sampled_from([64, 300, 4096]),
-       damage=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), max_size=6))
-def test_parquet_tables_and_damaged_files_every_record_ends_as_an_item_a_failure_or_a_skip(tmp_path_factory, made,
-                                                                                         cap, damage):
+@given(
+    made=tables(),
+    cap=st.sampled_from([64, 300, 4096]),
+    damage=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), max_size=6),
+)
+def test_parquet_tables_and_damaged_files_every_record_ends_as_an_item_a_failure_or_a_skip(
+    tmp_path_factory, made, cap, damage
+):
     import pyarrow.parquet as pq
 
     table, group = made

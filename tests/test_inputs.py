@@ -25,7 +25,7 @@ CORRUPT = [
     (b'{"text": "broken', "invalid JSON"),
     (b'{"text": "caf\xe9 au lait", "id": "x"}', "invalid UTF-8 (byte 0xe9 at column 14)"),
     (b'{"text": "ok \xff\xfe"}', "invalid UTF-8 (byte 0xff at column 14)"),
-    (b'\xc3(', "invalid UTF-8 (byte 0xc3 at column 1)"),
+    (b"\xc3(", "invalid UTF-8 (byte 0xc3 at column 1)"),
     (b'["a", "list"]', "expected a JSON object, got list"),
     (b'"just a string"', "expected a JSON object, got str"),
     (b'{"label": 1}', "no 'text' field"),
@@ -108,12 +108,15 @@ def _parquet(path, **columns):
     return path
 
 
-@pytest.mark.parametrize("columns,message", [
-    ({"statement": ["a", "b"]}, r"no 'text' column \(columns: statement\); add a string column 'text'"),
-    ({"text": [1, 2]}, r"column 'text' is int64; it must be string"),
-    ({"text": ["a", "b"], "prefix": [1.0, 2.0]}, r"column 'prefix' is double; it must be string"),
-    ({"text": ["a", "b"], "id": [0.5, 1.5]}, r"column 'id' is double; it must be string or integer"),
-])
+@pytest.mark.parametrize(
+    "columns,message",
+    [
+        ({"statement": ["a", "b"]}, r"no 'text' column \(columns: statement\); add a string column 'text'"),
+        ({"text": [1, 2]}, r"column 'text' is int64; it must be string"),
+        ({"text": ["a", "b"], "prefix": [1.0, 2.0]}, r"column 'prefix' is double; it must be string"),
+        ({"text": ["a", "b"], "id": [0.5, 1.5]}, r"column 'id' is double; it must be string or integer"),
+    ],
+)
 def test_a_bad_parquet_schema_is_one_line_before_any_work(tmp_path, columns, message):
     path = _parquet(tmp_path / "in.parquet", **columns)
     with pytest.raises(ForgeError, match=message) as info:
@@ -124,8 +127,12 @@ def test_a_bad_parquet_schema_is_one_line_before_any_work(tmp_path, columns, mes
 def test_a_good_parquet_schema_reads_rows_and_checks_each(tmp_path):
     import pyarrow as pa
 
-    path = _parquet(tmp_path / "in.parquet", text=pa.array(["one", "", None, "four"]).dictionary_encode(),
-                    id=[10, 11, 12, 13], prefix=pa.array([None] * 4, pa.null()))
+    path = _parquet(
+        tmp_path / "in.parquet",
+        text=pa.array(["one", "", None, "four"]).dictionary_encode(),
+        id=[10, 11, 12, 13],
+        prefix=pa.array([None] * 4, pa.null()),
+    )
     records = list(probe_gen(path).records())
     assert [r.id for r in records if isinstance(r, Item)] == ["10", "13"]
     rejected = {r.record_id: r.reason for r in records if isinstance(r, Rejected)}
@@ -163,12 +170,14 @@ def test_an_integer_and_a_string_of_the_same_text_are_one_id_and_repeats_are_ref
         probe_gen(path)  # the constructor: before any work
     assert str(info.value) == (
         f"input.path={path}: 1 id repeats, e.g. '1' at lines 1 and 2; make ids unique, or set "
-        "input.duplicate_ids=first or input.duplicate_ids=last to keep one row of each")
+        "input.duplicate_ids=first or input.duplicate_ids=last to keep one row of each"
+    )
 
 
 @pytest.mark.parametrize("policy,kept_line,dropped_line", [("first", 1, 2), ("last", 2, 1)])
-def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_line(tmp_path, policy, kept_line,
-                                                                                 dropped_line):
+def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_line(
+    tmp_path, policy, kept_line, dropped_line
+):
     from forge.run import Skipped
 
     path = _write(tmp_path / "in.jsonl", MIXED_IDS)
@@ -179,8 +188,10 @@ def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_l
     assert sorted(it.id for it in items) == ["#2", "1", "2"]
     assert next(it for it in items if it.id == "1").index == kept_line - 1
     assert len(skipped) == 1 and skipped[0].record_id == "1" and skipped[0].line == dropped_line
-    assert skipped[0].reason == (f"line {dropped_line} (id '1'): id '1' is also at line {kept_line}; "
-                                 f"input.duplicate_ids={policy} keeps line {kept_line}")
+    assert skipped[0].reason == (
+        f"line {dropped_line} (id '1'): id '1' is also at line {kept_line}; "
+        f"input.duplicate_ids={policy} keeps line {kept_line}"
+    )
 
 
 def test_an_explicit_id_in_the_form_of_a_missing_one_is_rejected(tmp_path):
@@ -221,7 +232,8 @@ def test_parquet_ids_follow_the_same_rule(tmp_path):
     records = list(probe_gen(path, duplicate_ids="last").records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#1", "1"]
     assert [r.reason for r in records if isinstance(r, Skipped)] == [
-        "row 0 (id '1'): id '1' is also at row 2; input.duplicate_ids=last keeps row 2"]
+        "row 0 (id '1'): id '1' is also at row 2; input.duplicate_ids=last keeps row 2"
+    ]
 
 
 def test_the_duplicate_policy_and_the_row_cap_decide_results_so_they_are_in_the_fingerprint(tmp_path):
@@ -231,11 +243,14 @@ def test_the_duplicate_policy_and_the_row_cap_decide_results_so_they_are_in_the_
     assert probe_gen(path, duplicate_ids="first").fingerprint()["input"]["duplicate_ids"] == "first"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("input.duplicate_ids=second", r"config input\.duplicate_ids='second': choose one of: error, first, last"),
-    ("input.max_row_bytes=0", r"config input\.max_row_bytes=0: must be a positive integer"),
-    ("input.max_row_bytes=null", r"config input\.max_row_bytes=null: expected an integer"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("input.duplicate_ids=second", r"config input\.duplicate_ids='second': choose one of: error, first, last"),
+        ("input.max_row_bytes=0", r"config input\.max_row_bytes=0: must be a positive integer"),
+        ("input.max_row_bytes=null", r"config input\.max_row_bytes=null: expected an integer"),
+    ],
+)
 def test_bad_input_settings_are_one_line(override, message):
     from conftest import spec_for
 
@@ -309,18 +324,22 @@ def test_a_fifo_is_refused_in_one_line(tmp_path):
     os.mkfifo(path)
     with pytest.raises(ForgeError) as info:
         probe_gen(path)
-    assert str(info.value) == (f"input.path={path} is not a regular file (a FIFO, socket or device?); Forge reads the "
-                               "input more than once (its hash, its row count, its rows): write it to a file first")
+    assert str(info.value) == (
+        f"input.path={path} is not a regular file (a FIFO, socket or device?); Forge reads the "
+        "input more than once (its hash, its row count, its rows): write it to a file first"
+    )
 
 
 def test_a_row_over_max_row_bytes_fails_before_it_is_parsed_and_the_next_line_reads(tmp_path):
     path = tmp_path / "in.jsonl"
     long_line = json.dumps({"text": "word " * 1000}).encode()  # 5014 bytes
-    path.write_bytes(b'{"text": "short"}\n' + long_line + b'\r\n' + b"x" * 3_000_000 + b'\n{"text": "after"}')
+    path.write_bytes(b'{"text": "short"}\n' + long_line + b"\r\n" + b"x" * 3_000_000 + b'\n{"text": "after"}')
     rows = list(read_rows(path, max_row_bytes=1000))
     assert rows[0] == (0, {"text": "short"}) and rows[3] == (3, {"text": "after"})
-    assert rows[1] == (1, f"line 2: {len(long_line)} bytes, over input.max_row_bytes=1000; raise "
-                          "input.max_row_bytes or split the row")
+    assert rows[1] == (
+        1,
+        f"line 2: {len(long_line)} bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
+    )
     assert rows[2][1].startswith("line 3: 3000000 bytes, over input.max_row_bytes=1000")
     from forge.inputs import count_rows
 
@@ -328,13 +347,16 @@ def test_a_row_over_max_row_bytes_fails_before_it_is_parsed_and_the_next_line_re
 
 
 def test_a_parquet_row_over_max_row_bytes_fails_before_it_is_parsed(tmp_path):
-    path = _parquet(tmp_path / "in.parquet", text=["short", "x" * 5000, "fine"], id=["a", "b", "c"],
-                    note=["n" * 1000, "", None])
+    path = _parquet(
+        tmp_path / "in.parquet", text=["short", "x" * 5000, "fine"], id=["a", "b", "c"], note=["n" * 1000, "", None]
+    )
     records = list(probe_gen(path, max_row_bytes=1000).records())
     assert [r.id for r in records if isinstance(r, Item)] == ["c"]
     reasons = [r.reason for r in records if isinstance(r, Rejected)]
-    assert reasons == ["row 0: 1006 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
-                       "row 1: 5001 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row"]
+    assert reasons == [
+        "row 0: 1006 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
+        "row 1: 5001 bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
+    ]
 
 
 def test_an_unreadable_parquet_row_group_fails_its_rows(tmp_path):
@@ -342,12 +364,13 @@ def test_an_unreadable_parquet_row_group_fails_its_rows(tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(30)]}), path, row_group_size=10,
-                   compression="none")
+    pq.write_table(
+        pa.table({"text": [f"row {i} " * 20 for i in range(30)]}), path, row_group_size=10, compression="none"
+    )
     data = bytearray(path.read_bytes())
     meta = pq.ParquetFile(path).metadata.row_group(1).column(0)
     start = meta.data_page_offset
-    data[start + 8:start + 200] = b"\xff" * 192  # the second row group's page: garbage
+    data[start + 8 : start + 200] = b"\xff" * 192  # the second row group's page: garbage
     path.write_bytes(bytes(data))
     rows = list(read_rows(path))
     assert [i for i, _ in rows] == list(range(30))
@@ -374,7 +397,8 @@ def test_a_row_the_tokenizer_raises_for_fails_alone(tmp_path):
     records = list(function.records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#0", "#2"]
     assert [r.reason for r in records if isinstance(r, Rejected)] == [
-        "line 2 (id '#1'): tokenizing failed on it (cannot take this); fix or drop the row"]
+        "line 2 (id '#1'): tokenizing failed on it (cannot take this); fix or drop the row"
+    ]
 
 
 def test_a_parquet_label_that_is_not_json_fails_its_row(tmp_path):
@@ -384,19 +408,23 @@ def test_a_parquet_label_that_is_not_json_fails_its_row(tmp_path):
     records = list(probe_gen(path).records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#1"]
     reason = next(r.reason for r in records if isinstance(r, Rejected))
-    assert reason.startswith("row 0 (id '#0'): 'label' must be a JSON value (a number, string, list or object), "
-                             "got datetime")
+    assert reason.startswith(
+        "row 0 (id '#0'): 'label' must be a JSON value (a number, string, list or object), got datetime"
+    )
 
 
-@pytest.mark.parametrize("line,repeats", [
-    ('{"\\u0069d": "1", "text": "an escaped key"}', True),
-    ('{"id": "\\u0031", "text": "an escaped value"}', True),
-    ('{"id"\t :\n 1, "text": "spaces"}'.replace("\n", " "), True),
-    ('{"id": "2", "id": "1", "text": "a repeated key: the last counts"}', True),
-    ('{"id": "1", "id": "2", "text": "a repeated key: the last counts"}', False),
-    ('{"meta": {"id": "1"}, "text": "a nested id is not the id"}', False),
-    ('{"text": "say \\"id\\": 1", "id": "x"}', False),
-])
+@pytest.mark.parametrize(
+    "line,repeats",
+    [
+        ('{"\\u0069d": "1", "text": "an escaped key"}', True),
+        ('{"id": "\\u0031", "text": "an escaped value"}', True),
+        ('{"id"\t :\n 1, "text": "spaces"}'.replace("\n", " "), True),
+        ('{"id": "2", "id": "1", "text": "a repeated key: the last counts"}', True),
+        ('{"id": "1", "id": "2", "text": "a repeated key: the last counts"}', False),
+        ('{"meta": {"id": "1"}, "text": "a nested id is not the id"}', False),
+        ('{"text": "say \\"id\\": 1", "id": "x"}', False),
+    ],
+)
 def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeats):
     path = _write(tmp_path / "in.jsonl", [line, {"id": 1, "text": "the other one"}])
     if repeats:

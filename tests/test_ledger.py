@@ -17,16 +17,23 @@ def write_rows(path, rows):
     return path
 
 
-GOOD = [{"prefix": "Answer True or False.\n", "text": f"Statement number {i} is true.", "label": i % 2}
-        for i in range(30)]
+GOOD = [
+    {"prefix": "Answer True or False.\n", "text": f"Statement number {i} is true.", "label": i % 2} for i in range(30)
+]
 
 
 def test_clean_run_balances(tmp_path):
     report = run_forge(tmp_path, *SMALL, "input.limit=60")
     assert report["balanced"] and not report["imbalance"]
     assert report["status"] == "finished"
-    assert report["items"] == {"received": 60, "completed": 60, "failed": 0, "skipped": 0, "unfinished": 0,
-                               "resumed": 0}
+    assert report["items"] == {
+        "received": 60,
+        "completed": 60,
+        "failed": 0,
+        "skipped": 0,
+        "unfinished": 0,
+        "resumed": 0,
+    }
     t = report["tokens"]
     assert t["received"] == t["routed"] == t["completed"] > 0
     assert 0 <= t["padding"] < t["padded_slots"]
@@ -35,14 +42,23 @@ def test_clean_run_balances(tmp_path):
 
 
 def test_bad_rows_are_recorded_and_the_run_goes_on(tmp_path):
-    rows = GOOD[:10] + ['{"text": "broken', {"label": 1}, {"text": "   "}, {"text": 5},
-                        {"text": "word " * 3000, "id": "huge"}] + GOOD[10:]
+    rows = (
+        GOOD[:10]
+        + ['{"text": "broken', {"label": 1}, {"text": "   "}, {"text": 5}, {"text": "word " * 3000, "id": "huge"}]
+        + GOOD[10:]
+    )
     data = write_rows(tmp_path / "in.jsonl", rows)
     out = tmp_path / "run"
     report = run_forge(out, *SMALL, f"input.path={data}")
     assert report["balanced"], report["imbalance"]
-    assert report["items"] == {"received": 35, "completed": 30, "failed": 4, "skipped": 1, "unfinished": 0,
-                               "resumed": 0}
+    assert report["items"] == {
+        "received": 35,
+        "completed": 30,
+        "failed": 4,
+        "skipped": 1,
+        "unfinished": 0,
+        "resumed": 0,
+    }
     reasons = [f["reason"] for f in report["failures"]]
     assert any(r.startswith("line 11: invalid JSON") for r in reasons)
     assert any("no 'text' field" in r for r in reasons)
@@ -60,8 +76,9 @@ def test_truncate_and_error_policies(tmp_path):
     assert report["tokens"]["truncated"] > 0
     report = plan_forge(*SMALL, f"input.path={data}", "too_long=error")  # the item fails; the run goes on
     assert report["balanced"] and report["items"]["completed"] == 5 and report["items"]["failed"] == 1
-    assert re.search(r"item 'huge' has \d+ tokens, over every device's max_seq_len \(1024\)",
-                     report["failures"][0]["reason"])
+    assert re.search(
+        r"item 'huge' has \d+ tokens, over every device's max_seq_len \(1024\)", report["failures"][0]["reason"]
+    )
     with pytest.raises(ForgeError, match="item 'huge' has .*fail_fast=true"):
         plan_forge(*SMALL, f"input.path={data}", "too_long=error", "fail_fast=true")
 
@@ -134,8 +151,7 @@ def test_an_item_with_nothing_after_its_prefix_fails_alone(pm):
     pm.hook.forge_batch_routed(run=run, batch=batch, device=run.devices[0])
     pm.hook.forge_batch_completed(run=run, batch=batch, device=run.devices[0], stats=_stats())
     pm.hook.forge_run_end(run=run, report=report)
-    assert report["items"] == {"received": 3, "completed": 2, "failed": 1, "skipped": 0, "unfinished": 0,
-                               "resumed": 0}
+    assert report["items"] == {"received": 3, "completed": 2, "failed": 1, "skipped": 0, "unfinished": 0, "resumed": 0}
     assert "needs at least one token of its own" in report["failures"][0]["reason"]
     assert report["balanced"], report["imbalance"]
 
@@ -160,8 +176,9 @@ def test_an_input_of_only_bad_rows_stops_the_run_with_its_reason(tmp_path):
     report = run_forge(tmp_path / "run", *SMALL, f"input.path={data}")
     assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
     assert report["items"]["failed"] == report["items"]["received"] == 5
-    assert report["error"].startswith("stopped: 5 of the last 5 input records failed with: invalid JSON "
-                                      "(e.g. line 1: invalid JSON (")
+    assert report["error"].startswith(
+        "stopped: 5 of the last 5 input records failed with: invalid JSON (e.g. line 1: invalid JSON ("
+    )
     assert report["error"].endswith("; fix the input, or raise runtime.max_failure_share")
 
 
@@ -187,21 +204,31 @@ def test_fail_fast_stops_at_the_first_bad_row(tmp_path):
 
 
 def test_skipped_ids_are_listed_with_their_line_and_reason(tmp_path):
-    rows = [{"id": 1, "text": "one"}, {"id": "1", "text": "one again"}, {"text": "word " * 3000, "id": "huge"},
-            '{"text": "broken'] + GOOD[:5]
+    rows = [
+        {"id": 1, "text": "one"},
+        {"id": "1", "text": "one again"},
+        {"text": "word " * 3000, "id": "huge"},
+        '{"text": "broken',
+    ] + GOOD[:5]
     out = tmp_path / "run"
-    report = run_forge(out, *SMALL, f"input.path={write_rows(tmp_path / 'in.jsonl', rows)}",
-                       "input.duplicate_ids=first")
+    report = run_forge(
+        out, *SMALL, f"input.path={write_rows(tmp_path / 'in.jsonl', rows)}", "input.duplicate_ids=first"
+    )
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
-    assert report["items"] == {"received": 9, "completed": 6, "failed": 1, "skipped": 2, "unfinished": 0,
-                               "resumed": 0}
-    assert report["skipped_reasons"] == {"duplicate id (input.duplicate_ids=first)": 1,
-                                         "too_long (> max_seq_len=1024)": 1}
+    assert report["items"] == {"received": 9, "completed": 6, "failed": 1, "skipped": 2, "unfinished": 0, "resumed": 0}
+    assert report["skipped_reasons"] == {
+        "duplicate id (input.duplicate_ids=first)": 1,
+        "too_long (> max_seq_len=1024)": 1,
+    }
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert skipped == [
-        {"id": "1", "line": 2, "reason": "line 2 (id '1'): id '1' is also at line 1; input.duplicate_ids=first keeps "
-                                         "line 1"},
-        {"id": "huge", "reason": "too_long (> max_seq_len=1024)"}]
+        {
+            "id": "1",
+            "line": 2,
+            "reason": "line 2 (id '1'): id '1' is also at line 1; input.duplicate_ids=first keeps line 1",
+        },
+        {"id": "huge", "reason": "too_long (> max_seq_len=1024)"},
+    ]
     failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
     assert [f["id"] for f in failures] == ["line 4"]
 

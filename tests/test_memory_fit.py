@@ -11,8 +11,14 @@ from forge.runtime import memory_fit
 from forge.runtime.memory_fit import DEFAULT_MARGIN, FIT_SHAPES, FakeModel, Shape, Target, fit, fitted_cost_model
 
 # held out of the fit: rows x padded length x prefix (hit and miss)
-SWEEP = (Shape(3, 48), Shape(12, 200), Shape(3, 200, 96), Shape(12, 48, 300, cached=False),
-         Shape(6, 120, 40), Shape(1, 400, 600, cached=False))
+SWEEP = (
+    Shape(3, 48),
+    Shape(12, 200),
+    Shape(3, 200, 96),
+    Shape(12, 48, 300, cached=False),
+    Shape(6, 120, 40),
+    Shape(1, 400, 600, cached=False),
+)
 
 
 def _configs():
@@ -22,11 +28,29 @@ def _configs():
 
     return {
         "embedded-llama-float32": (AutoConfig.from_pretrained(embedded_model_source()), "float32"),
-        "qwen2-bfloat16": (Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
-                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=16000), "bfloat16"),
-        "mistral-bfloat16": (MistralConfig(hidden_size=512, intermediate_size=1792, num_hidden_layers=3,
-                                           num_attention_heads=8, num_key_value_heads=2, vocab_size=16000,
-                                           sliding_window=4096), "bfloat16"),
+        "qwen2-bfloat16": (
+            Qwen2Config(
+                hidden_size=512,
+                intermediate_size=1408,
+                num_hidden_layers=3,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=16000,
+            ),
+            "bfloat16",
+        ),
+        "mistral-bfloat16": (
+            MistralConfig(
+                hidden_size=512,
+                intermediate_size=1792,
+                num_hidden_layers=3,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=16000,
+                sliding_window=4096,
+            ),
+            "bfloat16",
+        ),
     }
 
 
@@ -84,8 +108,9 @@ def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
 
 
 def test_max_rows_counts_the_prefix_once():
-    cost = CostModel(weight_bytes=1000, bytes_per_token=10, bytes_per_score=0, kv_bytes_per_token=1,
-                     prefix_bytes_per_token=5)
+    cost = CostModel(
+        weight_bytes=1000, bytes_per_token=10, bytes_per_score=0, kv_bytes_per_token=1, prefix_bytes_per_token=5
+    )
     rows = cost.max_rows(10_000, 20, prefix_len=100)
     assert cost.step_bytes(rows, 20, 100) <= 10_000 < cost.step_bytes(rows + 1, 20, 100)
 

@@ -22,8 +22,15 @@ from forge.location import check_output_dir, hydra_dir
 from forge.store import read_journal
 
 N = 16
-FAST = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-        "budget.tokens_per_step=1024", "layers=[1,4]", f"input.limit={N}", "batching.window=16"]
+FAST = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=1024",
+    "devices.limits.max_seq_len=512",
+    "budget.tokens_per_step=1024",
+    "layers=[1,4]",
+    f"input.limit={N}",
+    "batching.window=16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,7 @@ def url():
 
 def _files(url: str) -> set[str]:
     fs, path = fsspec.core.url_to_fs(url)
-    return {p[len(path) + 1:] for p in fs.find(path)}
+    return {p[len(path) + 1 :] for p in fs.find(path)}
 
 
 def _read_json(url: str, rel: str):
@@ -102,8 +109,11 @@ def test_a_fault_in_the_middle_of_a_commit_then_resume(url, tmp_path, faults, cl
 def test_a_protocol_whose_package_is_missing_is_one_line_before_work(monkeypatch, tmp_path, protocol, package):
     monkeypatch.setitem(sys.modules, package, None)  # import fails, installed or not
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ForgeError, match=rf"^output_dir={protocol}://bucket/run: the {protocol}:// protocol needs a "
-                                         rf"package that is not installed: pip install {package}$"):
+    with pytest.raises(
+        ForgeError,
+        match=rf"^output_dir={protocol}://bucket/run: the {protocol}:// protocol needs a "
+        rf"package that is not installed: pip install {package}$",
+    ):
         check_output_dir(f"{protocol}://bucket/run")
     result = CliRunner().invoke(app, ["run", f"output_dir={protocol}://bucket/run"])
     assert result.exit_code == 2 and f"pip install {package}" in result.output
@@ -117,12 +127,12 @@ def test_cli_to_a_url_keeps_hydra_files_with_the_run(url, tmp_path, monkeypatch)
     """Hydra writes .hydra/ to a local staging folder; it is copied to the URL and the folder
     removed, and nothing named after the URL appears locally."""
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["run", f"output_dir={url}", "runtime.executor=inprocess", *FAST[:-2],
-                                      "input.limit=8"])
+    result = CliRunner().invoke(
+        app, ["run", f"output_dir={url}", "runtime.executor=inprocess", *FAST[:-2], "input.limit=8"]
+    )
     assert result.exit_code == 0, result.output
     files = _files(url)
-    assert {".hydra/config.yaml", ".hydra/overrides.yaml", "report.json", "run.json",
-            "activations/meta.json"} <= files
+    assert {".hydra/config.yaml", ".hydra/overrides.yaml", "report.json", "run.json", "activations/meta.json"} <= files
     assert _read_json(url, "report.json")["items"]["completed"] == 8
     assert not list(tmp_path.iterdir()) and not Path(hydra_dir(url)).exists()
 

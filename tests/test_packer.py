@@ -36,15 +36,17 @@ def workloads(draw):
 
 def packers():
     cost = CostModel(weight_bytes=1000, bytes_per_token=10, bytes_per_score=1, kv_bytes_per_token=4)
-    return st.sampled_from([
-        lambda: ItemPacker(batch_size=7),
-        lambda: ItemPacker(batch_size=64, order="length"),
-        lambda: TokenPacker(),
-        lambda: TokenPacker(prefix_cache=False),
-        lambda: TokenPacker(packing="packed"),
-        lambda: TokenPacker(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0),
-        lambda: MemoryPacker(cost_model=cost, default_memory_bytes=200_000),
-    ])
+    return st.sampled_from(
+        [
+            lambda: ItemPacker(batch_size=7),
+            lambda: ItemPacker(batch_size=64, order="length"),
+            lambda: TokenPacker(),
+            lambda: TokenPacker(prefix_cache=False),
+            lambda: TokenPacker(packing="packed"),
+            lambda: TokenPacker(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0),
+            lambda: MemoryPacker(cost_model=cost, default_memory_bytes=200_000),
+        ]
+    )
 
 
 def drain(packer, items, limits, window, devices=1):
@@ -115,7 +117,7 @@ def exact_cost(lens, lim, overhead):
     for i in range(n - 1, -1, -1):
         x = lim.pad(lens[i])
         cap = min(lim.max_rows, lim.max_batch_tokens // x, n - i)
-        f[i] = np.min(np.arange(1, cap + 1) * x + overhead + f[i + 1:i + cap + 1])
+        f[i] = np.min(np.arange(1, cap + 1) * x + overhead + f[i + 1 : i + cap + 1])
     return f[0]
 
 
@@ -172,8 +174,10 @@ def test_the_packer_side_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, forge.builtin.batching, "
-            "forge.builtin.ledger; print('torch' in sys.modules)")
+    code = (
+        "import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, forge.builtin.batching, "
+        "forge.builtin.ledger; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -194,7 +198,11 @@ def test_geometry_feed_cuts_as_items_do():
         while not by_items.done:
             b, c = by_items.schedule(d), by_columns.next_cut(d)
             assert (b.padded_len, b.num_rows, b.prefix_key, b.cache_hit) == (
-                c.padded_len, c.num_rows, feed.key(c.prefix), c.cache_hit)
+                c.padded_len,
+                c.num_rows,
+                feed.key(c.prefix),
+                c.cache_hit,
+            )
             assert sorted(int(it.id) for it in b.items) == sorted(c.ids.tolist())  # ids are input positions
         assert by_columns.done
 
@@ -265,8 +273,11 @@ def _worst_fit_reference(avail, left, ends, n_rows, fill):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=25, unique_by=lambda t: t[0]),
-       st.integers(1, 12), st.integers(1, 80))
+@given(
+    st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=25, unique_by=lambda t: t[0]),
+    st.integers(1, 12),
+    st.integers(1, 80),
+)
 def test_last_rows_match_the_plain_worst_fit(runs, n_rows, fill):
     """The last batch's worst fit (one int per heap entry) places every item exactly where the
     plain tuple-heap worst fit does, and leaves the same items behind."""

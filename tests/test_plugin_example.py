@@ -24,8 +24,9 @@ N = 120
 
 def _forge(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "forge.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "forge.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
 
 
 LAYER = 4
@@ -33,8 +34,17 @@ LAYER = 4
 
 def test_forge_run_their_function_with_their_mode(tmp_path):
     out = tmp_path / "run"
-    result = _forge("run", "function=token_norms", "batching=sorted", "batching.batch_size=16", f"input.limit={N}",
-                    "devices=cpu", "runtime.executor=inprocess", f"output_dir={out}", cwd=tmp_path)
+    result = _forge(
+        "run",
+        "function=token_norms",
+        "batching=sorted",
+        "batching.batch_size=16",
+        f"input.limit={N}",
+        "devices=cpu",
+        "runtime.executor=inprocess",
+        f"output_dir={out}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["function"] == "token_norms" and report["batching"] == "sorted"
@@ -59,7 +69,7 @@ def test_forge_run_their_function_with_their_mode(tmp_path):
         ids = prefix + tok(row["text"], add_special_tokens=not prefix)["input_ids"]
         with torch.no_grad():
             hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[LAYER][0]
-        norms = hidden[len(prefix):].norm(dim=-1).numpy()
+        norms = hidden[len(prefix) :].norm(dim=-1).numpy()
         assert res.columns["num_tokens"][k] == len(norms)
         assert np.abs(res.columns["norms"][k] - norms).max() < 1e-4
         assert abs(res.columns["mean_norm"][k] - norms.mean()) < 1e-4
@@ -74,9 +84,18 @@ def test_their_function_is_exact_in_every_mode(tmp_path):
     rows = [json.loads(line) for line in open(embedded_dataset_path())]
     short = sorted({r["prefix"] for r in rows if r.get("prefix")}, key=len)[:2]
     rows = [r for r in rows if r.get("prefix") in short][:16] + [r for r in rows if not r.get("prefix")][:2]
-    check = check_modes("token_norms", rows, tmp_path, tol=1e-4,
-                        limits=["devices=auto", "devices.limits.max_batch_tokens=512",
-                                "devices.limits.max_seq_len=256", "budget.tokens_per_step=512"])
+    check = check_modes(
+        "token_norms",
+        rows,
+        tmp_path,
+        tol=1e-4,
+        limits=[
+            "devices=auto",
+            "devices.limits.max_batch_tokens=512",
+            "devices.limits.max_seq_len=256",
+            "budget.tokens_per_step=512",
+        ],
+    )
     assert set(check.results) == {"item", "token-cache", "token-nocache", "token-packed", "memory"}
     # it uses the prefix cache: in token mode the rows sharing a prefix take it from the cache
     from forge.testing import run_function
@@ -92,8 +111,13 @@ def test_their_function_imports_only_the_public_api():
 
     allowed = {"forge", "forge.api"}
     for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         for name in names:
             assert not name.startswith("forge") or name in allowed, f"token_norms imports {name}"
     source = Path(module.__file__).read_text()
@@ -103,20 +127,34 @@ def test_their_function_imports_only_the_public_api():
 def test_forge_ls_lists_their_function_and_mode(tmp_path):
     result = _forge("ls", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for word in ("token_norms", "function=token_norms", "forge_plugin_example", "sorted", "batching=sorted",
-                 "SortedPacker", "probe_gen"):
+    for word in (
+        "token_norms",
+        "function=token_norms",
+        "forge_plugin_example",
+        "sorted",
+        "batching=sorted",
+        "SortedPacker",
+        "probe_gen",
+    ):
         assert word in result.stdout, word
 
 
 def test_sorted_mode_cuts_fixed_batches_shortest_first():
-    report = plan_forge("function=token_norms", "batching=sorted", "batching.batch_size=8", "input.limit=100",
-                        "devices=cpu", keep_batches=True)
+    report = plan_forge(
+        "function=token_norms",
+        "batching=sorted",
+        "batching.batch_size=8",
+        "input.limit=100",
+        "devices=cpu",
+        keep_batches=True,
+    )
     batches = report["_batches"]
     assert report["function"] == "token_norms" and report["balanced"]
     assert [len(b.items) for b in batches] == [8] * 12 + [4]
     lengths = [it.num_tokens for b in batches for it in b.items]
     assert lengths == sorted(lengths)  # one window: the whole input, shortest first
-    longest_first = plan_forge("batching=sorted", "batching.descending=true", "input.limit=100", "devices=cpu",
-                               keep_batches=True)["_batches"]
+    longest_first = plan_forge(
+        "batching=sorted", "batching.descending=true", "input.limit=100", "devices=cpu", keep_batches=True
+    )["_batches"]
     lengths = [it.num_tokens for b in longest_first for it in b.items]
     assert lengths == sorted(lengths, reverse=True)

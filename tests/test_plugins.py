@@ -8,7 +8,10 @@ from forge.pluginmanager import batching_modes, make_plugin_manager
 def test_builtins_register_through_entry_points(pm):
     modes = batching_modes(pm)
     assert {name: plugin for name, (_, plugin) in modes.items() if plugin == "batching"} == {
-        "item": "batching", "token": "batching", "memory": "batching"}  # installed plugins may add more
+        "item": "batching",
+        "token": "batching",
+        "memory": "batching",
+    }  # installed plugins may add more
     assert {"ledger", "progress", "batching"} <= {pm.get_name(p) for p in pm.get_plugins()}
 
 
@@ -39,8 +42,14 @@ def test_every_hookspec_is_typed_and_documents_its_parameters():
     import forge.hookspecs
     import forge.run
 
-    names = {**vars(forge.hookspecs), **vars(forge.geometry), **vars(forge.run), "Packer": forge.batching.base.Packer,
-             "Executor": forge.executors.base.Executor, "Function": forge.function.Function}
+    names = {
+        **vars(forge.hookspecs),
+        **vars(forge.geometry),
+        **vars(forge.run),
+        "Packer": forge.batching.base.Packer,
+        "Executor": forge.executors.base.Executor,
+        "Function": forge.function.Function,
+    }
     specs = [f for name, f in vars(forge.hookspecs).items() if name.startswith("forge_") and callable(f)]
     assert len(specs) >= 20
     for spec in specs:

@@ -82,11 +82,14 @@ def test_wilson_interval():
     assert wilson(3, 10)[0] < 0.3 < wilson(3, 10)[1]
 
 
-@pytest.mark.parametrize("labels, message", [
-    ([None] * 40, "no labels"),
-    ([1] * 40, "one class only"),
-    ([0, 1] * 3, "too few labelled items"),
-])
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        ([None] * 40, "no labels"),
+        ([1] * 40, "one class only"),
+        ([0, 1] * 3, "too few labelled items"),
+    ],
+)
 def test_clear_errors(labels, message):
     ids = [f"i{k}" for k in range(len(labels))]
     with pytest.raises(ForgeError, match=message):

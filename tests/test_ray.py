@@ -18,8 +18,15 @@ from conftest import assert_same_output, clean_activations, run_forge, spec_for
 from forge.errors import ForgeError
 
 N = 48
-FAST = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-        "budget.tokens_per_step=1024", "layers=[1,4]", f"input.limit={N}", "batching.window=16"]
+FAST = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=1024",
+    "devices.limits.max_seq_len=512",
+    "budget.tokens_per_step=1024",
+    "layers=[1,4]",
+    f"input.limit={N}",
+    "batching.window=16",
+]
 RAY = ["runtime=ray", "runtime.cpus_per_actor=1"]
 TESTS = Path(__file__).resolve().parent
 needs_ray = pytest.mark.skipif(find_spec("ray") is None, reason="Ray is not installed: pip install -e '.[ray]'")
@@ -107,8 +114,15 @@ def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean)
     # output goes to an object store (memory://: the driver writes, so it lives in this process)
     faults(kill={"point": "during_forward", "every": 3, "times": 1}, hang={"seconds": 120, "nth": 5})
     url = f"memory://{tmp_path.name}/run"
-    report = run_forge(url, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=4",
-                       "runtime.batch_timeout_s=4", "runtime.kill_grace_s=1")
+    report = run_forge(
+        url,
+        *FAST,
+        *RAY,
+        "plugins=[faults]",
+        "runtime.max_restarts=4",
+        "runtime.batch_timeout_s=4",
+        "runtime.kill_grace_s=1",
+    )
     assert report["status"] == "finished" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] == 2, "one replacement after the kill, one after the hang"
     assert report["attempts"]["lost"] >= 1 and report["attempts"]["timeout"] == 1

@@ -32,8 +32,9 @@ def reference():
     from forge.functions.probe_gen import ProbeGen
     from forge.runtime.causal_lm import reference_pooled
 
-    fn = ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements", "limit": N},
-                  layers=LAYERS)
+    fn = ProbeGen(
+        model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements", "limit": N}, layers=LAYERS
+    )
     model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source())).eval()
     ref = {}
     for item in fn.records():
@@ -44,8 +45,14 @@ def reference():
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_activations_equal_one_prompt_forward(tmp_path, reference, mode, pooling):
-    report = run_forge(tmp_path, *SMALL, *MODES[mode], f"input.limit={N}", f"pooling={pooling}",
-                       f"layers=[{','.join(map(str, LAYERS))}]")
+    report = run_forge(
+        tmp_path,
+        *SMALL,
+        *MODES[mode],
+        f"input.limit={N}",
+        f"pooling={pooling}",
+        f"layers=[{','.join(map(str, LAYERS))}]",
+    )
     assert report["balanced"], report["imbalance"]
     assert report["items"]["completed"] == N
     assert report["batches"] > 3  # really batched
@@ -90,15 +97,27 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
     for fmt in ("parquet", "safetensors"):
         run = tmp_path / fmt
         store = RunStore(run, {"function": "test"})
-        schema = ResultSchema((Field("n", "int64"), Field("per_token", "float32", ragged=True)), format=fmt,
-                              folder="res", rows_per_shard=2)
+        schema = ResultSchema(
+            (Field("n", "int64"), Field("per_token", "float32", ragged=True)),
+            format=fmt,
+            folder="res",
+            rows_per_shard=2,
+        )
         sink = open_sink(store, schema)
         items = [Item(f"i{k}", 1, index=k) for k in range(5)]
         values = [np.arange(k + 1, dtype=np.float32) * (k + 1) for k in range(5)]
         for lo in (3, 0):  # committed out of order
-            batch = Batch([[it] for it in items[lo:lo + 3]], 1)
-            sink.write(batch, ResultColumns({"n": np.array([k + 1 for k in range(lo, lo + 3)][:len(batch.items)]),
-                                           "per_token": values[lo:lo + 3]}), None)
+            batch = Batch([[it] for it in items[lo : lo + 3]], 1)
+            sink.write(
+                batch,
+                ResultColumns(
+                    {
+                        "n": np.array([k + 1 for k in range(lo, lo + 3)][: len(batch.items)]),
+                        "per_token": values[lo : lo + 3],
+                    }
+                ),
+                None,
+            )
             sink.flush()
         sink.close()
         parts = list(shards(run))
@@ -109,8 +128,16 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("fmt,dtype", [("parquet", "float32"), ("parquet", "float16"), ("safetensors", "float32"),
-                                       ("safetensors", "bfloat16"), ("safetensors", "float16")])
+@pytest.mark.parametrize(
+    "fmt,dtype",
+    [
+        ("parquet", "float32"),
+        ("parquet", "float16"),
+        ("safetensors", "float32"),
+        ("safetensors", "bfloat16"),
+        ("safetensors", "float16"),
+    ],
+)
 def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
     """A ragged field of shape (3,) holds an array [n, 3] per item (per-token states): it
     round-trips in each format and dtype, bfloat16 as real BF16 tensors (read back as float32),
@@ -119,7 +146,7 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
     import torch
     from safetensors import safe_open
 
-    from forge.function import ItemColumns
+    from forge.function import ResultColumns
     from forge.geometry import Batch, Item
     from forge.results import Field, ResultSchema, load
     from forge.sinks import open_sink
@@ -130,7 +157,7 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
     sink = open_sink(store, schema)
     items = [Item(f"i{k}", k + 1, index=k) for k in range(4)]
     values = [torch.randn(k, 3) for k in range(4)]  # item 0 has no tokens
-    sink.write(Batch([[it] for it in items], 4), ItemColumns({"states": values, "n": np.arange(4)}), None)
+    sink.write(Batch([[it] for it in items], 4), ResultColumns({"states": values, "n": np.arange(4)}), None)
     sink.close()
     res = load(tmp_path)
     want = [v.to(getattr(torch, dtype)).float().numpy() for v in values]
@@ -146,21 +173,27 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
 def test_a_shaped_ragged_value_of_the_wrong_width_is_refused(tmp_path):
     import numpy as np
 
-    from forge.function import ItemColumns
+    from forge.function import ResultColumns
     from forge.geometry import Batch, Item
     from forge.results import Field, ResultSchema
     from forge.sinks import open_sink
     from forge.store import RunStore
 
-    sink = open_sink(RunStore(tmp_path, {"function": "test"}),
-                     ResultSchema((Field("states", "float32", (3,), ragged=True),), format="safetensors"))
-    with pytest.raises(ForgeError, match=r"result field 'states': the worker gave shape \(2, 4\) for one item, "
-                                         r"expected \(n, 3\)"):
-        sink.write(Batch([[Item("a", 2, index=0)]], 2), ItemColumns({"states": [np.zeros((2, 4))]}), None)
+    sink = open_sink(
+        RunStore(tmp_path, {"function": "test"}),
+        ResultSchema((Field("states", "float32", (3,), ragged=True),), format="safetensors"),
+    )
+    with pytest.raises(
+        ForgeError,
+        match=r"result field 'states': the worker gave shape \(2, 4\) for one item, "
+        r"expected \(n, 3\)",
+    ):
+        sink.write(Batch([[Item("a", 2, index=0)]], 2), ResultColumns({"states": [np.zeros((2, 4))]}), None)
 
 
-@pytest.mark.parametrize("function,field", [("score", "loglik"), ("embed", "embedding"), ("surprisal", "mean_nll"),
-                                            ("probe_gen", "layer_4")])
+@pytest.mark.parametrize(
+    "function,field", [("score", "loglik"), ("embed", "embedding"), ("surprisal", "mean_nll"), ("probe_gen", "layer_4")]
+)
 def test_load_reads_any_functions_results(tmp_path, function, field):
     """One reader for every built-in (the README's promise): no folder needed, rows in input order."""
     from forge.results import load, shards

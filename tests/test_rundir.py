@@ -23,8 +23,15 @@ from forge.errors import ForgeError
 from forge.store import RunStore, read_journal
 
 N = 12
-FAST = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-        "budget.tokens_per_step=1024", "layers=[1]", f"input.limit={N}", "shard_size=4"]
+FAST = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=1024",
+    "devices.limits.max_seq_len=512",
+    "budget.tokens_per_step=1024",
+    "layers=[1]",
+    f"input.limit={N}",
+    "shard_size=4",
+]
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -56,8 +63,11 @@ def test_resume_removes_only_the_shards_forge_staged(tmp_path):
         _shard(store, 2, [4])  # recorded as pending, staged, never put in place
     torn = run / "results" / (store.shard_name(2, ".bin") + ".tmp")
     torn.write_bytes(b"xx")  # as a process killed mid-write leaves it
-    foreign = [run / "mine" / "shard-keep.txt", run / "nested" / "activations" / "shard-000-00000.safetensors",
-               run / "results" / "shard-999-00000.bin"]
+    foreign = [
+        run / "mine" / "shard-keep.txt",
+        run / "nested" / "activations" / "shard-000-00000.safetensors",
+        run / "results" / "shard-999-00000.bin",
+    ]
     for path in foreign:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("not Forge's")
@@ -65,8 +75,10 @@ def test_resume_removes_only_the_shards_forge_staged(tmp_path):
     assert (run / "results" / store.shard_name(1, ".bin")).exists()
     again = RunStore(run, {"f": 1}, resume=True)
     assert again.committed == {0, 1}
-    assert sorted(p.relative_to(run).as_posix() for p in (run / "results").iterdir()) == \
-        [kept, "results/shard-999-00000.bin"]
+    assert sorted(p.relative_to(run).as_posix() for p in (run / "results").iterdir()) == [
+        kept,
+        "results/shard-999-00000.bin",
+    ]
     assert all(path.read_text() == "not Forge's" for path in foreign)
     again.close("finished")
     assert not (run / "pending.jsonl").exists()
@@ -86,8 +98,11 @@ def test_a_second_run_or_resume_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     holder = RunStore(run, {"f": 1})
     for resume in (False, True):
-        with pytest.raises(ForgeError, match=rf"^output_dir={run} is in use by another Forge run \(host \S+, pid "
-                                             rf"{os.getpid()}, started \d{{4}}-.*\); wait for it to end"):
+        with pytest.raises(
+            ForgeError,
+            match=rf"^output_dir={run} is in use by another Forge run \(host \S+, pid "
+            rf"{os.getpid()}, started \d{{4}}-.*\); wait for it to end",
+        ):
             RunStore(run, {"f": 1}, resume=resume)
     holder.close("finished")
     RunStore(run, {"f": 1}, resume=True).close("finished")
@@ -192,11 +207,14 @@ def test_a_finished_run_is_not_touched_by_a_run_without_resume(tmp_path):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # .hydra/ and report included
 
 
-@pytest.mark.parametrize("output_dir,message", [
-    ("{tmp}/file/run", "cannot read or write there: NotADirectoryError"),
-    ("{tmp}/file", "cannot read or write there: FileExistsError"),
-    ("", "output_dir is empty; set output_dir=PATH"),
-])
+@pytest.mark.parametrize(
+    "output_dir,message",
+    [
+        ("{tmp}/file/run", "cannot read or write there: NotADirectoryError"),
+        ("{tmp}/file", "cannot read or write there: FileExistsError"),
+        ("", "output_dir is empty; set output_dir=PATH"),
+    ],
+)
 def test_an_unusable_output_dir_is_one_line_and_exit_2(tmp_path, output_dir, message):
     (tmp_path / "file").write_text("a file, not a directory")
     result = CliRunner().invoke(app, ["run", *FAST, f"output_dir={output_dir.format(tmp=tmp_path)}"])
@@ -253,8 +271,14 @@ def test_a_shard_writer_error_stops_the_run_cleanly_in_every_format(tmp_path, mo
 
 
 def _forge(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "forge.cli", "run", *args], cwd=TESTS, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", "run", *args],
+        cwd=TESTS,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults):
@@ -272,9 +296,16 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults)
 def test_a_second_ctrl_c_stops_at_once_and_still_writes_the_report(tmp_path, faults):
     out = tmp_path / "run"
     faults(hang={"seconds": 120, "nth": 2})  # a batch that would hold the first Ctrl-C's drain
-    proc = _forge(*FAST, "runtime.executor=process", "plugins=[faults]", "runtime.max_in_flight=1",
-                  "runtime.commit_interval_s=0.1", "runtime.batch_timeout_s=300", f"output_dir={out}",
-                  env=dict(os.environ))
+    proc = _forge(
+        *FAST,
+        "runtime.executor=process",
+        "plugins=[faults]",
+        "runtime.max_in_flight=1",
+        "runtime.commit_interval_s=0.1",
+        "runtime.batch_timeout_s=300",
+        f"output_dir={out}",
+        env=dict(os.environ),
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((out / "commits.jsonl").exists() and (out / "commits.jsonl").read_text()):
@@ -305,8 +336,13 @@ def test_soak_kill9_and_concurrent_resumes_lose_and_duplicate_nothing(tmp_path):
     sys.path.insert(0, str(ROOT))
     from benchmarks.soak import soak
 
-    base = ["input.limit=400", "layers=[1,4]", "shard_size=32", "runtime.commit_interval_s=0.5",
-            "runtime.executor=inprocess"]
+    base = [
+        "input.limit=400",
+        "layers=[1,4]",
+        "shard_size=32",
+        "runtime.commit_interval_s=0.5",
+        "runtime.executor=inprocess",
+    ]
     result = soak(tmp_path / "run", tmp_path / "clean", base, cycles=4, seed=3, max_delay_s=12.0)
     assert result.ok, result.problems
     assert result.ids == result.unique_ids == 400 and result.kills >= 1

@@ -38,7 +38,7 @@ class Seen:
 def columns(n, chunk, seed=0):
     which, prefix_lens, suffix = geometry(n, 12, seed)
     for a in range(0, n, chunk):
-        yield prefix_lens[which[a:a + chunk]] + suffix[a:a + chunk], which[a:a + chunk]
+        yield prefix_lens[which[a : a + chunk]] + suffix[a : a + chunk], which[a : a + chunk]
 
 
 def drive(source, window, executor=None):

@@ -25,9 +25,19 @@ from forge.errors import ForgeError  # noqa: E402
 
 TOL = 1e-4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=2048,
-            max_position_embeddings=256, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-            initializer_range=0.2)
+BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=2048,
+    max_position_embeddings=256,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    initializer_range=0.2,
+)
 FAMILIES = {
     "qwen2": ("Qwen2Config", dict()),
     "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
@@ -38,17 +48,30 @@ MODES = {
     "token-cache": ["batching=token"],
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
     "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
-    "token-packed-nocache": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=96",
-                             "batching.prefix_cache=false"],
+    "token-packed-nocache": [
+        "batching=token",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=96",
+        "batching.prefix_cache=false",
+    ],
     "memory": ["batching=memory", "devices.cpu_memory_gb=0.05"],
 }
-SMALL = ["devices=auto", "devices.limits.max_batch_tokens=512", "devices.limits.max_seq_len=256",
-         "budget.tokens_per_step=512", "runtime.executor=inprocess", "function=score"]
+SMALL = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=512",
+    "devices.limits.max_seq_len=256",
+    "budget.tokens_per_step=512",
+    "runtime.executor=inprocess",
+    "function=score",
+]
 # (model, mode, extra overrides): every mode on the embedded Llama, the prefix paths on the others
 CASES = [("embedded", m, ()) for m in MODES] + [
     ("embedded", "token-cache", ("max_length=40",)),
-    ("qwen2", "token-cache", ()), ("qwen2", "token-packed", ()), ("qwen2", "item", ()),
-    ("gpt2", "token-cache", ("add_special_tokens=false",)), ("gpt2", "token-packed", ("add_special_tokens=false",)),
+    ("qwen2", "token-cache", ()),
+    ("qwen2", "token-packed", ()),
+    ("qwen2", "item", ()),
+    ("gpt2", "token-cache", ("add_special_tokens=false",)),
+    ("gpt2", "token-packed", ("add_special_tokens=false",)),
     ("gpt2", "memory", ("add_special_tokens=false",)),
 ]
 
@@ -76,7 +99,7 @@ def lm_eval_pair(tok, context: str, continuation: str, special: bool) -> tuple[l
     ctx = tok(context, add_special_tokens=special)["input_ids"]
     if not ctx:  # a whitespace-only context without BOS: lm-eval has no token to predict from; Forge uses BOS
         return [tok.bos_token_id], tok(continuation, add_special_tokens=False)["input_ids"]
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 def reference(model, tok, rows: list[dict], special: bool, max_length: int, delimiter: str = " ") -> dict:
@@ -90,9 +113,9 @@ def reference(model, tok, rows: list[dict], special: bool, max_length: int, deli
             pairs = [(qid, row["continuation"])]
         for iid, cont_text in pairs:
             ctx, cont = lm_eval_pair(tok, row["context"], cont_text, special)
-            inp = torch.tensor((ctx + cont)[-(max_length + 1):][:-1]).view(1, -1)
+            inp = torch.tensor((ctx + cont)[-(max_length + 1) :][:-1]).view(1, -1)
             with torch.inference_mode():
-                logits = model(input_ids=inp, use_cache=False).logits[0, -len(cont):]
+                logits = model(input_ids=inp, use_cache=False).logits[0, -len(cont) :]
             logp = torch.log_softmax(logits.float(), dim=-1)
             tgt = torch.tensor(cont)
             out[iid] = (float(logp.gather(1, tgt[:, None]).sum()), len(cont), bool((logp.argmax(-1) == tgt).all()))
@@ -184,8 +207,7 @@ def _run(tmp_path, source, rows_path, mode, *extra):
 
     key = (mode, extra)
     if key not in _COMPOSED:
-        _COMPOSED[key] = compose(*SMALL, *MODES[mode], "model=hf", "model.name=DIR", f"input.path={rows_path}",
-                                 *extra)
+        _COMPOSED[key] = compose(*SMALL, *MODES[mode], "model=hf", "model.name=DIR", f"input.path={rows_path}", *extra)
     cfg = copy.deepcopy(_COMPOSED[key])
     cfg.model.name = source
     return execute(build_spec(cfg, tmp_path), make_plugin_manager())
@@ -233,8 +255,15 @@ def test_boundary_tokenization_follows_lm_eval():
     assert tok("Answer: Paris")["input_ids"] == [1, 394, 1807, 29, 964, 373]
     assert enc.pair("Answer: ", "Paris") == ([1, 394, 1807, 29], [964, 373])  # the space moved
     assert enc.pair("Answer:", " Paris") == ([1, 394, 1807, 29], [964, 373])
-    for context, continuation in [("two spaces  ", "x"), ("tab\t", "y"), ("nl\n", "z"), ("a \n ", "b c"),
-                                  ("Zürich ", "liegt"), ("", "Hello"), ("   ", "x")]:
+    for context, continuation in [
+        ("two spaces  ", "x"),
+        ("tab\t", "y"),
+        ("nl\n", "z"),
+        ("a \n ", "b c"),
+        ("Zürich ", "liegt"),
+        ("", "Hello"),
+        ("   ", "x"),
+    ]:
         assert enc.pair(context, continuation) == tuple(lm_eval_pair(tok, context, continuation, True))
     plain = _Encoder(tok, add_special_tokens=False)
     assert plain.pair("Answer: ", "Paris") == ([394, 1807, 29], [964, 373])  # no BOS
@@ -244,8 +273,11 @@ def test_acc_and_acc_norm_by_hand():
     from forge.functions.score import accuracy, question_table
 
     rows = [  # (question, choice, num_choices, gold, loglik, num_bytes)
-        ("a", 0, 2, 1, -4.0, 2), ("a", 1, 2, 1, -4.5, 9),  # acc: 0 (-4 > -4.5); acc_norm: 1 (-0.5 > -2)
-        ("b", 0, 3, 0, -1.0, 4), ("b", 1, 3, 0, -2.0, 4), ("b", 2, 3, 0, -1.0, 4),  # tie: the first wins
+        ("a", 0, 2, 1, -4.0, 2),
+        ("a", 1, 2, 1, -4.5, 9),  # acc: 0 (-4 > -4.5); acc_norm: 1 (-0.5 > -2)
+        ("b", 0, 3, 0, -1.0, 4),
+        ("b", 1, 3, 0, -2.0, 4),
+        ("b", 2, 3, 0, -1.0, 4),  # tie: the first wins
         ("c", 0, 2, 0, -9.0, 1),  # one of two choices: incomplete, no answer
         ("plain", -1, 1, None, -3.0, 5),  # a plain row: no question
     ]
@@ -266,8 +298,13 @@ def test_greedy_flag(tmp_path):
     _, model = _model("embedded", tmp_path)
     enc = _Encoder(tok, True)
     greedy_row = None
-    for context in ("The capital of France is", "Question: What colour is snow?\nAnswer:", "One two three",
-                    "Hello", "A B C D"):
+    for context in (
+        "The capital of France is",
+        "Question: What colour is snow?\nAnswer:",
+        "One two three",
+        "Hello",
+        "A B C D",
+    ):
         ids = enc.enc(context)
         with torch.inference_mode():
             nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
@@ -367,9 +404,10 @@ def test_parquet_rows(tmp_path):
     """Parquet input: choices as a list column; a file without 'context' is refused before work."""
     import pyarrow.parquet as pq
 
-    rows = [{"id": "q1", "context": "Pick a colour:", "choices": ["red", "green", "blue"], "gold": 2,
-             "continuation": None},
-            {"id": "p1", "context": "The sky is", "choices": None, "gold": None, "continuation": " blue"}]
+    rows = [
+        {"id": "q1", "context": "Pick a colour:", "choices": ["red", "green", "blue"], "gold": 2, "continuation": None},
+        {"id": "p1", "context": "The sky is", "choices": None, "gold": None, "continuation": " blue"},
+    ]
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     report = plan_forge("function=score", f"input.path={path}")

@@ -31,17 +31,31 @@ def _batch(ids_and_index):
 
 @pytest.mark.parametrize("fmt", ["parquet", "safetensors"])
 def test_generic_sink_round_trip_in_input_order(tmp_path, fmt):
-    schema = ResultSchema(fields=(Field("score", "float32"), Field("vec", "float32", (2,)), Field("n", "int64")),
-                          format=fmt, rows_per_shard=2, meta_key="labels", meta={"model": "m"})
+    schema = ResultSchema(
+        fields=(Field("score", "float32"), Field("vec", "float32", (2,)), Field("n", "int64")),
+        format=fmt,
+        rows_per_shard=2,
+        meta_key="labels",
+        meta={"model": "m"},
+    )
     store = RunStore(tmp_path, {"function": "t"})
     sink = open_sink(store, schema)
     # two batches committed out of input order; the second keeps only its item "b" (the other is a duplicate)
-    sink.write(_batch([("c", 2), ("d", 3)]), ResultColumns({"score": np.array([2.0, 3.0]), "n": np.array([20, 30]),
-                                                          "vec": np.array([[2, 2], [3, 3]], np.float32)}), None)
+    sink.write(
+        _batch([("c", 2), ("d", 3)]),
+        ResultColumns(
+            {"score": np.array([2.0, 3.0]), "n": np.array([20, 30]), "vec": np.array([[2, 2], [3, 3]], np.float32)}
+        ),
+        None,
+    )
     sink.flush()
-    sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"score": np.array([0.0, 1.0]), "n": np.array([0, 10]),
-                                                          "vec": np.array([[0, 0], [1, 1]], np.float32)}),
-               [False, True])
+    sink.write(
+        _batch([("a", 0), ("b", 1)]),
+        ResultColumns(
+            {"score": np.array([0.0, 1.0]), "n": np.array([0, 10]), "vec": np.array([[0, 0], [1, 1]], np.float32)}
+        ),
+        [False, True],
+    )
     out = sink.close()
     store.close("finished")
     assert out["shards"] == 2 and out["rows"] == 3 and out["format"] == fmt
@@ -167,15 +181,20 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
 def test_the_editable_install_maps_the_subpackages_to_this_checkouts_folders(tmp_path):
     """setuptools' `package-dir` does the mapping (editable installs honour it), and importing
     forge changes no import machinery: no finder of Forge's own is left on sys.meta_path."""
-    code = ("import sys; before = list(sys.meta_path); import forge; print(sys.meta_path == before); "
-            "import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
-            "print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
-            "print(forge.conf.__file__); print('functions' in sys.modules or 'plugins' in sys.modules)")
+    code = (
+        "import sys; before = list(sys.meta_path); import forge; print(sys.meta_path == before); "
+        "import forge.functions.probe_gen, forge.builtin.ledger, forge.conf, hydra_plugins.forge_searchpath as h; "
+        "print(forge.functions.probe_gen.__file__); print(forge.builtin.ledger.__file__); "
+        "print(forge.conf.__file__); print('functions' in sys.modules or 'plugins' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     lines = out.stdout.split()
     assert lines[0] == "True"  # `import forge` installs nothing
-    assert lines[1:4] == [str(ROOT / "functions" / "probe_gen.py"), str(ROOT / "plugins" / "ledger.py"),
-                          str(ROOT / "conf" / "__init__.py")]
+    assert lines[1:4] == [
+        str(ROOT / "functions" / "probe_gen.py"),
+        str(ROOT / "plugins" / "ledger.py"),
+        str(ROOT / "conf" / "__init__.py"),
+    ]
     assert lines[4] == "False"  # no generic top-level name imported
     assert not (ROOT / "forge" / "_layout.py").exists()
 
@@ -194,16 +213,26 @@ def test_wheel_installs_everything_under_forge(tmp_path):
         shutil.copy(ROOT / name, src / name)
     for name in ("forge", "functions", "plugins", "conf", "hydra_plugins"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
-                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp_path), str(src)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     (wheel,) = tmp_path.glob("forge_tokens-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"forge", "hydra_plugins"}
-    for path in ("forge/functions/probe_gen.py", "forge/functions/assets/statements.jsonl",
-                 "forge/functions/assets/tiny-llama/tokenizer.json", "forge/functions/assets/tiny-llama/config.json",
-                 "forge/builtin/ledger.py", "forge/builtin/functions.py", "forge/conf/config.yaml",
-                 "hydra_plugins/forge_searchpath/__init__.py"):
+    for path in (
+        "forge/functions/probe_gen.py",
+        "forge/functions/assets/statements.jsonl",
+        "forge/functions/assets/tiny-llama/tokenizer.json",
+        "forge/functions/assets/tiny-llama/config.json",
+        "forge/builtin/ledger.py",
+        "forge/builtin/functions.py",
+        "forge/conf/config.yaml",
+        "hydra_plugins/forge_searchpath/__init__.py",
+    ):
         assert path in names, path
     for yaml in (ROOT / "conf").rglob("*.yaml"):
         assert f"forge/conf/{yaml.relative_to(ROOT / 'conf')}" in names, yaml
@@ -214,13 +243,20 @@ def test_wheel_installs_everything_under_forge(tmp_path):
     assert "forge.builtin.batching" in text and "forge.builtin.functions" in text and "plugins." not in text
     # installed from the wheel (not editable), the subpackages import from the installed forge/
     target = (tmp_path / "site").resolve()
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target),
-                    str(wheel)], check=True, capture_output=True, cwd=tmp_path)
-    code = ("import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
-            "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    code = (
+        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
+        "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())"
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env
+    )
     assert [str(Path(p).resolve()) for p in out.stdout.split()] == [
         str(target / "forge" / "functions" / "assets" / "__init__.py"),
         str(target / "forge" / "builtin" / "ledger.py"),

@@ -17,8 +17,14 @@ from forge.simulate import plan_geometry
 CONF = Path(__file__).resolve().parent.parent / "conf" / "devices"
 # The measured memory model of examples/models/llama-2-7b in bfloat16 (layers [1,2,4], pooling
 # last), as `forge plan` fits it: numbers here so that tests do not fit a 7B model.
-COST_7B = CostModel(weight_bytes=13476831232, bytes_per_token=112767.2, bytes_per_score=1.0667,
-                    kv_bytes_per_token=557400.4, prefix_bytes_per_token=548423.1, margin=0.05)
+COST_7B = CostModel(
+    weight_bytes=13476831232,
+    bytes_per_token=112767.2,
+    bytes_per_score=1.0667,
+    kv_bytes_per_token=557400.4,
+    prefix_bytes_per_token=548423.1,
+    margin=0.05,
+)
 
 
 SMALL_CARD = 16 << 30
@@ -40,8 +46,9 @@ def predicted(batch) -> int:
 
 def test_a_sim_entry_declares_its_step_time_and_overhead():
     lim = {"max_batch_tokens": 4096, "max_rows": 64, "max_seq_len": 1024}
-    [d] = from_inventory([{"name": "g", "memory_gb": 16, "sim": {"seconds_per_step": 0.04, "seconds_per_slot": 2e-4}}],
-                         lim)
+    [d] = from_inventory(
+        [{"name": "g", "memory_gb": 16, "sim": {"seconds_per_step": 0.04, "seconds_per_slot": 2e-4}}], lim
+    )
     assert d.sim == StepTime(0.04, 2e-4, 0.0) and d.batch_overhead_tokens == 200 and d.memory_bytes == 16 << 30
     assert d.sim.seconds(1000, 10**6) == pytest.approx(0.04 + 0.2)
     with pytest.raises(ForgeError, match=r"devices.inventory\[0\] \(g\).sim: unknown key\(s\) \['speed'\]"):
@@ -53,9 +60,19 @@ def test_a_sim_entry_declares_its_step_time_and_overhead():
             from_inventory([{"name": "g", "sim": {"seconds_per_step": bad, "seconds_per_slot": 1e-4}}], lim)
 
 
-@pytest.mark.parametrize("key,value", [("memory_gb", "lots"), ("memory_gb", ".nan"), ("memory_gb", float("nan")),
-                                       ("memory_gb", float("-inf")), ("memory_gb", -3), ("memory_gb", True),
-                                       ("batch_overhead_tokens", 1.5), ("batch_overhead_tokens", -1)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("memory_gb", "lots"),
+        ("memory_gb", ".nan"),
+        ("memory_gb", float("nan")),
+        ("memory_gb", float("-inf")),
+        ("memory_gb", -3),
+        ("memory_gb", True),
+        ("batch_overhead_tokens", 1.5),
+        ("batch_overhead_tokens", -1),
+    ],
+)
 def test_every_inventory_field_is_typed_and_range_checked(key, value):
     lim = {"max_batch_tokens": 4096, "max_rows": 64, "max_seq_len": 1024}
     with pytest.raises(ForgeError, match=rf"^devices.inventory\[0\] \(g\).{key}=.*: must be a"):
@@ -84,8 +101,13 @@ def test_simulated_and_plain_devices_do_not_mix_and_forge_run_refuses_simulated_
     mixed = [Device("a", lim, sim=StepTime(0.01, 1e-4)), Device("b", lim)]
     with pytest.raises(ForgeError, match=r"a simulated \(sim:\) but b not"):
         plan_geometry(reference(50), mixed, "token")
-    spec = RunSpec(function=GeometryFunction(reference(10)), mode="token", mode_options={},
-                   devices=inventory("mix_16g_32g"), run_dir=tmp_path / "run")
+    spec = RunSpec(
+        function=GeometryFunction(reference(10)),
+        mode="token",
+        mode_options={},
+        devices=inventory("mix_16g_32g"),
+        run_dir=tmp_path / "run",
+    )
     with pytest.raises(ForgeError, match="`forge run` needs real devices: plan on simulated ones with `forge plan`"):
         execute(spec, make_plugin_manager())
     assert not (tmp_path / "run" / "run.json").exists()
@@ -179,11 +201,18 @@ def test_a_simulated_out_of_memory_error_splits_and_retries_with_nothing_lost(pa
     """Item mode at the batch size that fits the large card runs the small one out of memory:
     the batch is split and retried, the small card's budget drops, every item completes."""
     mode, options = ("item", {"batch_size": 83}) if packing == "rows" else ("token", {"packing": "packed"})
-    report = plan_geometry(reference(1200), inventory("mix_16g_32g"), mode, cost=COST_7B, options=options,
-                           keep_batches=True)
+    report = plan_geometry(
+        reference(1200), inventory("mix_16g_32g"), mode, cost=COST_7B, options=options, keep_batches=True
+    )
     assert report["status"] == "finished" and report["balanced"], report.get("imbalance")
-    assert report["items"] == {"received": 1200, "completed": 1200, "failed": 0, "skipped": 0, "unfinished": 0,
-                               "resumed": 0}
+    assert report["items"] == {
+        "received": 1200,
+        "completed": 1200,
+        "failed": 0,
+        "skipped": 0,
+        "unfinished": 0,
+        "resumed": 0,
+    }
     dev = {d["name"]: d for d in report["devices"]}
     assert report["attempts"]["oom"] == dev["card16"]["oom"] > 0 and dev["card32"]["oom"] == 0
     assert report["attempts"]["oom_splits"] == report["attempts"]["oom"]
@@ -204,8 +233,9 @@ def test_a_heavy_tail_over_the_mix_places_every_item_or_says_why(packing):
 
     items = heavy_tail(600)
     too_long = sum(it.num_tokens > 4096 for it in items)
-    report = plan_geometry(items, inventory("mix_16g_32g"), "memory", cost=COST_7B,
-                           options={"packing": packing, "packed_row_tokens": 1024})
+    report = plan_geometry(
+        items, inventory("mix_16g_32g"), "memory", cost=COST_7B, options={"packing": packing, "packed_row_tokens": 1024}
+    )
     assert report["status"] == "finished" and report["balanced"], report.get("imbalance")
     assert too_long > 0 and report["items"]["skipped"] == too_long
     assert report["items"]["completed"] + too_long == 600 and report["items"]["unfinished"] == 0
@@ -235,8 +265,14 @@ def test_memory_fit_of_a_deep_model_extrapolates_from_two_shallow_depths_exactly
 
     from forge.runtime.memory_fit import FakeModel, Shape, Target, _at_depth, measure_by_depth, scaling_depths
 
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     target = Target(dtype="bfloat16", hidden_kept=1)
     assert scaling_depths(config, target) == (2, 4)
     assert scaling_depths(config, Target(hidden_kept=3)) == (3, 5)  # every depth keeps 3 hidden states
@@ -261,11 +297,24 @@ def test_a_deep_model_is_planned_from_its_config_alone(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(ASSETS_DIR / "tiny-llama" / name, model / name)
     config = json.loads((ASSETS_DIR / "tiny-llama" / "config.json").read_text())
-    config.update(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=32)
+    config.update(
+        num_hidden_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     (model / "config.json").write_text(json.dumps(config))
-    report = plan_forge("model=hf", f"model.name={model}", "model.torch_dtype=bfloat16", "devices=mix_16g_32g",
-                        "batching=memory", "input.limit=200", "layers=[1]")
+    report = plan_forge(
+        "model=hf",
+        f"model.name={model}",
+        "model.torch_dtype=bfloat16",
+        "devices=mix_16g_32g",
+        "batching=memory",
+        "input.limit=200",
+        "layers=[1]",
+    )
     assert report["status"] == "finished" and report["balanced"] and report["items"]["completed"] == 200
     assert not list(model.glob("*.safetensors"))
     for d in report["devices"]:

@@ -19,8 +19,12 @@ from forge.errors import ForgeError  # noqa: E402
 from forge.testing import check_modes, run_function  # noqa: E402
 
 TOL = 1e-4
-LIMITS = ["devices=auto", "devices.limits.max_batch_tokens=1024", "devices.limits.max_seq_len=512",
-          "budget.tokens_per_step=1024"]
+LIMITS = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=1024",
+    "devices.limits.max_seq_len=512",
+    "budget.tokens_per_step=1024",
+]
 
 
 def _rows() -> list[dict]:
@@ -40,8 +44,9 @@ def _reference(rows):
 
     source = embedded_model_source()
     tok = transformers.AutoTokenizer.from_pretrained(str(source))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(materialize_model(source)),
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(materialize_model(source)), dtype=torch.float32
+    ).eval()
     out = {}
     for row in rows:
         if row.get("prefix"):
@@ -63,8 +68,13 @@ def test_surprisal_equals_transformers_one_row_at_a_time_in_every_mode(tmp_path)
     assert sum(1 for r in rows if r.get("prefix")) >= 20 and len({r.get("prefix") for r in rows}) == 4
     want = _reference(rows)
     check = check_modes("surprisal", rows, tmp_path, tol=TOL, limits=LIMITS)
-    assert not check.refused and set(check.results) == {"item", "token-cache", "token-nocache", "token-packed",
-                                                         "memory"}
+    assert not check.refused and set(check.results) == {
+        "item",
+        "token-cache",
+        "token-nocache",
+        "token-packed",
+        "memory",
+    }
     for mode, res in [("one-at-a-time", check.reference), *check.results.items()]:
         assert res.ids == [r["id"] for r in rows], mode
         for k, rid in enumerate(res.ids):
@@ -84,8 +94,11 @@ def test_output_is_parquet_with_id_and_three_fields(tmp_path):
     shards = sorted((tmp_path / "run" / "surprisal").glob("*.parquet"))
     table = pq.read_table(shards[0])
     assert table.column_names == ["id", "index", "mean_nll", "sum_nll", "num_tokens"]
-    assert [str(table.schema.field(n).type) for n in ("mean_nll", "sum_nll", "num_tokens")] == \
-        ["double", "double", "int64"]
+    assert [str(table.schema.field(n).type) for n in ("mean_nll", "sum_nll", "num_tokens")] == [
+        "double",
+        "double",
+        "int64",
+    ]
 
 
 def test_truncation_is_refused_before_work(tmp_path):

@@ -27,8 +27,12 @@ MODES = {
     "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=96"],
 }
 # small steps, so that 23 rows make several batches of several items (prefixes of 45, 97 and 119 tokens)
-SMALL_LIMITS = ["devices=auto", "devices.limits.max_batch_tokens=384", "devices.limits.max_seq_len=192",
-                "budget.tokens_per_step=384"]
+SMALL_LIMITS = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=384",
+    "devices.limits.max_seq_len=192",
+    "budget.tokens_per_step=384",
+]
 NONE = ["pooling=none", f"layers=[{','.join(map(str, LAYERS))}]", "storage_dtype=float32"]
 
 NOUNS = ["kettle", "glacier", "violin", "comet", "lantern", "cactus", "harbor", "pigeon", "quartz", "tunnel", "meadow"]
@@ -38,16 +42,25 @@ ADJS = ["warm", "heavy", "hollow", "bright", "ancient", "brittle"]
 def held_out_rows() -> list[dict]:
     """Few-shot rows written for this test (not the embedded statements): three prefixes of
     different lengths, texts of 1 to 3 claims, and two rows without a prefix."""
-    shots = [f"Claim: The {n} is {a}. Answer: {'true' if k % 2 else 'false'}\n"
-             for k, (n, a) in enumerate(zip(NOUNS[::-1], ADJS * 2))]
-    prefixes = ["Judge each claim.\n" + "".join(shots[:2]), "Judge each claim.\n" + "".join(shots[:5]),
-                "Say whether it holds.\n" + "".join(shots[3:9])]
+    shots = [
+        f"Claim: The {n} is {a}. Answer: {'true' if k % 2 else 'false'}\n"
+        for k, (n, a) in enumerate(zip(NOUNS[::-1], ADJS * 2))
+    ]
+    prefixes = [
+        "Judge each claim.\n" + "".join(shots[:2]),
+        "Judge each claim.\n" + "".join(shots[:5]),
+        "Say whether it holds.\n" + "".join(shots[3:9]),
+    ]
     rows = []
     for j in range(21):
-        claims = " ".join(f"The {NOUNS[(j + k) % len(NOUNS)]} is {ADJS[(j * 3 + k) % len(ADJS)]}." for k in range(1 + j % 3))
+        claims = " ".join(
+            f"The {NOUNS[(j + k) % len(NOUNS)]} is {ADJS[(j * 3 + k) % len(ADJS)]}." for k in range(1 + j % 3)
+        )
         rows.append({"id": f"h{j}", "text": f"Claim: {claims} Answer:", "prefix": prefixes[j % 3], "label": j % 2})
-    rows += [{"id": "bare0", "text": "Claim: The comet is warm. Answer:", "label": 0},
-             {"id": "bare1", "text": "Claim: A harbor is hollow and bright. Answer:", "label": 1}]
+    rows += [
+        {"id": "bare0", "text": "Claim: The comet is warm. Answer:", "label": 0},
+        {"id": "bare1", "text": "Claim: A harbor is hollow and bright. Answer:", "label": 1},
+    ]
     return rows
 
 
@@ -75,9 +88,9 @@ def reference(data):
             pre = tok(row["prefix"])["input_ids"] if row.get("prefix") else []
             text = tok(row["text"], add_special_tokens=not pre)["input_ids"]
             hidden = model(torch.tensor([pre + text]), output_hidden_states=True).hidden_states
-            rows[row["id"]] = (text, {L: hidden[L][0, len(pre):] for L in LAYERS})
+            rows[row["id"]] = (text, {L: hidden[L][0, len(pre) :] for L in LAYERS})
             if pre:
-                prefixes[tuple(pre)] = {L: hidden[L][0, :len(pre)] for L in LAYERS}
+                prefixes[tuple(pre)] = {L: hidden[L][0, : len(pre)] for L in LAYERS}
     return rows, prefixes
 
 
@@ -140,7 +153,7 @@ def test_bfloat16_storage_is_the_reference_rounded(tmp_path, data, reference):
     for k, item in enumerate(res.ids):
         want = reference[0][item][1][2].numpy()
         # float32 states that agree within 1e-5 round to the same bfloat16 or to a neighbour
-        assert np.all(np.abs(res.columns["layer_2"][k] - want) <= np.abs(want) * 2 ** -7 + 1e-5), item
+        assert np.all(np.abs(res.columns["layer_2"][k] - want) <= np.abs(want) * 2**-7 + 1e-5), item
 
 
 def test_plan_states_the_bytes_the_run_writes(tmp_path, data):
@@ -171,9 +184,12 @@ def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypa
     free = shutil.disk_usage(tmp_path)._replace(free=100_000)
     monkeypatch.setattr(output_size.shutil, "disk_usage", lambda path: free)
     run = tmp_path / "run"
-    with pytest.raises(ForgeError, match=r"output_dir=.*run: the run will write about [\d.]+ MB .* per stored "
-                                         r"token, estimated from 23 of 23 rows\) but its disk has 100.0 KB free; .*"
-                                         r"set check_disk=false"):
+    with pytest.raises(
+        ForgeError,
+        match=r"output_dir=.*run: the run will write about [\d.]+ MB .* per stored "
+        r"token, estimated from 23 of 23 rows\) but its disk has 100.0 KB free; .*"
+        r"set check_disk=false",
+    ):
         run_function("probe_gen", data[0], run, [*SMALL_LIMITS, *NONE])
     assert not (run / "run.json").exists() and not (run / "activations").exists()
     report = run_function("probe_gen", data[0], run, [*SMALL_LIMITS, *NONE, "check_disk=false"])
@@ -182,14 +198,29 @@ def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypa
 
 def _forge(*args, env=None):
     """`forge run` in its own process group, as a user's terminal would start it."""
-    return subprocess.Popen([sys.executable, "-m", "forge.cli", "run", *args], cwd=TESTS, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", "run", *args],
+        cwd=TESTS,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def test_kill9_then_resume_stores_every_token_exactly_once(tmp_path, data, reference, faults):
     out = tmp_path / "run"
-    args = [f"input.path={data[0]}", *SMALL_LIMITS, "batching=token", *NONE, "shard_size=4", "runtime.executor=process",
-            "plugins=[faults]", "runtime.max_in_flight=1", f"output_dir={out}"]
+    args = [
+        f"input.path={data[0]}",
+        *SMALL_LIMITS,
+        "batching=token",
+        *NONE,
+        "shard_size=4",
+        "runtime.executor=process",
+        "plugins=[faults]",
+        "runtime.max_in_flight=1",
+        f"output_dir={out}",
+    ]
     faults(kill_run_at_write=3)  # SIGKILL to the whole process group while the 3rd shard is written
     proc = _forge(*args, env=dict(os.environ))
     log = proc.communicate(timeout=300)[0].decode()
@@ -221,7 +252,11 @@ def _stored(run: Path, layer: int, prefix: str) -> dict[tuple[int, int], np.ndar
     res, prefixes = load(run, "activations"), load(run, "prefix_states")
     pre = {int(p): s for p, s in zip(prefixes.columns["prefix_id"], prefixes.columns[f"layer_{layer}"])}
     for k, index in enumerate(res.index.tolist()):
-        own, pid, plen = res.columns[f"layer_{layer}"][k], int(res.columns["prefix_id"][k]), int(res.columns["prefix_len"][k])
+        own, pid, plen = (
+            res.columns[f"layer_{layer}"][k],
+            int(res.columns["prefix_id"][k]),
+            int(res.columns["prefix_len"][k]),
+        )
         for p, s in enumerate(own):
             out[(index, plen + p)] = s
         if prefix == "each" and pid >= 0:
@@ -263,8 +298,17 @@ def test_the_loader_splits_ranks_and_bounds_its_buffer(states_run):
     total = len(_stored(states_run, 4, "drop"))
     parts = []
     for rank in range(3):
-        ds = token_states(states_run, layer=4, batch_size=16, shuffle_buffer=64, seed=0, rank=rank, world_size=3,
-                          with_ids=True, chunk_tokens=32)
+        ds = token_states(
+            states_run,
+            layer=4,
+            batch_size=16,
+            shuffle_buffer=64,
+            seed=0,
+            rank=rank,
+            world_size=3,
+            with_ids=True,
+            chunk_tokens=32,
+        )
         parts.append({(i, p) for b in ds for i, p in zip(b["item_index"].tolist(), b["position"].tolist())})
         assert ds.max_pool_tokens <= 64 + 16 + 32 + 64  # the buffer, a batch, and one chunk of whole items
     assert sum(map(len, parts)) == total and len(set().union(*parts)) == total

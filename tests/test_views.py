@@ -28,9 +28,17 @@ VOCAB = 300
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-                                   initializer_range=0.1, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -61,9 +69,11 @@ def _layouts(items: list[Item]) -> dict[str, Batch]:
     own = max(it.num_tokens - P for it in items)
     packed = [items[:3], items[3:]]
     width = max(sum(it.num_tokens - P for it in row) for row in packed)
-    return {"rows": Batch([[it] for it in items], max(it.num_tokens for it in items) + 2),
-            "split": Batch([[it] for it in items], own + 1, "k" if P else None, P, split_prefix=True),
-            "packed": Batch(packed, width + 3, "k" if P else None, P, split_prefix=True, packed=True)}
+    return {
+        "rows": Batch([[it] for it in items], max(it.num_tokens for it in items) + 2),
+        "split": Batch([[it] for it in items], own + 1, "k" if P else None, P, split_prefix=True),
+        "packed": Batch(packed, width + 3, "k" if P else None, P, split_prefix=True, packed=True),
+    }
 
 
 @pytest.mark.parametrize("prefix_len", [0, 9])

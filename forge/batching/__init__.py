@@ -5,5 +5,16 @@ from forge.batching.item import ItemPacker
 from forge.batching.memory import CostModel, MemoryPacker
 from forge.batching.token import TokenPacker
 
-__all__ = ["NO_PREFIX", "Chunk", "CostModel", "Cut", "GroupInfo", "ItemPacker", "MemoryPacker", "Packer",
-           "TokenPacker", "Urgency", "create_packer"]
+__all__ = [
+    "NO_PREFIX",
+    "Chunk",
+    "CostModel",
+    "Cut",
+    "GroupInfo",
+    "ItemPacker",
+    "MemoryPacker",
+    "Packer",
+    "TokenPacker",
+    "Urgency",
+    "create_packer",
+]

@@ -36,8 +36,8 @@ class ItemPacker(Packer):
         return -lengths if self.order == "length" else None
 
     def add(self, chunk: Chunk) -> None:
-        lengths = np.concatenate((self._lengths[self._head:], chunk.num_tokens))
-        ids = np.concatenate((self._ids[self._head:], chunk.ids))
+        lengths = np.concatenate((self._lengths[self._head :], chunk.num_tokens))
+        ids = np.concatenate((self._ids[self._head :], chunk.ids))
         key = self.sort_key(lengths)
         if key is not None:
             order = np.argsort(key, kind="stable")  # ties keep arrival order
@@ -58,7 +58,7 @@ class ItemPacker(Packer):
             return None
         lim = device.limits
         h = self._head
-        seg = self._lengths[h:h + min(self.batch_size, lim.max_rows)]
+        seg = self._lengths[h : h + min(self.batch_size, lim.max_rows)]
         longest = int(seg.max())
         k = len(seg)
         if longest > lim.max_seq_len or lim.pad(longest) * k > lim.max_batch_tokens:
@@ -71,8 +71,8 @@ class ItemPacker(Packer):
                 k, longest = k + 1, top
             if k == 0:
                 return None
-        lengths = self._lengths[h:h + k]
+        lengths = self._lengths[h : h + k]
         self._head = h + k
         row_tokens = int(lengths.sum())
         self._tokens -= row_tokens
-        return Cut(self._ids[h:h + k], lengths, None, lim.pad(longest), row_tokens, NO_PREFIX, False)
+        return Cut(self._ids[h : h + k], lengths, None, lim.pad(longest), row_tokens, NO_PREFIX, False)

@@ -43,9 +43,11 @@ class CostModel:
         return prefix_len * self.prefix_bytes_per_token
 
     def _per_row(self, padded_len: int, prefix_len: int) -> float:
-        return (padded_len * self.bytes_per_token
-                + row_scores(padded_len, prefix_len) * self.bytes_per_score
-                + (prefix_len + padded_len if prefix_len else 0) * self.kv_bytes_per_token)
+        return (
+            padded_len * self.bytes_per_token
+            + row_scores(padded_len, prefix_len) * self.bytes_per_score
+            + (prefix_len + padded_len if prefix_len else 0) * self.kv_bytes_per_token
+        )
 
     def max_rows(self, budget_bytes: int, padded_len: int, prefix_len: int = 0) -> int:
         """Rows of `padded_len` slots that fit `budget_bytes`."""
@@ -56,8 +58,17 @@ class CostModel:
         return max(0, int(room // per_row))
 
     @classmethod
-    def from_shape(cls, *, num_params: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                   intermediate: int, dtype_bytes: int) -> CostModel:
+    def from_shape(
+        cls,
+        *,
+        num_params: int,
+        hidden: int,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        intermediate: int,
+        dtype_bytes: int,
+    ) -> CostModel:
         head_dim = hidden // heads
         kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
         return cls(

@@ -32,6 +32,7 @@ class PackedPlanning:
     packed_row_tokens: int | None
     _shapes: dict[tuple, dict[int, tuple[int, int]]]
     if TYPE_CHECKING:
+
         def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int: ...
         def _profile_of(self, device: Device) -> tuple: ...
 
@@ -106,10 +107,10 @@ class PackedPlanning:
         if batches:
             _keep_plan(g, take_q, take_end, taken, batches)
 
-
     @staticmethod
-    def _last_rows(avail: list[int], left: list[int], ends: list[int], n_rows: int,
-                   fill: int) -> tuple[list[int], list[int], int, int]:
+    def _last_rows(
+        avail: list[int], left: list[int], ends: list[int], n_rows: int, fill: int
+    ) -> tuple[list[int], list[int], int, int]:
         """The group's last batch: spread what is left evenly over as few rows as hold it
         (worst fit, longest first), so padding is the spread between rows, not an empty tail.
         Returns the items row by row as the ends of one-item takes (position + 1), each
@@ -145,8 +146,9 @@ class PackedPlanning:
         return takes, row_ends, max(loads) // k, sum(load // k for load in loads)
 
 
-def _fill_row(avail: list[int], left: list[int], ends: list[int], take_end: list[int], take_q: list[int],
-              fill: int) -> tuple[int, int]:
+def _fill_row(
+    avail: list[int], left: list[int], ends: list[int], take_end: list[int], take_q: list[int], fill: int
+) -> tuple[int, int]:
     """One row of `fill` tokens, best fit decreasing: whole runs, longest first, while they
     fit; then as many of the next as fit. Takes are appended to (`take_end`, `take_q`), and
     runs used up are dropped from (`avail`, `left`, `ends`). Returns (tokens of room left,
@@ -171,9 +173,9 @@ def _fill_row(avail: list[int], left: list[int], ends: list[int], take_end: list
                 take_q.append(q)
             break
         if j + 1 < i:  # whole runs j+1 .. i-1
-            take_end.extend(ends[j + 1:i])
-            take_q.extend(left[j + 1:i])
-            del avail[j + 1:i], left[j + 1:i], ends[j + 1:i]
+            take_end.extend(ends[j + 1 : i])
+            take_q.extend(left[j + 1 : i])
+            del avail[j + 1 : i], left[j + 1 : i], ends[j + 1 : i]
         if j < 0:
             break
     return room, placed
@@ -189,8 +191,9 @@ def _keep_plan(g: _Group, take_q: list[int], take_end: list[int], taken: int, ba
     where = np.repeat(ends - q - skip, q) + np.arange(taken)  # positions, in plan order
     plan_ids, plan_lengths = g.ids[where], lengths[where]
     for first, last, row_ends, padded, useful in batches:
-        g.ready.append(Cut(plan_ids[first:last], plan_lengths[first:last], row_ends, padded, useful, g.code,
-                           True, packed=True))
+        g.ready.append(
+            Cut(plan_ids[first:last], plan_lengths[first:last], row_ends, padded, useful, g.code, True, packed=True)
+        )
     kept = np.ones(len(lengths), bool)
     kept[where] = False
     g.lengths, g.ids = lengths[kept], g.ids[kept]

@@ -61,8 +61,21 @@ def _stable_order(key: np.ndarray) -> np.ndarray:
 class _Group:
     """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
 
-    __slots__ = ("code", "offset", "split", "lengths", "ids", "pending", "ready", "ready_for", "count", "tokens",
-                 "planned_for", "arrived", "info")
+    __slots__ = (
+        "code",
+        "offset",
+        "split",
+        "lengths",
+        "ids",
+        "pending",
+        "ready",
+        "ready_for",
+        "count",
+        "tokens",
+        "planned_for",
+        "arrived",
+        "info",
+    )
 
     def __init__(self, code: int, offset: int, split: bool):
         self.code = code

@@ -48,8 +48,12 @@ def classify_error(exc: BaseException) -> Status:
     """OOM for out-of-memory errors (CUDA's, and the CPU allocator's RuntimeError), else FAILED."""
     name = type(exc).__name__
     text = str(exc).lower()
-    if name == "OutOfMemoryError" or isinstance(exc, MemoryError) or "out of memory" in text \
-            or "can't allocate memory" in text:
+    if (
+        name == "OutOfMemoryError"
+        or isinstance(exc, MemoryError)
+        or "out of memory" in text
+        or "can't allocate memory" in text
+    ):
         return Status.OOM
     return Status.FAILED
 
@@ -206,8 +210,14 @@ class SlotExecutor(Executor, Generic[SlotT]):
             ticket, timeout_s, _ = slot.queue[0]
             if timeout_s is not None and now > slot.head_since + timeout_s:
                 for t, _, _ in slot.queue:  # the head timed out; what waits behind it is re-routed too
-                    why = f"no answer within {timeout_s:.1f} s on {name}" if t == ticket else \
-                        f"re-routed: queued behind a batch that timed out on {name}"
-                    self._pending.append(Outcome(t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why,
-                                                 charged=t == ticket))
+                    why = (
+                        f"no answer within {timeout_s:.1f} s on {name}"
+                        if t == ticket
+                        else f"re-routed: queued behind a batch that timed out on {name}"
+                    )
+                    self._pending.append(
+                        Outcome(
+                            t, name, Status.TIMEOUT if t == ticket else Status.LOST, reason=why, charged=t == ticket
+                        )
+                    )
                 slot.silent_since = now

@@ -23,8 +23,9 @@ class InProcessExecutor(Executor):
         self._queue: deque[tuple[int, Device, Batch]] = deque()
 
     @classmethod
-    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> InProcessExecutor:
+    def from_runtime(
+        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
+    ) -> InProcessExecutor:
         """The executor `runtime.executor=inprocess` builds (a forge_executors factory)."""
         return cls(function, cache_tokens, hook)
 

@@ -53,22 +53,42 @@ class _Slot(Slot):
 
 
 class ProcessExecutor(SlotExecutor[_Slot]):
-    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...], max_in_flight: int,
-                 max_restarts: int, startup_timeout_s: float, kill_grace_s: float):
-        super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
-                         startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
+    def __init__(
+        self,
+        function,
+        cache_tokens: int,
+        *,
+        plugins: tuple[str, ...],
+        max_in_flight: int,
+        max_restarts: int,
+        startup_timeout_s: float,
+        kill_grace_s: float,
+    ):
+        super().__init__(
+            max_in_flight=max_in_flight,
+            max_restarts=max_restarts,
+            startup_timeout_s=startup_timeout_s,
+            kill_grace_s=kill_grace_s,
+        )
         self.function = function
         self.cache_tokens = cache_tokens
         self.plugins = tuple(plugins)
         self._threads = 1
 
     @classmethod
-    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> ProcessExecutor:
+    def from_runtime(
+        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
+    ) -> ProcessExecutor:
         """The executor `runtime.executor=process` builds (a forge_executors factory)."""
-        return cls(function, cache_tokens, plugins=plugins, max_in_flight=runtime.max_in_flight,
-                   max_restarts=runtime.max_restarts, startup_timeout_s=runtime.startup_timeout_s,
-                   kill_grace_s=runtime.kill_grace_s)
+        return cls(
+            function,
+            cache_tokens,
+            plugins=plugins,
+            max_in_flight=runtime.max_in_flight,
+            max_restarts=runtime.max_restarts,
+            startup_timeout_s=runtime.startup_timeout_s,
+            kill_grace_s=runtime.kill_grace_s,
+        )
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
@@ -81,9 +101,12 @@ class ProcessExecutor(SlotExecutor[_Slot]):
 
     def _spawn(self, device: Device) -> None:
         parent, child = _ctx.Pipe()
-        process = _ctx.Process(target=worker_main, name=f"forge-worker-{device.name}", daemon=True,
-                               args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads,
-                                     dict(os.environ)))
+        process = _ctx.Process(
+            target=worker_main,
+            name=f"forge-worker-{device.name}",
+            daemon=True,
+            args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads, dict(os.environ)),
+        )
         process.start()
         child.close()
         self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=time.monotonic())
@@ -155,21 +178,35 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                     slot.queue.popleft()
                 self._answered(slot)
                 status = Status(kind)
-                self._pending.append(Outcome(ticket, name, status, payload if status == Status.COMPLETED else None,
-                                             "" if status == Status.COMPLETED else payload, seconds))
+                self._pending.append(
+                    Outcome(
+                        ticket,
+                        name,
+                        status,
+                        payload if status == Status.COMPLETED else None,
+                        "" if status == Status.COMPLETED else payload,
+                        seconds,
+                    )
+                )
         except (EOFError, OSError):
             pass
         if not slot.process.is_alive():
             code = slot.process.exitcode
             why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self._replace(slot, f"worker of {name} could not load the model: {slot.load_error}" if slot.load_error
-                          else f"worker of {name} died ({why})")
+            self._replace(
+                slot,
+                f"worker of {name} could not load the model: {slot.load_error}"
+                if slot.load_error
+                else f"worker of {name} died ({why})",
+            )
+
 
 # ----------------------------------------------------------------------------- the worker process
 
 
-def worker_main(conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int,
-                environ: dict[str, str]) -> None:
+def worker_main(
+    conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int, environ: dict[str, str]
+) -> None:
     """A worker process: load the model once, then run batches until told to stop or the
     driver goes away (its pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle

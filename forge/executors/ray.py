@@ -47,19 +47,43 @@ class RayExecutor(SlotExecutor[_Slot]):
     worker = "actor"
 
     @classmethod
-    def from_runtime(cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (),
-                     hook=None) -> RayExecutor:
+    def from_runtime(
+        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
+    ) -> RayExecutor:
         """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
-        return cls(function, cache_tokens, plugins=plugins, address=runtime.address, num_cpus=runtime.num_cpus,
-                   cpus_per_actor=runtime.cpus_per_actor,
-                   max_in_flight=runtime.max_in_flight, max_restarts=runtime.max_restarts,
-                   startup_timeout_s=runtime.startup_timeout_s, kill_grace_s=runtime.kill_grace_s)
+        return cls(
+            function,
+            cache_tokens,
+            plugins=plugins,
+            address=runtime.address,
+            num_cpus=runtime.num_cpus,
+            cpus_per_actor=runtime.cpus_per_actor,
+            max_in_flight=runtime.max_in_flight,
+            max_restarts=runtime.max_restarts,
+            startup_timeout_s=runtime.startup_timeout_s,
+            kill_grace_s=runtime.kill_grace_s,
+        )
 
-    def __init__(self, function, cache_tokens: int, *, plugins: tuple[str, ...], address: str | None,
-                 num_cpus: int | None, cpus_per_actor: float, max_in_flight: int, max_restarts: int,
-                 startup_timeout_s: float, kill_grace_s: float):
-        super().__init__(max_in_flight=max_in_flight, max_restarts=max_restarts,
-                         startup_timeout_s=startup_timeout_s, kill_grace_s=kill_grace_s)
+    def __init__(
+        self,
+        function,
+        cache_tokens: int,
+        *,
+        plugins: tuple[str, ...],
+        address: str | None,
+        num_cpus: int | None,
+        cpus_per_actor: float,
+        max_in_flight: int,
+        max_restarts: int,
+        startup_timeout_s: float,
+        kill_grace_s: float,
+    ):
+        super().__init__(
+            max_in_flight=max_in_flight,
+            max_restarts=max_restarts,
+            startup_timeout_s=startup_timeout_s,
+            kill_grace_s=kill_grace_s,
+        )
         self.ray = import_ray()
         self.function = function
         self.cache_tokens = cache_tokens
@@ -79,10 +103,14 @@ class RayExecutor(SlotExecutor[_Slot]):
             if self.address:  # join a cluster: its nodes have Forge installed
                 ray.init(address=self.address)
             else:  # a local instance: workers import what this process imports (its sys.path beyond the venv)
-                path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)
-                                       and not p.startswith((sys.prefix, sys.base_prefix)))
-                ray.init(num_cpus=self.num_cpus, include_dashboard=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None)
+                path = os.pathsep.join(
+                    p for p in sys.path if p and os.path.isdir(p) and not p.startswith((sys.prefix, sys.base_prefix))
+                )
+                ray.init(
+                    num_cpus=self.num_cpus,
+                    include_dashboard=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": path}} if path else None,
+                )
             self._owns_ray = True
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(DeviceActor)
         self._function_ref = ray.put(self.function)
@@ -95,9 +123,11 @@ class RayExecutor(SlotExecutor[_Slot]):
         resources = {"num_gpus": 1 if gpu else 0, "num_cpus": self.cpus_per_actor}
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor = self._actor_cls.options(**resources).remote(
-            [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env)
-        self.slots[device.name] = _Slot(device=device, actor=actor, load_ref=actor.load.remote(),
-                                        started=time.monotonic())
+            [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env
+        )
+        self.slots[device.name] = _Slot(
+            device=device, actor=actor, load_ref=actor.load.remote(), started=time.monotonic()
+        )
 
     def _kill(self, slot: _Slot) -> None:
         try:
@@ -170,8 +200,7 @@ class RayExecutor(SlotExecutor[_Slot]):
             self._answered(slot)
             status = Status(kind)
             ok = status == Status.COMPLETED
-            self._pending.append(Outcome(ticket, name, status, payload if ok else None, "" if ok else payload,
-                                         seconds))
+            self._pending.append(Outcome(ticket, name, status, payload if ok else None, "" if ok else payload, seconds))
             if not ok and ("CUDA error" in payload or "device-side assert" in payload):
                 return self._replace(slot, f"actor of {name}: sticky device error: {payload}")
 
@@ -188,8 +217,15 @@ def _cause(exc: BaseException) -> str:
 class DeviceActor:
     """Runs batches on one device; the model is loaded once by `load`."""
 
-    def __init__(self, function_ref: list, device: Device, cache_tokens: int, plugins: tuple[str, ...],
-                 threads: int, env: dict[str, str]):
+    def __init__(
+        self,
+        function_ref: list,
+        device: Device,
+        cache_tokens: int,
+        plugins: tuple[str, ...],
+        threads: int,
+        env: dict[str, str],
+    ):
         import ray
 
         os.environ.update(env)  # before the function's modules are imported (HF_HUB_OFFLINE is read then)
@@ -217,9 +253,13 @@ class DeviceActor:
         """Where this actor runs and what it may use."""
         import ray
 
-        info: dict[str, Any] = {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                                "torch_device": self.device.torch_device, "limits": self.device.limits.as_dict(),
-                                "memory_budget_bytes": self.device.memory_bytes}
+        info: dict[str, Any] = {
+            "node": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "torch_device": self.device.torch_device,
+            "limits": self.device.limits.as_dict(),
+            "memory_budget_bytes": self.device.memory_bytes,
+        }
         if self.device.torch_device.startswith("cuda"):
             import torch
 

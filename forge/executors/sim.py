@@ -46,20 +46,26 @@ class Span:
 
 
 def time_unit(devices: list[Device]) -> str:
-    """"s" when every device is simulated, "token-equivalents" when none is; a mix is refused."""
+    """ "s" when every device is simulated, "token-equivalents" when none is; a mix is refused."""
     sims = [d.name for d in devices if d.sim is not None]
     if not sims:
         return "token-equivalents"
     if len(sims) == len(devices):
         return "s"
     plain = [d.name for d in devices if d.sim is None]
-    raise ForgeError(f"devices: {', '.join(sims)} simulated (sim:) but {', '.join(plain)} not; a plan's virtual "
-                     "time needs every device simulated or none (give each entry a sim block, or none)")
+    raise ForgeError(
+        f"devices: {', '.join(sims)} simulated (sim:) but {', '.join(plain)} not; a plan's virtual "
+        "time needs every device simulated or none (give each entry a sim block, or none)"
+    )
 
 
 class SimExecutor(Executor):
-    def __init__(self, overhead_tokens: Callable[[Device], int],
-                 true_bytes: Callable[[Batch], int] | None = None, timeline: bool = False):
+    def __init__(
+        self,
+        overhead_tokens: Callable[[Device], int],
+        true_bytes: Callable[[Batch], int] | None = None,
+        timeline: bool = False,
+    ):
         super().__init__()
         self.overhead_tokens = overhead_tokens
         self.true_bytes = true_bytes  # a batch's true peak bytes; None: memory is not simulated
@@ -107,12 +113,16 @@ class SimExecutor(Executor):
             self.ooms[device.name] += 1
         if self.record:
             self.timeline.append(Span(device.name, start, end, batch.num_rows, batch.padded_slots, status.value))
-        reason = (f"simulated out of memory: the batch needs more than the device's {budget / (1 << 30):.2f} GiB"
-                  if budget is not None and oom else "")
+        reason = (
+            f"simulated out of memory: the batch needs more than the device's {budget / (1 << 30):.2f} GiB"
+            if budget is not None and oom
+            else ""
+        )
         self._push(end, ticket, device.name, cost, status, SimOutput(computed, bool(batch.cache_hit)), reason)
 
-    def _push(self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput,
-              reason: str) -> None:
+    def _push(
+        self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput, reason: str
+    ) -> None:
         heapq.heappush(self._heap, (end, ticket, device, cost, status, output, reason))
         self._busy.add(device)
 
@@ -130,11 +140,20 @@ class SimExecutor(Executor):
     def balance(self) -> dict:
         """Per device: busy, idle and finish in virtual time; the finish skew and the least busy share."""
         makespan = max(self.clocks.values(), default=0.0)
-        devices = {name: {"busy": self.busy[name], "finish": self.clocks[name],
-                          "busy_share": self.busy[name] / makespan if makespan else 0.0,
-                          "oom": self.ooms[name], "peak_bytes": self.peaks.get(name, 0)} for name in self.clocks}
+        devices = {
+            name: {
+                "busy": self.busy[name],
+                "finish": self.clocks[name],
+                "busy_share": self.busy[name] / makespan if makespan else 0.0,
+                "oom": self.ooms[name],
+                "peak_bytes": self.peaks.get(name, 0),
+            }
+            for name in self.clocks
+        }
         finishes = [d["finish"] for d in devices.values()]
-        return {"makespan": makespan,
-                "finish_skew": (max(finishes) - min(finishes)) / makespan if makespan else 0.0,
-                "min_busy_share": min((d["busy_share"] for d in devices.values()), default=0.0),
-                "devices": devices}
+        return {
+            "makespan": makespan,
+            "finish_skew": (max(finishes) - min(finishes)) / makespan if makespan else 0.0,
+            "min_busy_share": min((d["busy_share"] for d in devices.values()), default=0.0),
+            "devices": devices,
+        }

@@ -117,8 +117,11 @@ def causal_lm_class(config: Any) -> type | None:
 
 
 def _declares(config: Any, name: str) -> bool:
-    return any(name in vars(c).get("__annotations__", {}) for c in type(config).__mro__[:-1]
-               if c.__module__.startswith("transformers.models."))
+    return any(
+        name in vars(c).get("__annotations__", {})
+        for c in type(config).__mro__[:-1]
+        if c.__module__.startswith("transformers.models.")
+    )
 
 
 def _not_causal(config: Any, model_class: type | None) -> str:

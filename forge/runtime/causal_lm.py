@@ -72,9 +72,7 @@ def _token_tensor(item: Item) -> torch.Tensor:
         raise ValueError(f"item {item.id!r} has no tokens; the causal LM runner needs token ids")
     t = torch.as_tensor(item.tokens, dtype=torch.long).reshape(-1).cpu()
     if t.numel() != item.num_tokens:
-        raise ValueError(
-            f"item {item.id!r}: num_tokens={item.num_tokens} but it has {t.numel()} token ids"
-        )
+        raise ValueError(f"item {item.id!r}: num_tokens={item.num_tokens} but it has {t.numel()} token ids")
     if t.numel() == 0:
         raise ValueError(f"item {item.id!r} has no tokens")
     return t
@@ -190,24 +188,18 @@ class CausalLMRunner:
             first = seqs[0][:P]
             for item, seq in zip(items, seqs):
                 if item.prefix_len != P:
-                    raise ValueError(
-                        f"item {item.id!r} has prefix_len={item.prefix_len}, batch has {P}"
-                    )
+                    raise ValueError(f"item {item.id!r} has prefix_len={item.prefix_len}, batch has {P}")
                 if batch.prefix_key is not None and item.prefix_key != batch.prefix_key:
                     raise ValueError(
                         f"item {item.id!r} has prefix_key={item.prefix_key!r}, batch has {batch.prefix_key!r}"
                     )
                 if not torch.equal(seq[:P], first):
-                    raise ValueError(
-                        f"item {item.id!r}: its first {P} tokens differ from the batch's shared prefix"
-                    )
+                    raise ValueError(f"item {item.id!r}: its first {P} tokens differ from the batch's shared prefix")
         for item, seq in zip(items, seqs):
             if item.prefix_len < 0 or item.prefix_len > seq.numel():
                 raise ValueError(f"item {item.id!r}: prefix_len={item.prefix_len} is out of range")
             if self.pooling == "mean" and item.prefix_len >= seq.numel():
-                raise ValueError(
-                    f"item {item.id!r} has no tokens after its prefix; mean pooling needs at least one"
-                )
+                raise ValueError(f"item {item.id!r} has no tokens after its prefix; mean pooling needs at least one")
 
     def _prefix_entry(self, batch: Batch, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
         """The prefix's KV (from the cache, or computed now) and whether it was a hit."""
@@ -233,8 +225,13 @@ class CausalLMRunner:
         produced = output_cache(out)
         kv = cache_key_values(produced if produced is not None else kv_cache)
         last = {i: out.hidden_states[i][0, -1].float().cpu() for i in self._hs_select}
-        entry = PrefixEntry(key_values=kv, length=P, tokens=prefix.clone(), last_hidden=last,
-                            last_state=out.last_hidden_state[0, -1].clone())
+        entry = PrefixEntry(
+            key_values=kv,
+            length=P,
+            tokens=prefix.clone(),
+            last_hidden=last,
+            last_state=out.last_hidden_state[0, -1].clone(),
+        )
         if use_cache:
             self.cache.put(key, entry)
         return entry, False
@@ -244,10 +241,19 @@ class CausalLMRunner:
         if states is None:
             h = self.hidden_size or 0
             return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
-        pooled = self._pool(states.hidden, states.tok if states.total else None, states.lens, states.starts,
-                            states.item_row, states.pool_from, states.entry, len(batch.items))
-        return PooledOutput(pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens,
-                           cache_hit=states.cache_hit)
+        pooled = self._pool(
+            states.hidden,
+            states.tok if states.total else None,
+            states.lens,
+            states.starts,
+            states.item_row,
+            states.pool_from,
+            states.entry,
+            len(batch.items),
+        )
+        return PooledOutput(
+            pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens, cache_hit=states.cache_hit
+        )
 
     def forward_tokens(self, batch: Batch) -> RowStates | None:
         """The batch's forward pass, not pooled: the final hidden state of every row token and
@@ -303,9 +309,19 @@ class CausalLMRunner:
             hidden, tok, last = self._forward_rows(
                 seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed
             )
-        return RowStates(hidden=hidden, last=last, tok=tok, total=total, lens=lens, starts=starts,
-                         item_row=item_row, pool_from=pool_from, entry=entry, cache_hit=hit,
-                         prefix_computed_tokens=prefix_computed)
+        return RowStates(
+            hidden=hidden,
+            last=last,
+            tok=tok,
+            total=total,
+            lens=lens,
+            starts=starts,
+            item_row=item_row,
+            pool_from=pool_from,
+            entry=entry,
+            cache_hit=hit,
+            prefix_computed_tokens=prefix_computed,
+        )
 
     def _forward_rows(self, seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed):
         dev = self.device

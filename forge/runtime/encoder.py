@@ -37,8 +37,15 @@ POOLINGS = ("mean", "cls", "last")
 # random configs, sdpa and eager: max abs difference <= 2.4e-7; BERT and RoBERTa are asserted
 # in tests/test_embed.py): "zero" counts from 0 (BERT); "pad+1" from pad_token_id + 1 (the
 # RoBERTa family numbers positions after its padding index).
-PACKED_POSITIONS = {"bert": "zero", "electra": "zero", "distilbert": "zero", "roberta": "pad+1",
-                    "xlm-roberta": "pad+1", "camembert": "pad+1", "mpnet": "pad+1"}
+PACKED_POSITIONS = {
+    "bert": "zero",
+    "electra": "zero",
+    "distilbert": "zero",
+    "roberta": "pad+1",
+    "xlm-roberta": "pad+1",
+    "camembert": "pad+1",
+    "mpnet": "pad+1",
+}
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,20 @@ class EncoderCaps:
     def refusal(self, packed: bool, cache: bool) -> str | None:
         """Why this layout cannot equal a one-text forward pass, as a one-line ForgeError message; None if it can."""
         if cache:
-            return (f"batching.prefix_cache=true is not exact for {self.family}: it is a bidirectional encoder, "
-                    "so a prefix's states depend on the text after it; use batching.prefix_cache=false")
+            return (
+                f"batching.prefix_cache=true is not exact for {self.family}: it is a bidirectional encoder, "
+                "so a prefix's states depend on the text after it; use batching.prefix_cache=false"
+            )
         if packed and self.first_position is None:
-            return (f"batching.packing=packed is not exact for {self.family}: Forge does not know how it numbers "
-                    f"positions in a packed row (known: {', '.join(PACKED_POSITIONS)}); use batching.packing=rows")
+            return (
+                f"batching.packing=packed is not exact for {self.family}: Forge does not know how it numbers "
+                f"positions in a packed row (known: {', '.join(PACKED_POSITIONS)}); use batching.packing=rows"
+            )
         if packed and self.attn not in MASK_IMPLS:
-            return (f"batching.packing=packed is not exact for {self.family}: packed rows need a 4D mask, which "
-                    f"{self.attn} attention does not take; use batching.packing=rows or model.attn_implementation=sdpa")
+            return (
+                f"batching.packing=packed is not exact for {self.family}: packed rows need a 4D mask, which "
+                f"{self.attn} attention does not take; use batching.packing=rows or model.attn_implementation=sdpa"
+            )
         return None
 
     def check(self, packed: bool, cache: bool) -> None:
@@ -70,8 +83,11 @@ class EncoderCaps:
             raise ForgeError(reason)
 
     def path(self, packed: bool) -> str:
-        rows = "packed rows on (block-diagonal bidirectional mask, positions restart per text)" if packed \
+        rows = (
+            "packed rows on (block-diagonal bidirectional mask, positions restart per text)"
+            if packed
             else "packed rows off"
+        )
         return f"{self.family}: encoder, {self.attn} attention ({self.attn_note}); no prefix cache; {rows}"
 
 
@@ -105,8 +121,9 @@ def pool_and_normalize(vectors: torch.Tensor, normalize: bool) -> torch.Tensor:
 class EncoderRunner:
     """Runs batches of whole texts through a loaded encoder (`AutoModel`, eval mode, on its device)."""
 
-    def __init__(self, model: Any, caps: EncoderCaps, pooling: str = "mean", normalize: bool = False,
-                 pad_token_id: int = 0):
+    def __init__(
+        self, model: Any, caps: EncoderCaps, pooling: str = "mean", normalize: bool = False, pad_token_id: int = 0
+    ):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.model = model
@@ -230,10 +247,21 @@ class EncoderViews:
         for k, item in enumerate(items):
             r, s, n = int(rows_t[k]), int(starts_t[k]), int(lens[k])
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
-            views.append(ItemView(item.id, item.index, token_list(item.tokens), 0,
-                                  {layer: hidden[i][r, s:s + n] for layer, i in self.source.items()}, {}, empty,
-                                  None, None,
-                                  meta.label, meta.data))
+            views.append(
+                ItemView(
+                    item.id,
+                    item.index,
+                    token_list(item.tokens),
+                    0,
+                    {layer: hidden[i][r, s : s + n] for layer, i in self.source.items()},
+                    {},
+                    empty,
+                    None,
+                    None,
+                    meta.label,
+                    meta.data,
+                )
+            )
         return ViewBatch(views, 0, False)
 
     def close(self) -> None:
@@ -270,8 +298,9 @@ class FakeEncoder:
         self.dtype = DTYPES[target.dtype]
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         with self.mode:
-            model = AutoModel.from_config(_with_attn(config, target.attn), dtype=self.dtype,
-                                          trust_remote_code=trust_remote_code)
+            model = AutoModel.from_config(
+                _with_attn(config, target.attn), dtype=self.dtype, trust_remote_code=trust_remote_code
+            )
         self.model = model.eval()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
@@ -284,11 +313,16 @@ class FakeEncoder:
         with self.mode, tracker, torch.inference_mode():
             tracker.reset_mod_stats()
             takes = set(inspect.signature(self.model.forward).parameters)
-            extra = {"token_type_ids": torch.zeros(R, S, dtype=torch.long),
-                     "position_ids": torch.arange(S).repeat(R, 1), "use_cache": False}
-            out = self.model(input_ids=torch.zeros(R, S, dtype=torch.long),
-                             attention_mask=torch.zeros(R, 1, S, S, dtype=self.dtype),
-                             **{k: v for k, v in extra.items() if k in takes})
+            extra = {
+                "token_type_ids": torch.zeros(R, S, dtype=torch.long),
+                "position_ids": torch.arange(S).repeat(R, 1),
+                "use_cache": False,
+            }
+            out = self.model(
+                input_ids=torch.zeros(R, S, dtype=torch.long),
+                attention_mask=torch.zeros(R, 1, S, S, dtype=self.dtype),
+                **{k: v for k, v in extra.items() if k in takes},
+            )
             h = out.last_hidden_state
             torch.zeros(R, h.shape[-1]).index_add_(
                 0, torch.arange(R).repeat_interleave(S), h.reshape(R * S, -1).float()

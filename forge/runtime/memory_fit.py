@@ -59,9 +59,16 @@ class Shape:
 # Shapes the fit is made from: they separate every term (rows, length, length squared, prefix
 # per row, prefix once, hit and miss) while staying small enough to measure in seconds.
 FIT_SHAPES = (
-    Shape(1, 64), Shape(4, 256), Shape(8, 128), Shape(2, 512),
-    Shape(4, 64, 256), Shape(2, 128, 512), Shape(8, 64, 128), Shape(1, 256, 256, cached=False),
-    Shape(16, 32, 1024), Shape(4, 16, 512, cached=False),  # long prefix, short rows: attention's regime
+    Shape(1, 64),
+    Shape(4, 256),
+    Shape(8, 128),
+    Shape(2, 512),
+    Shape(4, 64, 256),
+    Shape(2, 128, 512),
+    Shape(8, 64, 128),
+    Shape(1, 256, 256, cached=False),
+    Shape(16, 32, 1024),
+    Shape(4, 16, 512, cached=False),  # long prefix, short rows: attention's regime
 )
 
 
@@ -97,21 +104,24 @@ class FakeModel:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         config = _with_attn(config, target.attn)
         with self.mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[target.dtype],
-                                                     trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=DTYPES[target.dtype], trust_remote_code=trust_remote_code
+            )
         self.model = model.eval()
         get = getattr(model, "get_decoder", None)
         self.base = get() if get is not None else model
         self.cache_kw = cache_kwarg(self.base)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         n = _num_layers(config)
-        self.hs = list(range(n + 1))[-max(1, min(target.hidden_kept, n + 1)):]
+        self.hs = list(range(n + 1))[-max(1, min(target.hidden_kept, n + 1)) :]
         with self.mode, torch.inference_mode():  # each layer's KV shape, from a one-token step
             from forge.runtime.hf_compat import cache_key_values, output_cache
 
             out = self.base(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True)
-            self.kv_shapes = [((k.shape[1], k.shape[3], k.dtype), (v.shape[1], v.shape[3], v.dtype))
-                              for k, v in cache_key_values(output_cache(out))]
+            self.kv_shapes = [
+                ((k.shape[1], k.shape[3], k.dtype), (v.shape[1], v.shape[3], v.dtype))
+                for k, v in cache_key_values(output_cache(out))
+            ]
 
     def peak(self, shape: Shape) -> int:
         """Peak bytes (weights included) while one batch of `shape` runs."""
@@ -131,11 +141,18 @@ class FakeModel:
 
         P = shape.prefix_len
         if shape.cached:  # the entry as the prefix cache holds it: one row of KV per layer
-            return [(torch.empty(1, kh, P, kd, dtype=kt), torch.empty(1, vh, P, vd, dtype=vt))
-                    for (kh, kd, kt), (vh, vd, vt) in self.kv_shapes]
+            return [
+                (torch.empty(1, kh, P, kd, dtype=kt), torch.empty(1, vh, P, vd, dtype=vt))
+                for (kh, kd, kt), (vh, vd, vt) in self.kv_shapes
+            ]
         cache = plain_cache()
-        out = self.base(input_ids=torch.zeros(1, P, dtype=torch.long), position_ids=torch.arange(P).view(1, P),
-                        use_cache=True, output_hidden_states=self.hs, **{self.cache_kw: cache})
+        out = self.base(
+            input_ids=torch.zeros(1, P, dtype=torch.long),
+            position_ids=torch.arange(P).view(1, P),
+            use_cache=True,
+            output_hidden_states=self.hs,
+            **{self.cache_kw: cache},
+        )
         produced = output_cache(out)
         kv = cache_key_values(produced if produced is not None else cache)
         [out.hidden_states[i][0, -1].float() for i in self.hs]  # the entry's last states
@@ -147,12 +164,17 @@ class FakeModel:
         R, S, P = shape.rows, shape.padded_len, shape.prefix_len
         kwargs: dict[str, Any] = {"use_cache": False}
         if kv is not None:
-            kwargs = {self.cache_kw: plain_cache([(k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1)) for k, v in kv]),
-                      "use_cache": True}
-        out = self.base(input_ids=torch.zeros(R, S, dtype=torch.long),
-                        attention_mask=torch.ones(R, P + S, dtype=torch.long),
-                        position_ids=(P + torch.arange(S)).repeat(R, 1),
-                        output_hidden_states=self.hs, **kwargs)
+            kwargs = {
+                self.cache_kw: plain_cache([(k.expand(R, -1, -1, -1), v.expand(R, -1, -1, -1)) for k, v in kv]),
+                "use_cache": True,
+            }
+        out = self.base(
+            input_ids=torch.zeros(R, S, dtype=torch.long),
+            attention_mask=torch.ones(R, P + S, dtype=torch.long),
+            position_ids=(P + torch.arange(S)).repeat(R, 1),
+            output_hidden_states=self.hs,
+            **kwargs,
+        )
         hidden = [out.hidden_states[i] for i in self.hs]
         rows = torch.arange(R)
         for h in hidden:  # pooling, as the runner does it (mean: every token, as float32)
@@ -205,9 +227,14 @@ def _at_depth(config: Any, layers: int) -> Any:
     return shallow
 
 
-def measure_by_depth(config: Any, target: Target, depths: tuple[int, int],
-                     trust_remote_code: bool = False, fake: Any = None,
-                     shapes: tuple[Shape, ...] = FIT_SHAPES) -> tuple[list[int], int]:
+def measure_by_depth(
+    config: Any,
+    target: Target,
+    depths: tuple[int, int],
+    trust_remote_code: bool = False,
+    fake: Any = None,
+    shapes: tuple[Shape, ...] = FIT_SHAPES,
+) -> tuple[list[int], int]:
     """Peaks of `shapes` and the weight bytes at the config's depth, extrapolated linearly
     from two shallow depths (`fake`: what is measured, as in `fitted_cost_model`)."""
     n = config.num_hidden_layers
@@ -269,9 +296,14 @@ def fit(shapes: Iterable[Shape], peaks: Iterable[int], weight_bytes: int, margin
     scale[scale == 0] = 1
     fixed, a, b, k, p = upper_fit(x / scale, y) / scale
     up = 1 + margin
-    return CostModel(weight_bytes=int(weight_bytes + np.ceil(fixed * up)), bytes_per_token=float(a * up),
-                     bytes_per_score=float(b * up), kv_bytes_per_token=float(k * up),
-                     prefix_bytes_per_token=float(p * up), margin=margin)
+    return CostModel(
+        weight_bytes=int(weight_bytes + np.ceil(fixed * up)),
+        bytes_per_token=float(a * up),
+        bytes_per_score=float(b * up),
+        kv_bytes_per_token=float(k * up),
+        prefix_bytes_per_token=float(p * up),
+        margin=margin,
+    )
 
 
 # ----------------------------------------------------------------------------- cached entry point
@@ -283,16 +315,25 @@ def cache_dir() -> Path:
     return default_cache_dir() / "memory_fits"
 
 
-def fitted_cost_model(config: Any, target: Target, trust_remote_code: bool = False, margin: float = DEFAULT_MARGIN,
-                      directory: Path | None = None, fake: Any = None, shapes: tuple[Shape, ...] = FIT_SHAPES,
-                      kind: str = "") -> CostModel:
+def fitted_cost_model(
+    config: Any,
+    target: Target,
+    trust_remote_code: bool = False,
+    margin: float = DEFAULT_MARGIN,
+    directory: Path | None = None,
+    fake: Any = None,
+    shapes: tuple[Shape, ...] = FIT_SHAPES,
+    kind: str = "",
+) -> CostModel:
     """The measured `CostModel` of this model and forward pass: from the disk cache, else fitted now.
 
     `fake` builds what is measured (default `FakeModel`, the causal LM runner's forward; any class
     with `weight_bytes` and `peak(shape)`), over `shapes`; `kind` names it in the cache key."""
     directory = directory or cache_dir()
-    key = (f"{config_hash(config)}-{target.dtype}-{target.attn}-h{target.hidden_kept}-{target.pooling}"
-           f"-m{margin}-v{FIT_VERSION}")
+    key = (
+        f"{config_hash(config)}-{target.dtype}-{target.attn}-h{target.hidden_kept}-{target.pooling}"
+        f"-m{margin}-v{FIT_VERSION}"
+    )
     key += f"-{kind}" if kind else ""
     path = directory / f"{key}.json"
     if path.is_file():
@@ -308,9 +349,13 @@ def fitted_cost_model(config: Any, target: Target, trust_remote_code: bool = Fal
     else:
         peaks, weight_bytes = measure_by_depth(config, target, depths, trust_remote_code, fake, shapes)
     cost = fit(shapes, peaks, weight_bytes, margin)
-    record = {"cost_model": asdict(cost), "target": asdict(target), "margin": margin,
-              "extrapolated_from_layers": list(depths) if depths else None,
-              "sweep": [{**asdict(s), "peak_bytes": p} for s, p in zip(shapes, peaks)]}
+    record = {
+        "cost_model": asdict(cost),
+        "target": asdict(target),
+        "margin": margin,
+        "extrapolated_from_layers": list(depths) if depths else None,
+        "sweep": [{**asdict(s), "peak_bytes": p} for s, p in zip(shapes, peaks)],
+    }
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

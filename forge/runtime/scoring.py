@@ -74,7 +74,8 @@ class LogitHead:
         if not diff <= tol * scale:
             raise ValueError(
                 f"score: {type(self.model).__name__}'s logits are not its LM head on the final hidden states "
-                f"(max difference {diff:.3g}); this family post-processes logits in a way score does not know")
+                f"(max difference {diff:.3g}); this family post-processes logits in a way score does not know"
+            )
 
 
 class ScoreRunner:
@@ -115,9 +116,9 @@ class ScoreRunner:
                 argmax_ok[lo:hi] = (logp.argmax(dim=-1) == tgt).cpu()
         loglik = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, logprob.double())
         misses = torch.zeros(n, dtype=torch.long).index_add_(0, owner, (~argmax_ok).long())
-        return ScoreOutput(loglik.numpy(), counts.numpy(), (misses == 0).numpy(),
-                           states.prefix_computed_tokens, states.cache_hit)
+        return ScoreOutput(
+            loglik.numpy(), counts.numpy(), (misses == 0).numpy(), states.prefix_computed_tokens, states.cache_hit
+        )
 
     def close(self) -> None:
         self.runner = None
-

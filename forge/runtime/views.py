@@ -17,8 +17,9 @@ is invisible here: views of the same item in two layouts are equal up to float r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,15 +107,27 @@ class CausalViews:
             own_from = item.prefix_len - off
             hidden, prefix_state = {}, {}
             for layer, i in layers:
-                span = states.hidden[i][row, start:start + n] if n else None
+                span = states.hidden[i][row, start : start + n] if n else None
                 hidden[layer] = span[own_from:] if span is not None else torch.empty(0, device=dev)
                 if item.prefix_len:
                     prefix_state[layer] = prefix_split[layer] if off else span[own_from - 1]
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
-            views.append(ItemView(item.id, item.index, token_list(item.tokens), item.prefix_len, hidden, prefix_state,
-                                  torch.as_tensor(meta.targets, dtype=torch.long),
-                                  None if logprobs is None else logprobs[k], None if greedy is None else greedy[k],
-                                  meta.label, meta.data, item.prefix_key))
+            views.append(
+                ItemView(
+                    item.id,
+                    item.index,
+                    token_list(item.tokens),
+                    item.prefix_len,
+                    hidden,
+                    prefix_state,
+                    torch.as_tensor(meta.targets, dtype=torch.long),
+                    None if logprobs is None else logprobs[k],
+                    None if greedy is None else greedy[k],
+                    meta.label,
+                    meta.data,
+                    item.prefix_key,
+                )
+            )
         return views
 
     def _targets(self, items: list[Item], states, off: int):
@@ -129,8 +142,10 @@ class CausalViews:
         lens = torch.tensor([it.num_tokens for it in items])
         if bool((place < off - 1).any() or (place < 0).any() or (place >= lens[owner]).any()):
             k = int(owner[(place < off - 1) | (place < 0) | (place >= lens[owner])][0])
-            raise ValueError(f"item {items[k].id!r}: its targets are predicted from positions outside "
-                             f"{max(off - 1, 0)}..{items[k].num_tokens - 1}")
+            raise ValueError(
+                f"item {items[k].id!r}: its targets are predicted from positions outside "
+                f"{max(off - 1, 0)}..{items[k].num_tokens - 1}"
+            )
         dev = self.runner.device
         targets = torch.tensor([t for m in metas for t in m.targets], dtype=torch.long)
         width = states.last.shape[-1] if states.last is not None else states.entry.last_state.shape[-1]

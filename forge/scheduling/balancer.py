@@ -112,18 +112,26 @@ class Balancer:
             return cost.tokens / rates[name]
         return sim.seconds(cost.tokens, cost.scores)
 
-    def _or_sooner_elsewhere(self, batch: Batch, device: Device, rates: dict[str, float],
-                             busy: dict[str, float], finish: float) -> Share:
+    def _or_sooner_elsewhere(
+        self, batch: Batch, device: Device, rates: dict[str, float], busy: dict[str, float], finish: float
+    ) -> Share:
         """`batch` kept, unless it would outlast the fair finish of everything left on this device
         and a busy device, once free, would finish it sooner: then it goes back for that one."""
         mine = self.seconds(device.name, batch, rates, hit=bool(batch.cache_hit))
-        if mine <= finish or not any(busy[e] and busy[e] + self.seconds(e, batch, rates) < mine for e in self.names
-                                     if e != device.name):
+        if mine <= finish or not any(
+            busy[e] and busy[e] + self.seconds(e, batch, rates) < mine for e in self.names if e != device.name
+        ):
             return Share(batch)
         return Share(None, replace(batch, cache_hit=None))
 
-    def weigh(self, device: Device, groups: list[GroupInfo], free: list[GroupInfo], stolen: list[GroupInfo],
-              caches: PrefixCacheModel) -> tuple[list[GroupInfo], list[GroupInfo]]:
+    def weigh(
+        self,
+        device: Device,
+        groups: list[GroupInfo],
+        free: list[GroupInfo],
+        stolen: list[GroupInfo],
+        caches: PrefixCacheModel,
+    ) -> tuple[list[GroupInfo], list[GroupInfo]]:
         """Affinity weighed by rates: a free group this device could not drain before the whole
         backlog would be done at everyone's pace goes last (a faster device takes it); a group
         to steal is the one whose holders need longest to drain it."""

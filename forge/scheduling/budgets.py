@@ -27,6 +27,7 @@ class DeviceBudgets:
         floor = lim.pad(lim.max_seq_len)
         tokens = max(floor, min(lim.max_batch_tokens, batch.padded_slots * 3 // 4))
         memory = int(d.memory_bytes * 0.9) if d.memory_bytes else d.memory_bytes
-        self.devices[name] = replace(d, limits=Limits(tokens, lim.max_rows, lim.max_seq_len, lim.pad_multiple),
-                                     memory_bytes=memory)
+        self.devices[name] = replace(
+            d, limits=Limits(tokens, lim.max_rows, lim.max_seq_len, lim.pad_multiple), memory_bytes=memory
+        )
         self.oom_splits += 1

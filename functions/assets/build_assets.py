@@ -67,6 +67,7 @@ def make_prefix(instruction: str, examples: list[tuple[str, int]], k: int) -> st
 # Tokenizer
 # --------------------------------------------------------------------------
 
+
 def train_tokenizer(corpus: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -95,6 +96,7 @@ def ntokens(tok: Tokenizer, s: str) -> int:
 # --------------------------------------------------------------------------
 # Main build
 # --------------------------------------------------------------------------
+
 
 def build(out_dir: Path = ASSETS_DIR, verbose: bool = True) -> dict:
     rng = random.Random(SEED)
@@ -160,6 +162,7 @@ def _dataset_rows(rng: random.Random, pools: dict, names: list[str], held: set[s
             rng.shuffle(items)
             out.extend(items[:TEMPLATE_CAP])
         return out
+
     true_c, false_c = capped(0), capped(1)
     assert len(true_c) >= N_PER_LABEL and len(false_c) >= N_PER_LABEL, (len(true_c), len(false_c))
     rows = [(s, 1) for s in rng.sample(true_c, N_PER_LABEL)] + [(s, 0) for s in rng.sample(false_c, N_PER_LABEL)]
@@ -184,8 +187,10 @@ def _choose_prefixes(fewshot_pool: list[tuple[str, int]], texts: list[str]) -> t
         tok = train_tokenizer(prefixes + texts)
         new_ks = []
         for i, target in enumerate(PREFIX_TARGETS):
-            best = min(range(len(fewshot_pool) + 1),
-                       key=lambda k: (abs(ntokens(tok, make_prefix(INSTRUCTIONS[i], orders[i], k)) - target), k))
+            best = min(
+                range(len(fewshot_pool) + 1),
+                key=lambda k: (abs(ntokens(tok, make_prefix(INSTRUCTIONS[i], orders[i], k)) - target), k),
+            )
             new_ks.append(best)
         if new_ks == ks:
             break
@@ -218,8 +223,10 @@ def _check_invariants(prefixes: list[str], records: list[dict], tok: Tokenizer) 
         assert rec["text"] and not rec["text"][0].isspace()
         if "prefix" in rec:
             joined = tok.encode(rec["prefix"] + rec["text"], add_special_tokens=False).ids
-            split = (tok.encode(rec["prefix"], add_special_tokens=False).ids
-                     + tok.encode(rec["text"], add_special_tokens=False).ids)
+            split = (
+                tok.encode(rec["prefix"], add_special_tokens=False).ids
+                + tok.encode(rec["text"], add_special_tokens=False).ids
+            )
             assert joined == split, rec["id"]
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
 

@@ -21,8 +21,12 @@ class TokenNormsConfig(ModelFunctionConfig):
 class TokenNorms(CausalLMFunction):
     name = "token_norms"
     config_schema = TokenNormsConfig
-    fields = (Field("num_tokens", "int64"), Field("mean_norm", "float32"), Field("max_norm", "float32"),
-              Field("norms", "float32", ragged=True))
+    fields = (
+        Field("num_tokens", "int64"),
+        Field("mean_norm", "float32"),
+        Field("max_norm", "float32"),
+        Field("norms", "float32", ragged=True),
+    )
 
     def __init__(self, model: dict, input: dict, layer: int = 4, shard_size: int = 4096, too_long: str = "skip"):
         self.layer = int(layer)
