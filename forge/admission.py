@@ -200,8 +200,8 @@ def _admit_chunk(
                     "too long (too_long=error)",
                     (
                         f"item {item.id!r} has {item.num_tokens} tokens, over every device's max_seq_len "
-                        f"({max_seq_len}); too_long=error fails it (set too_long=skip or too_long=truncate, or add a device with a "
-                        "larger max_seq_len)"
+                        f"({max_seq_len}); too_long=error fails it (set too_long=skip or too_long=truncate, or add "
+                        "a device with a larger max_seq_len)"
                     ),
                 )
         else:
