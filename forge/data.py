@@ -261,7 +261,7 @@ class TokenStates(IterableDataset):
                 }
                 if self.prefix == "each":
                     chunk = self._with_prefixes(chunk, prefix_ids[a:b], counts)
-                yield chunk
+                yield chunk if self.with_ids else {"states": chunk["states"]}  # shuffle only what is yielded
                 a = b
 
     def _with_prefixes(self, chunk: dict[str, Any], prefix_ids: torch.Tensor, counts: torch.Tensor) -> dict[str, Any]:
@@ -338,4 +338,4 @@ def _take(part: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
 
 def _permuted(part: dict[str, Any], g: torch.Generator) -> dict[str, Any]:
     perm = torch.randperm(len(part["states"]), generator=g)
-    return {k: v[perm] for k, v in part.items()}
+    return {k: torch.index_select(v, 0, perm) for k, v in part.items()}  # index_select: ~3x v[perm] on CPU
