@@ -269,6 +269,8 @@ def main() -> None:
                 "peer", [*peer, "nnsight", "--rows", str(rows), "--model", mp, "--order", "length"]),
             "nnsight trace, 32 rows in arrival order, no_grad": (
                 "peer", [*peer, "nnsight", "--rows", str(rows), "--model", mp, "--order", "arrival"]),
+            "transformer-lens run_with_cache, 32 rows sorted by length, no_grad": (
+                "peer", [*peer, "transformer-lens", "--rows", str(rows), "--model", mp, "--order", "length"]),
         }
         read_forge, read_peer, ext = forge_vectors, peer_vectors, ".npz"
     else:
@@ -305,6 +307,7 @@ def main() -> None:
                  f"{realistic.attention_share(realistic.LLAMA2_7B, w['full_spans']):.1%})")
     versions = {"torch": torch.__version__}
     times = {name: [] for name in variants}
+    reports = {name: [] for name in variants}  # Forge's report.json: (first batch s, device busy s)
     outputs = {}
     names = list(variants)
     for r in range(a.rounds):
@@ -316,6 +319,8 @@ def main() -> None:
             if kind == "forge":
                 wall = timed([*cmd, f"output_dir={out}"], tmp / f"v{k}-r{r}.log")
                 outputs[name] = read_forge(out)
+                rep = json.loads((out / "report.json").read_text())
+                reports[name].append((rep["phases"]["first_batch_s"], sum(d["busy_s"] for d in rep["devices"])))
             else:
                 res = out.with_suffix(ext)
                 wall = timed([*cmd, "--out", str(res)], tmp / f"v{k}-r{r}.log")
@@ -341,8 +346,9 @@ def main() -> None:
     if share:
         print(share)
     print()
-    print("| variant | median wall s | rounds s | useful tok/s | x best peer | floor / wall | largest output difference |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | median wall s | rounds s | useful tok/s | x best peer | floor / wall | largest output difference "
+          "| Forge: first batch at s | Forge: floor / device busy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
         o = outputs[n]
         if a.function == "score":
@@ -355,8 +361,12 @@ def main() -> None:
             extra = "reference"
         label = n + (f" ({versions[n].split(' ')[0]})" if n in versions else "")
         ratio = f"{med[best_peer] / med[n]:.2f}" if best_peer else "-"
+        first = busy = "-"
+        if reports[n]:
+            first = f"{statistics.median(x[0] for x in reports[n]):.2f}"
+            busy = f"{floor / statistics.median(x[1] for x in reports[n]):.2f}"
         print(f"| {label} | {med[n]:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {w['useful'] / med[n]:,.0f} | "
-              f"{ratio} | {floor / med[n]:.2f} | {extra} |")
+              f"{ratio} | {floor / med[n]:.2f} | {extra} | {first} | {busy} |")
     if not a.out:
         shutil.rmtree(tmp, ignore_errors=True)
 

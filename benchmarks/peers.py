@@ -105,23 +105,22 @@ def run_nnsight(a) -> dict:
 
 
 def run_transformer_lens(a) -> dict:
-    """`run_with_cache` on the model loaded through `from_pretrained_no_processing(hf_model=...)`."""
+    """`run_with_cache`: TransformerLens 4 loads a local Hugging Face model through
+    `TransformerBridge.boot_transformers` (its `HookedTransformer` was removed in 4.0); raw HF
+    weights, eager attention (the bridge forces it so hooks see the scores)."""
     import numpy as np
     import torch
-    import transformer_lens
-    from transformer_lens import HookedTransformer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import importlib.metadata
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoTokenizer
 
     layers = [int(x) for x in a.layers.split(",")]
-    hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = HookedTransformer.from_pretrained_no_processing(a.official_name, hf_model=hf, tokenizer=tok,
-                                                            device="cpu", dtype=torch.float32)
+    model = TransformerBridge.boot_transformers(a.model, device="cpu", dtype=torch.float32, tokenizer=tok)
     rows = read_rows(a.rows)
     tokens = probe_tokens(tok, rows)
-    n_layers = hf.config.num_hidden_layers
-    names = [f"blocks.{layer - 1}.hook_resid_post" if layer < n_layers else "ln_final.hook_normalized"
-             for layer in layers]
+    n_layers = model.cfg.n_layers
+    names = [f"blocks.{layer - 1}.hook_resid_post" if layer < n_layers else "ln_final.hook_out" for layer in layers]
     out = {layer: [None] * len(rows) for layer in layers}
     with torch.no_grad():
         for idx in batches(tokens, a.order, a.batch_size):
@@ -132,7 +131,7 @@ def run_transformer_lens(a) -> dict:
                 v = cache[name][torch.arange(len(idx)), last]
                 for j, i in enumerate(idx):
                     out[layer][i] = v[j].float().numpy()
-    return {"version": transformer_lens.__version__, "ids": [str(r["id"]) for r in rows],
+    return {"version": importlib.metadata.version("transformer-lens"), "ids": [str(r["id"]) for r in rows],
             **{f"layer_{layer}": np.stack(vs) for layer, vs in out.items()}}
 
 
@@ -163,7 +162,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--order", default="length", choices=("length", "arrival"))
     ap.add_argument("--layers", default="1,2,4")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--official-name", default="meta-llama/Llama-3.2-1B")
     a = ap.parse_args(argv)
     import torch
 
