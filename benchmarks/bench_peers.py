@@ -95,8 +95,8 @@ def best_rate(model_dir: str, prefix_lens: list[int], suffix_len: int, loader: s
     vocab = m.config.vocab_size
     lens = sorted(prefix_lens)
     shapes = {(1, lens[round(q * (len(lens) - 1))]) for q in (0, 0.5, 1)} if lens else set()  # prefix quantiles
-    for length in sorted({max(1, suffix_len), 64, 128, 256}):
-        for tokens in (2048, 4096):
+    for length in sorted({max(1, suffix_len), 64, 128, 256, 512}):
+        for tokens in (2048, 8192):  # 8192: the token budget of a Forge batch, and lm-eval's 32 x ~450
             shapes.add((max(1, tokens // length), length))
     best = 0.0
     g = torch.Generator().manual_seed(0)
