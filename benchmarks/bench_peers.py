@@ -251,7 +251,9 @@ def main() -> None:
         w = score_workload(rows, a.questions, model)
         mp = model_path(model)
         fr += ["function=score", "batching=token", *forge_model_args(model)]
-        variants = {"Forge score, token rows, prefix cache": ("forge", fr)}
+        variants = {"Forge score, token rows, prefix cache": ("forge", fr),
+                    # every context computed for each of its choices, but many questions per batch
+                    "Forge score, token rows, no prefix cache": ("forge", [*fr, "batching.prefix_cache=false"])}
         for bs in ("32", "64", "auto"):
             variants[f"lm-eval HFLM.loglikelihood, batch_size={bs}"] = (
                 "peer", [*peer, "lm-eval", "--rows", str(rows), "--model", mp, "--batch-size", bs])
