@@ -20,7 +20,10 @@ the variant's median wall time (1.0 would be a run that pays nothing but that co
 
 `--model llama-1024` is benchmarks/realistic.py's model (hidden 1,024, GQA, 4 layers, random
 weights, built once and cached); the table header states attention's share of its FLOPs on
-the workload. Not a test.
+the workload. It runs at 1.4-3.9k tokens/s on 2 CPU cores (the embedded model: 15-40k), so
+keep its workloads small: `score --model llama-1024 --questions 20` and `probe_gen --model
+llama-1024 --rows 200` take about a minute per variant and round (lm-eval's
+`batch_size=auto` about three: `--only 1,2,3` leaves it and batch 64 out). Not a test.
 """
 
 from __future__ import annotations
