@@ -13,8 +13,9 @@ Needs Ray Data (`pip install 'ray[data]'`). On a local Ray instance of `--actors
 * Forge, runtime=local (process executor), the same plan as the first: the cost of Ray.
 
 Every variant runs the workload end to end (actor start and model load included) and only
-counts activations, it saves none. Variants are interleaved per round; the table reports
-medians.
+counts activations, it saves none. Variants are interleaved, A B C then C B A; the table
+reports medians. Ray Data is the real library (the `bench` or `ray` extra plus pandas); the
+function it maps is Forge's `CausalLMRunner`, so both sides run the same forward.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def main() -> None:
     )
     try:
         for r in range(args.rounds):
-            for name, run in variants.items():
+            order = list(variants.items())
+            for name, run in order if r % 2 == 0 else order[::-1]:  # A B C, then C B A
                 results[name].append(run())
                 print(f"  round {r + 1}: {name}: {results[name][-1]['wall_s']:.2f} s", flush=True)
     finally:

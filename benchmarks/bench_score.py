@@ -1,4 +1,10 @@
-"""`score` against an lm-evaluation-harness-style loglikelihood loop, on one multiple-choice workload.
+"""`score` against an IMITATION of lm-evaluation-harness's loglikelihood loop (not lm-eval itself).
+
+The real peer is measured by `benchmarks/bench_peers.py score` (lm-eval's own `HFLM`, as a
+subprocess, end to end): docs/benchmarks.md's table for `score` comes from there. Measured on
+one quiet machine (issue 20), this imitation ran about 1.5x slower than real lm-eval, and it
+times Forge in-process (no start-up), so a ratio from this script overstates Forge; keep it for
+the engine-internal comparison only.
 
     python -m benchmarks.bench_score [--questions 2000] [--shots 10] [--batch-size 32] [--rounds 1] [--threads N]
 
@@ -8,8 +14,8 @@ tokens with the embedded tokenizer) and 4 choices; the embedded 4-layer Llama, f
 
 * Forge: `forge run function=score batching=token` (prefix cache on, rows), through the real
   engine (admission, scheduler, run loop, sink writing Parquet shards), in-process executor.
-* Baseline, as lm-eval's HFLM `_loglikelihood_tokens` runs: the same requests (token ids from the
-  same lm-eval tokenization), sorted by total length descending, fixed batches of `--batch-size`,
+* Baseline (an imitation written here), as lm-eval's HFLM `_loglikelihood_tokens` runs: the same
+  requests (token ids from the same lm-eval tokenization), sorted by total length descending, fixed batches of `--batch-size`,
   right-padded, one full forward pass of context + continuation per request (no prefix reuse),
   log_softmax over the full logits, gathered at the continuation's positions.
 
@@ -153,8 +159,8 @@ def main() -> None:
     print(f"| strategy | wall s (median of {args.rounds}) | useful tok/s | ratio |")
     print("| --- | --- | --- | --- |")
     print(
-        f"| lm-eval-style: sorted by length, batch {args.batch_size}, no prefix reuse | {med['baseline']:.1f} | "
-        f"{useful / med['baseline']:,.0f} | 1.00 |"
+        f"| imitation of lm-eval's loop (not lm-eval): sorted by length, batch {args.batch_size}, no prefix reuse | "
+        f"{med['baseline']:.1f} | {useful / med['baseline']:,.0f} | 1.00 |"
     )
     print(
         f"| Forge score, batching=token, prefix cache | {med['forge']:.1f} | {useful / med['forge']:,.0f} | "

