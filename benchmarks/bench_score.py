@@ -16,8 +16,8 @@ tokens with the embedded tokenizer) and 4 choices; the embedded 4-layer Llama, f
   engine (admission, scheduler, run loop, sink writing Parquet shards), in-process executor.
 * Baseline (an imitation written here), as lm-eval's HFLM `_loglikelihood_tokens` runs: the same
   requests (token ids from the same lm-eval tokenization), sorted by total length descending,
-  fixed batches of `--batch-size`, right-padded, one full forward pass of context + continuation per request (no prefix reuse),
-  log_softmax over the full logits, gathered at the continuation's positions.
+  fixed batches of `--batch-size`, right-padded, one full forward pass of context + continuation
+  per request (no prefix reuse), log_softmax over the full logits, gathered at the continuation's positions.
 
 Both give every request's loglik and greedy flag; the table compares them. Useful tokens are
 the tokens each request reads (context + continuation - 1), the same count for both. Rounds run
