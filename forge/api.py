@@ -18,7 +18,7 @@ Class hierarchy (shared code lives in an intermediate base, never in a sibling):
         CausalLMFunction             causal LMs: prefix cache, packing, target log-probs, memory
         EncoderFunction              bidirectional encoders: whole texts, rows or packed rows
 
-Token rule (`forge.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
+Token rule (`forge.runtime.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
 special tokens, its text alone without them; a text without a prefix, alone with them. Targets
 (`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
 first from the prefix's last token); without a prefix, every token after the first.
@@ -40,17 +40,17 @@ from typing import Any
 import numpy as np
 
 from forge.batching.memory import CostModel
+from forge.config.schema import positive
+from forge.core.geometry import Device, Item
+from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.geometry import Device, Item
-from forge.inputs import Column, InputFile, InputSpec, Row
-from forge.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
-from forge.results import Field, ResultSchema
-from forge.rows import read as read_rows_checked
-from forge.run import Rejected, Skipped
+from forge.io.inputs import Column, InputFile, InputSpec, Row
+from forge.io.results import Field, ResultSchema
+from forge.io.rows import read as read_rows_checked
+from forge.runtime.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
+from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemMeta, ItemView
-from forge.schema import positive
-from forge.token_rule import RULE as TOKEN_RULE, TokenRule
 
 __all__ = [
     "CausalLMFunction",
@@ -121,7 +121,7 @@ class ModelFunction(Function):
     config_schema = ModelFunctionConfig
     fields: tuple[Field, ...] = ()  # the result fields, in column order
     forward: Forward = Forward()
-    columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.rows)
+    columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.io.rows)
     format: str = "parquet"  # parquet | safetensors (tensors only)
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
@@ -166,7 +166,7 @@ class ModelFunction(Function):
 
     # -- reading rows ---------------------------------------------------------------
     def rows(self) -> Iterator[Row | Rejected | Skipped]:
-        """Every input record, checked (`forge.rows`): the one place rows are read and validated."""
+        """Every input record, checked (`forge.io.rows`): the one place rows are read and validated."""
         return read_rows_checked(self.input, self.columns)
 
     def prompts(self, row: Row) -> list[Prompt] | str:
@@ -316,7 +316,7 @@ class ModelFunction(Function):
         return items, own, seen
 
     def open_sink(self, store):
-        from forge.sinks import ResultSink
+        from forge.io.sinks import ResultSink
 
         return ResultSink(store, self.result_schema(), meta_of=lambda item: getattr(item.meta, "label", item.meta))
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from forge.api import CausalLMFunction, Column, Field, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.inputs import short
-from forge.rows import MayBeEmpty
-from forge.schema import positive
-from forge.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
+from forge.config.schema import positive
+from forge.io.inputs import short
+from forge.io.rows import MayBeEmpty
+from forge.runtime.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
 
 QUESTIONS = "questions.parquet"
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's when the model's config names no maximum
@@ -210,7 +210,7 @@ class _QuestionSink:
 
 def load_scores(run_dir):
     """Every committed score row of a run (pyarrow Table, input order; gold -1: none)."""
-    from forge.results import load
+    from forge.io.results import load
 
     return load(run_dir, "scores").table()
 

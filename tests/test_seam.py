@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from forge.core.geometry import Batch, Item
 from forge.errors import ForgeError
 from forge.function import ResultColumns
-from forge.geometry import Batch, Item
 from forge.hookspecs import hookimpl
+from forge.io.results import Field, ResultSchema, load
+from forge.io.sinks import open_sink
+from forge.io.store import RunStore
 from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
-from forge.results import Field, ResultSchema, load
-from forge.sinks import open_sink
-from forge.store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
     """What `pip install` of a plugin package does: its config module joins Forge's search path,
     so its function composes with function=<name> and `forge ls` sees it."""
     import forge.pluginmanager
-    from forge.cli import compose, group_options
+    from forge.cli.app import compose, group_options
 
     (tmp_path / "function").mkdir()
     (tmp_path / "function" / "echo_fn.yaml").write_text("# @package _global_\nfunction:\n  name: echo_fn\n")
@@ -250,7 +250,7 @@ def test_wheel_installs_everything_under_forge(tmp_path):
         cwd=tmp_path,
     )
     code = (
-        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
+        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config.build import conf_dir; "
         "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -265,7 +265,7 @@ def test_wheel_installs_everything_under_forge(tmp_path):
 
 
 def test_group_options_include_a_user_config_dir(tmp_path):
-    from forge.cli import group_options
+    from forge.cli.app import group_options
 
     (tmp_path / "batching").mkdir()
     (tmp_path / "batching" / "mine.yaml").write_text("mode: item\n")

@@ -1,4 +1,4 @@
-"""Run one `forge.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
+"""Run one `forge.core.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
 
 Three row layouts (see `Batch`):
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from forge.geometry import Batch, Item
+from forge.core.geometry import Batch, Item
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.masks import additive_masks
