@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 sys.path.append(sys.argv[2])  # the tree, after its install: benchmarks.bench_score
-from forge.cli.app import compose
+from forge.cli.compose import compose
 from forge.config.build import build_spec
 from forge.core.engine import execute
 try:

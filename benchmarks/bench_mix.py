@@ -213,7 +213,7 @@ def run_tail(n: int = 120) -> None:
     import random
     import tempfile
 
-    from forge.cli.app import compose
+    from forge.cli.compose import compose
     from forge.config.build import build_spec
     from forge.core.engine import execute
     from forge.pluginmanager import make_plugin_manager

@@ -40,7 +40,7 @@ def workload(path: Path, n: int, shots: int) -> None:
 
 def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     """(wall seconds, {id: (loglik, greedy)}, report)."""
-    from forge.cli.app import compose
+    from forge.cli.compose import compose
     from forge.config.build import build_spec
     from forge.core.engine import execute
     from forge.functions.score import load_scores

@@ -361,7 +361,9 @@ class EncoderFunction(ModelFunction):
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         super().__init__(model, input, shard_size, too_long)
         from forge.runtime.encoder import check_encoder, encoder_capabilities
+        from forge.runtime.hf_compat import num_layers
 
+        check_layers(self.forward.layers, num_layers(self.config))
         check_encoder(self.config, self.forward, self.name, self.model.name)
         self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
         self._mode = (False, False)  # (packed, prefix cache) until check_mode says

@@ -61,7 +61,7 @@ _COMPOSED: dict[tuple, Any] = {}
 
 def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """`forge run function=<function>` in this process (`run_dir`: a path or an fsspec URL); returns the report."""
-    from forge.cli.app import compose
+    from forge.cli.compose import compose
     from forge.config.build import build_spec
     from forge.core.engine import execute
     from forge.pluginmanager import make_plugin_manager

@@ -189,3 +189,24 @@ def draw(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def probe_table(result: dict[str, Any]):
+    """`forge probe`'s table of `probe_run`'s result: accuracy with its interval per layer."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"linear probes: {result['split']['test_items']} test / "
+        f"{result['labelled'] - result['split']['test_items']} train items, "
+        f"chance {result['chance']:.3f}"
+    )
+    for col in ("layer", "test accuracy", "95% interval (Wilson)", "train accuracy"):
+        table.add_column(col)
+    for r in result["layers"]:
+        table.add_row(
+            str(r["layer"]),
+            f"{r['accuracy']:.3f}",
+            f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
+            f"{r['train_accuracy']:.3f}",
+        )
+    return table

@@ -19,7 +19,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from forge.core.columns import ItemColumns
+from forge.core.column_batch import ItemColumns
 from forge.hookspecs import hookimpl
 
 NAME = "ledger"

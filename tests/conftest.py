@@ -31,7 +31,7 @@ SMALL = [
 
 
 def compose(*overrides):
-    from forge.cli.app import compose as _compose
+    from forge.cli.compose import compose as _compose
 
     return _compose(list(overrides))
 

@@ -99,7 +99,7 @@ def canonical(seen: list[tuple[str, Any]], report: dict[str, Any]) -> str:
 
 def _reference(overrides: list[str]) -> Callable[[], dict]:
     def run() -> dict:
-        from forge.cli.app import compose
+        from forge.cli.compose import compose
         from forge.config.build import build_spec
         from forge.core.plan import plan
         from forge.pluginmanager import make_plugin_manager

@@ -74,7 +74,7 @@ def test_bad_device_limits_say_which_limit():
 
 
 def test_inventory_from_a_user_config_dir(tmp_path: Path):
-    from forge.cli.app import compose as cli_compose
+    from forge.cli.compose import compose as cli_compose
     from forge.config.build import build_spec
 
     (tmp_path / "devices").mkdir()
@@ -191,7 +191,7 @@ def test_a_function_declares_its_own_root_keys():
 
 
 def test_sweep_combinations_expand_like_the_basic_sweeper():
-    from forge.cli.app import MAX_SWEEP_CHECKS, sweep_combinations
+    from forge.cli.compose import MAX_SWEEP_CHECKS, sweep_combinations
 
     assert sweep_combinations(["batching=item,token", "layers=[1]", "input.limit=range(1,3)"]) == [
         ["batching=item", "layers=[1]", "input.limit=1"],

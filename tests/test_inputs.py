@@ -300,7 +300,7 @@ def test_a_deeply_nested_row_is_its_own_failure(tmp_path):
 
 
 def test_odd_values_in_messages_are_short_and_never_raise():
-    from forge.io.inputs import short
+    from forge.io.ids import short
 
     nested: list = []
     for _ in range(5000):

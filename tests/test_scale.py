@@ -9,7 +9,8 @@ from benchmarks.workloads import geometry, items as workload_items
 from forge.batching import TokenPacker
 from forge.builtin import ledger
 from forge.config.schema import Runtime
-from forge.core.columns import ColumnBatch, ColumnFeed
+from forge.core.column_batch import ColumnBatch
+from forge.core.columns import ColumnFeed
 from forge.core.geometry import Device, Limits, broken_limit
 from forge.core.indexset import IndexSet
 from forge.core.loop import Committer, RunLoop

@@ -153,7 +153,7 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
     """What `pip install` of a plugin package does: its config module joins Forge's search path,
     so its function composes with function=<name> and `forge ls` sees it."""
     import forge.pluginmanager
-    from forge.cli.app import compose, group_options
+    from forge.cli.compose import compose, group_options
 
     (tmp_path / "function").mkdir()
     (tmp_path / "function" / "echo_fn.yaml").write_text("# @package _global_\nfunction:\n  name: echo_fn\n")

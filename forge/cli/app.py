@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from forge.cli.compose import compose, group_options, precheck
+from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
 
 app = typer.Typer(
@@ -23,26 +22,11 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Forge: GPU batch functions scheduled, packed and accounted in tokens.",
 )
-console = Console()
-err = Console(stderr=True)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-GIB = 1 << 30
-
-
-def _error_line(exc: Exception) -> None:
-    """`error: <message>` on one line: never wrapped, never read as markup."""
-    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-
-
-def _status_line(report: dict) -> None:
-    """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
-    status, error = report["status"], str(report.get("error"))
-    why = error[len(status) + 1 :].lstrip() if error.startswith(f"{status}:") else error
-    err.print(f"[bold red]{status}:[/] {escape(why)}", highlight=False, soft_wrap=True)
 
 
 def _fail(exc: Exception) -> None:
-    _error_line(exc)
+    error_line(exc)
     raise typer.Exit(2)
 
 
@@ -70,17 +54,17 @@ def run(ctx: typer.Context) -> None:
             with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as (run_dir, files):
                 report = _execute(cfg, run_dir, files)
         except ForgeError as exc:
-            _error_line(exc)
+            error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
         print_summary(report)
         if report.get("status", "finished") != "finished":
-            _status_line(report)
+            status_line(report)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # SIGTERM in start-up: as Ctrl-C
     try:
-        _precheck(ctx.args)
+        precheck(ctx.args)
         saved = sys.argv
         sys.argv = ["forge run", *ctx.args]
         try:
@@ -115,7 +99,7 @@ def _warm_up_workers(cfg) -> None:
 
 
 #: whether this process was started as the `forge` command (not a test runner calling the app)
-_COMMAND = Path(sys.argv[0]).name in ("forge", "cli.py")
+_COMMAND = Path(sys.argv[0]).name in ("forge", "app.py")
 
 
 def _interrupt(signum, frame) -> None:
@@ -141,89 +125,6 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
         yield run_dir_of(output_dir, hydra_output_dir), files
     finally:
         shutil.rmtree(hydra_output_dir, ignore_errors=True)
-
-
-HYDRA_VALUE_FLAGS = ("--config-dir", "-cd")
-MULTIRUN_FLAGS = ("-m", "--multirun")
-MAX_SWEEP_CHECKS = 64  # sweeps with more combinations are checked one swept value at a time
-
-
-def _precheck(args: list[str]) -> None:
-    """Compose and validate before Hydra runs (and before it makes a run directory), so a bad
-    choice, key or value is one clear line. With -m, every combination of the sweep is checked
-    (beyond MAX_SWEEP_CHECKS, every swept value). Hydra's other flags (--cfg, --info, ...) are
-    left to Hydra."""
-    from forge.config.build import to_plain
-    from forge.io.location import check_output_dir
-
-    overrides, config_dir, multirun, i = [], None, False, 0
-    while i < len(args):
-        a = args[i]
-        if a in HYDRA_VALUE_FLAGS and i + 1 < len(args):
-            config_dir, i = Path(args[i + 1]), i + 2
-            continue
-        if a.startswith("--config-dir="):
-            config_dir = Path(a.split("=", 1)[1])
-        elif a in MULTIRUN_FLAGS:
-            multirun = True
-        elif a.startswith("-"):
-            return
-        else:
-            overrides.append(a)
-        i += 1
-    from forge.config.devices import resolve_devices
-    from forge.io.store import check_run_dir, check_sweep_dir
-
-    combinations = sweep_combinations(overrides, config_dir) if multirun else [overrides]
-    for job, combination in enumerate(combinations):
-        plain = to_plain(compose(combination, config_dir))
-        if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
-            simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
-            if simulated:
-                raise ForgeError(
-                    f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
-                    "plan on simulated ones with `forge plan` and the same overrides"
-                )
-        output_dir = str(plain.get("output_dir", ""))
-        check_output_dir(output_dir)
-        if multirun:
-            check_sweep_dir(output_dir)
-        if not multirun or len(combinations) <= MAX_SWEEP_CHECKS:  # a reduced check names no job directory
-            check_run_dir(f"{output_dir.rstrip('/')}/{job}" if multirun else output_dir, bool(plain.get("resume")))
-
-
-def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
-    """The override lists a `-m` sweep runs (Hydra's basic sweeper: the product of every
-    comma-separated, choice(), range() or glob() value), or, when there are more than
-    MAX_SWEEP_CHECKS, each swept value with the others at their first value. Intervals
-    (other sweepers' syntax) are left out: their jobs check themselves."""
-    import itertools
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException as exc:
-        raise ForgeError(" ".join(str(exc).split())) from None
-    choices = []
-    for o in parsed:
-        key = o.get_key_element()
-        if not o.is_sweep_override():
-            choices.append([o.input_line])
-        elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:
-            options = group_options(o.key_or_group, config_dir)
-            choices.append([f"{key}={v}" for v in o.value().filter(options)])
-        elif o.is_discrete_sweep():
-            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
-    total = 1
-    for c in choices:
-        total *= len(c)
-    if total <= MAX_SWEEP_CHECKS:
-        return [list(combo) for combo in itertools.product(*choices)]
-    firsts = [c[0] for c in choices]
-    return [firsts[:n] + [value] + firsts[n + 1 :] for n, c in enumerate(choices) for value in c]
 
 
 def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
@@ -281,7 +182,7 @@ def plan(
         if plot is not None:
             console.print(f"plot: {plot}")
     if report.get("status", "finished") != "finished":
-        _status_line(report)
+        status_line(report)
         raise typer.Exit(2)
 
 
@@ -379,27 +280,13 @@ def probe(
     c: float = typer.Option(1.0, "--C", help="Inverse L2 strength of the logistic regression."),
 ) -> None:
     """Fit a linear probe per layer on a probe_gen run; accuracy with a 95% interval per layer."""
-    from forge.functions.probe import probe_run
+    from forge.functions.probe import probe_run, probe_table  # probe_gen's: lives with the function
 
     try:
         result = probe_run(run_dir, out, plot, test_fraction, c)
     except ForgeError as exc:
         _fail(exc)
-    table = Table(
-        title=f"linear probes: {result['split']['test_items']} test / "
-        f"{result['labelled'] - result['split']['test_items']} train items, "
-        f"chance {result['chance']:.3f}"
-    )
-    for col in ("layer", "test accuracy", "95% interval (Wilson)", "train accuracy"):
-        table.add_column(col)
-    for r in result["layers"]:
-        table.add_row(
-            str(r["layer"]),
-            f"{r['accuracy']:.3f}",
-            f"{r['ci_low']:.3f} - {r['ci_high']:.3f}",
-            f"{r['train_accuracy']:.3f}",
-        )
-    console.print(table)
+    console.print(probe_table(result))
     console.print(f"wrote {out or run_dir / 'probe.json'} and {result['plot']}")
 
 
@@ -454,163 +341,6 @@ def _ref_name(ref: object) -> str:
     if isinstance(ref, str):
         return ref
     return f"{getattr(ref, '__module__', '?')}.{getattr(ref, '__qualname__', ref)}"
-
-
-def group_options(group: str, config_dir: Path | None = None) -> list[str]:
-    """The options of a config group on Hydra's whole search path: Forge's conf/, installed
-    plugins' config modules (forge.config.searchpath) and `--config-dir`."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from forge.config.build import conf_dir
-    from forge.config.searchpath import register
-
-    register()
-    overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        options = (
-            GlobalHydra.instance().config_loader().get_group_options(group, config_name="config", overrides=overrides)
-        )
-    return sorted(options)
-
-
-def compose(overrides: list[str], config_dir: Path | None = None):
-    """Compose the config as `forge run` would, with clear errors for bad choices."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
-    from forge.config.build import conf_dir
-    from forge.config.searchpath import register
-
-    register()
-    flags = [o for o in overrides if o.startswith("-")]
-    if flags:
-        raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
-    if config_dir is not None:
-        if not Path(config_dir).is_dir():
-            raise ForgeError(f"--config-dir {config_dir}: no such directory")
-        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
-    except HydraException as exc:
-        from forge.config.schema import explain_compose_error
-
-        raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return f"{n:,.1f} TB"
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    """One screen: what ran, the ledger, the geometry, per device."""
-    items, tokens = report.get("items", {}), report.get("tokens", {})
-    hit = report.get("cache_hit_rate")
-    title = f"{report['function']} · batching={report['batching']}" + (" · plan" if report.get("dry_run") else "")
-    table = Table(title=title, show_header=False)
-    table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
-    table.add_row(
-        "tokens",
-        "  ".join(
-            f"{k} {tokens.get(k, 0):,}"
-            for k in ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")
-        ),
-    )
-    table.add_row("batches", f"{report.get('batches', 0):,}")
-    table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
-    table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
-    if report.get("path"):
-        table.add_row("path", str(report["path"]))
-    table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
-    table.add_row("status", str(report.get("status", "finished")))
-    sized = report.get("output_bytes")
-    if sized and sized.get("total"):
-        per = sized.get("per_stored_token")
-        fields = "  ".join(f"{k} {_bytes(v)}" for k, v in sized["fields"].items() if v)
-        table.add_row(
-            "will write",
-            f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "") + f": {fields}",
-        )
-    attempts = {k: v for k, v in (report.get("attempts") or {}).items() if v}
-    if attempts or report.get("items", {}).get("resumed"):
-        table.add_row(
-            "recovered",
-            "  ".join(
-                [f"{k} {v:,}" for k, v in attempts.items()]
-                + [f"restarts {sum((report.get('restarts') or {}).values())}", f"resumed {items.get('resumed', 0):,}"]
-            ),
-        )
-    if not report.get("dry_run"):
-        table.add_row(
-            "wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)"
-        )
-        table.add_row("model", str(report.get("model")))
-        out = report.get("outputs") or {}
-        table.add_row(
-            "outputs",
-            str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"),
-        )
-        acc = out.get("accuracy")
-        if acc and acc.get("questions"):
-            table.add_row(
-                "accuracy", f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  ({acc['questions']:,} questions)"
-            )
-    console.print(table)
-    devices = report.get("devices", [])
-    virtual = report.get("virtual_time")
-    memory = any("memory_budget_bytes" in d for d in devices)
-    cols = ["device", "batches", "tokens", "padded slots", "cache misses"]
-    if memory:
-        cols.append("GiB peak/budget")
-    if virtual:
-        cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
-        cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
-    else:
-        cols.append("busy s")
-    title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
-    dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
-    for col in cols:
-        dev.add_column(col)
-    for d in devices:
-        row = [
-            d["name"],
-            f"{d['batches']:,}",
-            f"{d['tokens']:,}",
-            f"{d['padded_slots']:,}",
-            str(d.get("cache_misses", 0)),
-        ]
-        if memory:
-            row.append(
-                f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
-                if d.get("memory_budget_bytes")
-                else "-"
-            )
-        if virtual:
-            fmt = "{:,.2f}" if virtual["unit"] == "s" else "{:,.0f}"
-            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}", str(d.get("oom", 0))]
-        else:
-            row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
-        dev.add_row(*row)
-    console.print(dev)
-    for reason, count in (report.get("skipped_reasons") or {}).items():
-        err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
-    failures = report.get("failures") or []
-    if failures:
-        err.print(
-            f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}"
-        )
-    for warning in report.get("warnings") or []:
-        err.print(f"[yellow]warning:[/] {warning}")
-    for why in (report.get("retired") or {}).values():
-        err.print(f"[yellow]retired:[/] {why}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -219,25 +219,32 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                 "error": error,
                 "outputs": outputs,
                 "phases": phases(run.timings, executor, spec.started_at or began, began),
-                "max_window_items": scheduler.max_window_seen,
-                "scheduler_s": round(loop.scheduler_s, 4),
-                "attempts": {
-                    **dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
-                    **dict(loop.counts),
-                    "oom_splits": scheduler.oom_splits,
-                },
-                **executor.info(),
-                "restarts": dict(executor.restarts),
-                "retired": dict(executor.retired),
-                "effective_limits": {
-                    name: d.limits.as_dict()
-                    for name, d in scheduler.devices.items()
-                    if d.limits != next(x for x in spec.devices if x.name == name).limits
-                },
+                **_loop_extras(loop, scheduler, executor, spec),
             },
         )
     finally:
         store.close(status)  # after the report: the directory stays ours until it is written
+
+
+def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: RunSpec) -> dict[str, Any]:
+    """What the loop, the scheduler and the executor add to a run's report."""
+    return {
+        "max_window_items": scheduler.max_window_seen,
+        "scheduler_s": round(loop.scheduler_s, 4),
+        "attempts": {
+            **dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
+            **dict(loop.counts),
+            "oom_splits": scheduler.oom_splits,
+        },
+        **executor.info(),
+        "restarts": dict(executor.restarts),
+        "retired": dict(executor.retired),
+        "effective_limits": {
+            name: d.limits.as_dict()
+            for name, d in scheduler.devices.items()
+            if d.limits != next(x for x in spec.devices if x.name == name).limits
+        },
+    }
 
 
 def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | None]:

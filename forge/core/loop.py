@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from forge.core.columns import ItemColumns
+from forge.core.column_batch import ItemColumns
 from forge.core.geometry import Batch, Device, Item
 from forge.core.indexset import IndexSet
 from forge.core.run import BatchStats, FailureWindow, RunContext, batch_stats

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
 import stat
 from collections.abc import Iterator, Mapping
@@ -38,6 +37,7 @@ import numpy as np
 from forge.config.schema import MISSING, one_of, positive
 from forge.core.run import Rejected, Skipped, reason_kind
 from forge.errors import ForgeError
+from forge.io.ids import canonical_id, good_id, id_token, short
 from forge.io.readers import (
     MAX_ROW_BYTES,
     Record,
@@ -52,7 +52,6 @@ from forge.io.readers import (
 
 SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")
 DUPLICATE_POLICIES = ("error", "first", "last")
-_AUTO_ID = re.compile(r"#[0-9]+")  # the ids of rows without one
 _ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key and its value token
 
 
@@ -217,7 +216,7 @@ class InputFile:
     def _ids(self, only: set[int] | None = None) -> Iterator[tuple[int, int | None, str]]:
         """(row index, line, canonical id) of every record with a good id (of those in `only`)."""
         for rec in self._records(only):
-            rid = _good_id(rec)
+            rid = good_id(rec)
             if rid is not None and (only is None or rec.index in only):
                 yield rec.index, rec.line, rid
 
@@ -238,9 +237,9 @@ class InputFile:
                     continue  # over the cap (a failure), or no id: '#<index>' never repeats
                 found = _ID_KEY.findall(raw)
                 if len(found) == 1 and b"\\u" not in raw:
-                    rid = _id_token(found[0], index)
+                    rid = id_token(found[0], index)
                 else:
-                    rid = _good_id(parse_line(index, line_no, raw))
+                    rid = good_id(parse_line(index, line_no, raw))
                 if rid is not None:
                     yield index, rid
 
@@ -293,90 +292,6 @@ class InputFile:
                         f"input.duplicate_ids={policy} keeps {there}"
                     )
         return drop
-
-
-def _good_id(rec: Record) -> str | None:
-    """The record's canonical id, or None where it has no usable one (unreadable, a bad id)."""
-    if rec.data is None:
-        return None
-    rid, problem = canonical_id(rec.data.get("id"), rec.index)
-    return rid if problem is None else None
-
-
-def _id_token(token: bytes, index: int) -> str | None:
-    """The canonical id a JSON value token spells (a string or an integer), or None."""
-    try:
-        if not token.startswith(b'"'):
-            value: Any = int(token)
-        elif b"\\" in token:
-            value = json.loads(token)
-        else:
-            value = token[1:-1].decode("utf-8")  # no escape: the bytes are the string
-    except Exception:  # noqa: BLE001  (not what `rows` reads: that line fails there)
-        return None
-    rid, problem = canonical_id(value, index)
-    return rid if problem is None else None
-
-
-def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
-    """(the row's id as a string, None) or (_, the problem with it)."""
-    if value is None:
-        return f"#{index}", None
-    if type(value) is str and value.isascii() and not value.startswith("#"):
-        return value, None  # the common case
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return "", (
-            f"'id' must be a string or an integer, got {type(value).__name__} {short(value)}; "
-            "fix the id or leave it out"
-        )
-    if isinstance(value, int):
-        return str(value), None
-    if _AUTO_ID.fullmatch(value):
-        return "", (
-            f"'id' {short(value)} has the form '#<digits>', which is reserved for rows without an id; rename it"
-        )
-    bad = unencodable(value)
-    if bad is not None:
-        return "", (
-            f"'id' holds an unpaired surrogate (\\u{ord(value[bad]):04x} at position {bad}); "
-            "write the character whole or drop it"
-        )
-    return value, None
-
-
-# -- helpers of messages and fields --------------------------------------------------------
-
-
-def unencodable(text: str | None) -> int | None:
-    """Position of the first character UTF-8 cannot encode (an unpaired surrogate, from a JSON
-    escape like \\ud800): tokenizers refuse the whole batch it is in."""
-    if not text or text.isascii():
-        return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
-
-
-def short(value: Any, limit: int = 40) -> str:
-    """A bounded repr of a row's value for a message; never raises (long strings and
-    containers are cut before their repr is taken)."""
-    try:
-        if isinstance(value, str):
-            text = repr(value[:limit])
-        elif isinstance(value, (list, tuple, dict)) and len(value) > 8:
-            return f"<{type(value).__name__} of {len(value)}>"
-        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-            return f"<int of {value.bit_length()} bits>"
-        else:
-            text = repr(value)
-    except Exception:  # noqa: BLE001  (a deep or odd value: its type is enough)
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# -- the format readers -------------------------------------------------------------------
 
 
 def read_rows(

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
-from forge.io.inputs import Column, InputFile, Row, short, unencodable
+from forge.io.ids import short, unencodable
+from forge.io.inputs import Column, InputFile, Row
 from forge.io.readers import first_line
 
 T = TypeVar("T")

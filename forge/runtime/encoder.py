@@ -30,7 +30,7 @@ import torch
 from forge.core.geometry import Batch
 from forge.errors import ForgeError
 from forge.runtime.capabilities import MASK_IMPLS, choose_attn
-from forge.runtime.hf_compat import num_layers, text_config
+from forge.runtime.hf_compat import text_config
 
 POOLINGS = ("mean", "cls", "last")
 # Position of a text's first token, per family whose packed rows were measured exact (tiny
@@ -332,11 +332,8 @@ class FakeEncoder:
 
 
 def check_encoder(config: Any, forward: Any, name: str, model_name: str) -> None:
-    """Refuse, at construction, an encoder function that cannot run: hidden-state layers the
-    model lacks, targets (an encoder has no LM head), a model_type without an AutoModel class."""
-    from forge.runtime.cost_models import check_layers
-
-    check_layers(forward.layers, num_layers(config))
+    """Refuse, at construction, an encoder function that cannot run: targets (an encoder has no
+    LM head), a model_type without an AutoModel class."""
     if forward.targets:
         raise ForgeError(f"{name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
     if encoder_class(config) is None:
