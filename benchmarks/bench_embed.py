@@ -79,9 +79,9 @@ def run_st(model_dir: str, texts: list[str], batch_size: int) -> tuple[float, np
 def run_forge(
     path: Path, out: Path, packed: bool, packed_row_tokens: int, max_batch_tokens: int
 ) -> tuple[dict, np.ndarray]:
-    from forge.cli import compose
-    from forge.config import build_spec
-    from forge.engine import execute
+    from forge.cli.compose import compose
+    from forge.config.build import build_spec
+    from forge.core.engine import execute
     from forge.functions.embed import load_embeddings
     from forge.pluginmanager import make_plugin_manager
 

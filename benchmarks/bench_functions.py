@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 sys.path.append(sys.argv[2])  # the tree, after its install: benchmarks.bench_score
-from forge.cli import compose
-from forge.config import build_spec
-from forge.engine import execute
+from forge.cli.compose import compose
+from forge.config.build import build_spec
+from forge.core.engine import execute
 try:
     from forge.pluginmanager import make_plugin_manager
 except ImportError:  # a tree from before the plugin manager's rename

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_mix [--big 200000] [--run]
 
-Every figure is a plan (`forge.simulate.plan_geometry`: the scheduler, run loop, simulated
+Every figure is a plan (`forge.core.simulate.plan_geometry`: the scheduler, run loop, simulated
 executor and ledger of `forge plan`) in virtual time, so it does not depend on this
 machine's speed. The model is `examples/models/llama-2-7b` in bfloat16 (layers [1, 2, 4],
 pooling last): its memory model is fitted from the config alone (`forge.runtime.memory_fit`,
@@ -29,9 +29,9 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from benchmarks.workloads import items as reference_items
-from forge.devices import resolve_devices
-from forge.geometry import Item
-from forge.simulate import plan_geometry
+from forge.config.devices import resolve_devices
+from forge.core.geometry import Item
+from forge.core.simulate import plan_geometry
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "examples" / "models" / "llama-2-7b"
@@ -213,9 +213,9 @@ def run_tail(n: int = 120) -> None:
     import random
     import tempfile
 
-    from forge.cli import compose
-    from forge.config import build_spec
-    from forge.engine import execute
+    from forge.cli.compose import compose
+    from forge.config.build import build_spec
+    from forge.core.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     rng = random.Random(5)

@@ -21,9 +21,9 @@ from collections import Counter
 
 from benchmarks.workloads import geometry as workload_geometry, items as workload_items
 from forge.batching import ItemPacker, TokenPacker
-from forge.columns import GeometryFeed
-from forge.geometry import Device, Limits
-from forge.scheduler import Scheduler
+from forge.core.columns import GeometryFeed
+from forge.core.geometry import Device, Limits
+from forge.core.scheduler import Scheduler
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
 

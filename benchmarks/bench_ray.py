@@ -31,10 +31,10 @@ import numpy as np
 
 from benchmarks.bench_strategies import LAYERS, LIMITS, BenchFunction, load_model
 from benchmarks.workloads import items as workload_items
-from forge.engine import RunSpec, execute
-from forge.geometry import Batch, Device, Item
+from forge.config.schema import RayRuntime, Runtime
+from forge.core.engine import RunSpec, execute
+from forge.core.geometry import Batch, Device, Item
 from forge.pluginmanager import make_plugin_manager
-from forge.schema import RayRuntime, Runtime
 
 
 def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:

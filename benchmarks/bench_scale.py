@@ -1,6 +1,6 @@
 """The whole scheduler and run loop at scale, in virtual time: `python -m benchmarks.bench_scale`.
 
-N items (default 10,000,000) stream as numpy column chunks (`forge.columns.ColumnFeed`; the
+N items (default 10,000,000) stream as numpy column chunks (`forge.core.columns.ColumnFeed`; the
 reference workload's distribution, 50 prefixes, a fresh seed per chunk) through the real
 `Scheduler` and `RunLoop` with the simulated executor (`SimExecutor`), over eight cards of
 mixed memory (`conf/devices/mix8.yaml` when present), as `forge plan` drives them; the
@@ -35,12 +35,12 @@ MIX8 = Path(__file__).resolve().parent.parent / "conf" / "devices" / "mix8.yaml"
 def devices():
     """Eight cards: `conf/devices/mix8.yaml` when present, else the same mix declared here: two
     each of 16, 24, 32 and 80 GB, one set of limits (65,536 tokens, 512 rows, 4,096 long)."""
-    from forge.geometry import Device, Limits
+    from forge.core.geometry import Device, Limits
 
     if MIX8.exists():
         from omegaconf import OmegaConf
 
-        from forge.devices import resolve_devices
+        from forge.config.devices import resolve_devices
 
         return resolve_devices(OmegaConf.to_container(OmegaConf.load(MIX8), resolve=True)), str(MIX8.name)
     limits = Limits(65536, 512, 4096, 8)
@@ -68,13 +68,13 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from benchmarks.workloads import geometry
     from forge.batching import TokenPacker
     from forge.builtin import ledger
-    from forge.columns import ColumnFeed
+    from forge.config.schema import Runtime
+    from forge.core.columns import ColumnFeed
+    from forge.core.loop import Committer, RunLoop
+    from forge.core.run import RunContext
+    from forge.core.scheduler import Scheduler
     from forge.executors import SimExecutor
-    from forge.loop import Committer, RunLoop
     from forge.pluginmanager import make_plugin_manager
-    from forge.run import RunContext
-    from forge.scheduler import Scheduler
-    from forge.schema import Runtime
 
     devs, source = devices()
     pm = make_plugin_manager(load_entry_points=False, modules=("forge.builtin.ledger",))

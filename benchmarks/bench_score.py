@@ -46,9 +46,9 @@ def workload(path: Path, n: int, shots: int) -> None:
 
 def run_forge(rows: Path, out: Path, device: str) -> tuple[float, dict, dict]:
     """(wall seconds, {id: (loglik, greedy)}, report)."""
-    from forge.cli import compose
-    from forge.config import build_spec
-    from forge.engine import execute
+    from forge.cli.compose import compose
+    from forge.config.build import build_spec
+    from forge.core.engine import execute
     from forge.functions.score import load_scores
     from forge.pluginmanager import make_plugin_manager
 

@@ -25,7 +25,7 @@ from pathlib import Path
 NO_WARM_UP = """
 import sys
 if __name__ == "__main__":
-    import forge.cli as cli
+    import forge.cli.app as cli
     cli._warm_up_workers = lambda cfg: None
     cli._COMMAND = True
     sys.argv = ["forge", *sys.argv[1:]]
@@ -35,7 +35,9 @@ KEYS = ("start_s", "worker_ready_s", "first_batch_s", "total_s")
 
 
 def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str, float]:
-    command = [sys.executable, "-m", "forge.cli"] if variant == "early fork server" else [sys.executable, str(script)]
+    command = (
+        [sys.executable, "-m", "forge.cli.app"] if variant == "early fork server" else [sys.executable, str(script)]
+    )
     t0 = time.perf_counter()
     subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True)
     wall = time.perf_counter() - t0

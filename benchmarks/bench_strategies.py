@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from benchmarks.workloads import items as workload_items
-from forge.engine import RunSpec, execute
+from forge.config.schema import Runtime
+from forge.core.engine import RunSpec, execute
+from forge.core.geometry import Batch, Device, Item, Limits
 from forge.function import Function
-from forge.geometry import Batch, Device, Item, Limits
 from forge.pluginmanager import make_plugin_manager
 from forge.runtime.causal_lm import CausalLMRunner
-from forge.schema import Runtime
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
 # Item-count baselines as users write them: 32 rows whatever their length, no token cap.

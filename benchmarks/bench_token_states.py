@@ -176,7 +176,7 @@ def _largest_difference(forge_out: Path, nnsight_out: Path, layer: int, rows: li
     import torch
     from safetensors.torch import load_file
 
-    from forge.results import load
+    from forge.io.results import load
 
     position = {str(r["id"]) if "id" in r else f"#{i}": i for i, r in enumerate(rows)}
     res = load(forge_out, "activations")
@@ -216,7 +216,7 @@ def write(a) -> None:
     forge = [
         sys.executable,
         "-m",
-        "forge.cli",
+        "forge.cli.app",
         "run",
         "function=probe_gen",
         "pooling=none",
@@ -386,7 +386,7 @@ def forge_store(root: Path, tokens: int, out: Path, model: Path) -> dict:
     command = [
         sys.executable,
         "-m",
-        "forge.cli",
+        "forge.cli.app",
         "run",
         "function=probe_gen",
         "pooling=none",

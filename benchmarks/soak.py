@@ -51,7 +51,7 @@ class SoakResult:
 
 def _forge(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli", "run", *args],
+        [sys.executable, "-m", "forge.cli.app", "run", *args],
         env=env,
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -117,12 +117,14 @@ def soak(out: Path, clean: Path, base: list[str], cycles: int, seed: int = 0, ma
                 result.finished_early += 1
             else:
                 result.problems.append(f"cycle {cycle}: exit {proc.returncode}: {text.strip()[-300:]}")
-    final = subprocess.run([sys.executable, "-m", "forge.cli", "run", *args], env=env, capture_output=True, text=True)
+    final = subprocess.run(
+        [sys.executable, "-m", "forge.cli.app", "run", *args], env=env, capture_output=True, text=True
+    )
     if final.returncode != 0:
         result.problems.append(f"final resume: exit {final.returncode}: {final.stderr.strip()[-300:]}")
         return result
     done = subprocess.run(
-        [sys.executable, "-m", "forge.cli", "run", *base, f"output_dir={clean}"],
+        [sys.executable, "-m", "forge.cli.app", "run", *base, f"output_dir={clean}"],
         env=env,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forge.geometry import Item
+from forge.core.geometry import Item
 
 
 def geometry(n: int = 3000, n_prefixes: int = 12, seed: int = 0):

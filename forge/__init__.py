@@ -1,7 +1,7 @@
 """Forge: GPU batch functions scheduled, packed and accounted in tokens."""
 
+from forge.core.geometry import Batch, Device, Item, Limits
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, Item, Limits
 from forge.hookspecs import hookimpl
 
 __all__ = [
@@ -42,6 +42,6 @@ def __getattr__(name: str):
 def load_activations(run_dir):
     """ids, labels and {layer: tensor[N, hidden]} saved by a probe_gen run, aligned; `run_dir`
     is a local path or an fsspec URL (s3://bucket/run, ...)."""
-    from forge.activations import load_activations as _load
+    from forge.functions.activations import load_activations as _load
 
     return _load(run_dir)

@@ -18,7 +18,7 @@ Class hierarchy (shared code lives in an intermediate base, never in a sibling):
         CausalLMFunction             causal LMs: prefix cache, packing, target log-probs, memory
         EncoderFunction              bidirectional encoders: whole texts, rows or packed rows
 
-Token rule (`forge.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
+Token rule (`forge.runtime.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
 special tokens, its text alone without them; a text without a prefix, alone with them. Targets
 (`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
 first from the prefix's last token); without a prefix, every token after the first.
@@ -34,23 +34,22 @@ Every name this module exports is listed in ``__all__`` and held stable by tests
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from forge.batching.memory import CostModel
+from forge.config.schema import positive
+from forge.core.geometry import Device, Item
+from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.geometry import Device, Item
-from forge.inputs import Column, InputFile, InputSpec, Row
-from forge.modelspec import DTYPES, HFModel, ModelSpec, first_line, resolve_input
-from forge.results import Field, ResultSchema
-from forge.rows import read as read_rows_checked
-from forge.run import Rejected, Skipped
-from forge.runtime.views import ItemMeta, ItemView
-from forge.schema import positive
-from forge.token_rule import RULE as TOKEN_RULE, TokenRule
+from forge.io.inputs import Column, InputFile, InputSpec, Row
+from forge.io.results import Field, ResultSchema
+from forge.io.rows import read as read_rows_checked
+from forge.runtime.cost_models import check_layers
+from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
+from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
+from forge.runtime.views import ItemView
 
 __all__ = [
     "CausalLMFunction",
@@ -72,7 +71,6 @@ __all__ = [
 ]
 
 TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
-LOGIT_COPIES = 3  # target scoring holds float32 [tokens, vocab] logits about three times (cast, log_softmax, argmax)
 TEXT_COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
 
 
@@ -121,7 +119,7 @@ class ModelFunction(Function):
     config_schema = ModelFunctionConfig
     fields: tuple[Field, ...] = ()  # the result fields, in column order
     forward: Forward = Forward()
-    columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.rows)
+    columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.io.rows)
     format: str = "parquet"  # parquet | safetensors (tensors only)
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
@@ -166,7 +164,7 @@ class ModelFunction(Function):
 
     # -- reading rows ---------------------------------------------------------------
     def rows(self) -> Iterator[Row | Rejected | Skipped]:
-        """Every input record, checked (`forge.rows`): the one place rows are read and validated."""
+        """Every input record, checked (`forge.io.rows`): the one place rows are read and validated."""
         return read_rows_checked(self.input, self.columns)
 
     def prompts(self, row: Row) -> list[Prompt] | str:
@@ -199,57 +197,16 @@ class ModelFunction(Function):
         yield from self._items(pending)
 
     def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
-        for (row, p, index), made in zip(pending, self._tokenized([p for _, p, _ in pending])):
-            iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
-            if isinstance(made, str):
-                yield Rejected(iid, f"{row.where}: {made}")
-                continue
-            tokens = made.prefix + made.text
-            first = max(len(made.prefix), 1)
-            targets = (
-                ()
-                if not self.forward.targets
-                else tuple(tokens[first:])
-                if made.targets is None
-                else tuple(made.targets)
-            )
-            tokens = np.asarray(tokens, dtype=np.int32)  # 4 bytes a token while it waits (a list: ~36)
-            start = first - 1 if made.target_start is None else made.target_start
-            meta = ItemMeta(targets, start, p.label, p.data, row.index)
-            yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
+        from forge.runtime.prompts import make_items, tokenized
 
-    def _tokenized(self, prompts: list[Prompt]) -> list[Tokens | str]:
-        """`tokenize(prompts)`, or, where it raises, each prompt alone: only a prompt the
-        tokenizer cannot take fails (with the error); a ForgeError is not a row's fault."""
-        try:
-            return self.tokenize(prompts)
-        except ForgeError:
-            raise
-        except Exception:  # noqa: BLE001  (some prompt is odd: find it)
-            out: list[Tokens | str] = []
-            for p in prompts:
-                try:
-                    out += self.tokenize([p])
-                except ForgeError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    out.append(f"tokenizing failed on it ({first_line(exc)}); fix or drop the row")
-            return out
+        made = tokenized(self.tokenize, [p for _, p, _ in pending])
+        return make_items(pending, made, self.forward.targets)
 
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
-        rule = self.token_rule
-        alone = [p.prefix is None for p in prompts]
-        texts = iter(rule.texts([p.text for p, a in zip(prompts, alone) if not a], with_special=False))
-        wholes = iter(self.encode_texts([p.text for p, a in zip(prompts, alone) if a]))
-        out: list[Tokens | str] = []
-        for p, whole in zip(prompts, alone):
-            if whole:
-                out.append(Tokens([], next(wholes)))
-            else:
-                key, prefix_ids = rule.prefix(p.prefix)
-                out.append(Tokens(prefix_ids, next(texts), key))
-        return out
+        from forge.runtime.prompts import by_token_rule
+
+        return by_token_rule(self.token_rule, self.encode_texts, prompts, Tokens)
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
         """Token ids of texts without a prefix (the token rule: alone, with the special tokens)."""
@@ -302,21 +259,12 @@ class ModelFunction(Function):
         return self.result_schema().output_bytes(items, own_tokens)
 
     def sample_output(self, rows: int) -> tuple[int, int, int] | None:
-        items = own = seen = 0
-        records = self.records()
-        try:
-            for record in records:
-                if not isinstance(record, Item):
-                    continue
-                if record.meta.row >= rows:
-                    break
-                items, own, seen = items + 1, own + record.num_tokens - record.prefix_len, record.meta.row + 1
-        finally:
-            records.close()
-        return items, own, seen
+        from forge.runtime.prompts import sample_output
+
+        return sample_output(self.records(), rows)
 
     def open_sink(self, store):
-        from forge.sinks import ResultSink
+        from forge.io.sinks import ResultSink
 
         return ResultSink(store, self.result_schema(), meta_of=lambda item: getattr(item.meta, "label", item.meta))
 
@@ -330,6 +278,8 @@ class ModelFunction(Function):
 
     def shape_cost_model(self) -> CostModel:
         """A first-principles memory estimate from the config's sizes (no measurement)."""
+        from forge.runtime.cost_models import shape_cost_model
+
         return shape_cost_model(self.config, self.model.torch_dtype)
 
     def _reducing_worker(self, views):
@@ -343,26 +293,14 @@ class CausalLMFunction(ModelFunction):
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         super().__init__(model, input, shard_size, too_long)
-        from forge.runtime.capabilities import causal_lm_class
+        from forge.runtime.capabilities import causal_lm_capabilities, causal_lm_class
         from forge.runtime.hf_compat import num_layers
 
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
-        self.caps = self._capabilities(causal_lm_class(self.config))
+        self.caps = causal_lm_capabilities(self.config, causal_lm_class(self.config), self.model, self.hf.source)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
-
-    def _capabilities(self, cls):
-        from forge.runtime.capabilities import capabilities
-
-        auto_map = getattr(self.config, "auto_map", None) or {}
-        if cls is None and "AutoModelForCausalLM" in auto_map and self.model.trust_remote_code:
-            from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-            cls = get_class_from_dynamic_module(
-                auto_map["AutoModelForCausalLM"], self.hf.source, **self.model.hub_kwargs()
-            )
-        return capabilities(self.config, cls, self.model.attn_implementation)
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
         """Refuse, before any work, a layout that cannot equal a one-prompt forward pass."""
@@ -376,12 +314,8 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.capabilities import causal_lm_class
 
         cls = causal_lm_class(self.config)
-        return [
-            *super().worker_modules(),
-            "forge.runtime.causal_lm",
-            "forge.runtime.views",
-            *([cls.__module__] if cls else []),
-        ]
+        own = ["forge.runtime.causal_lm", "forge.runtime.views", *([cls.__module__] if cls else [])]
+        return [*super().worker_modules(), *own]
 
     # -- memory -------------------------------------------------------------------------
     def extra_bytes_per_token(self) -> int:
@@ -395,30 +329,9 @@ class CausalLMFunction(ModelFunction):
     def cost_model(self) -> CostModel:
         """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
         per token: float32 logits when targets are scored, and the function's own extras."""
-        from forge.runtime.hf_compat import text_config
-        from forge.runtime.memory_fit import Target, fitted_cost_model
+        from forge.runtime.cost_models import causal_lm_cost_model
 
-        target = Target(
-            dtype=self.model.torch_dtype,
-            attn=self.caps.attn or "eager",
-            hidden_kept=max(1, len(set(self.forward.layers))),
-            pooling=self.memory_pooling(),
-        )
-        try:
-            base = fitted_cost_model(self.config, target, bool(self.model.trust_remote_code))
-        except ForgeError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
-            self.warn(
-                f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
-                "batching=memory plans from a first-principles estimate of its shape"
-            )
-            base = self.shape_cost_model()
-        extra = self.extra_bytes_per_token()
-        if self.forward.targets:
-            vocab = int(getattr(text_config(self.config), "vocab_size", 0) or 0)
-            extra += vocab * (DTYPES[self.model.torch_dtype] + 4 * LOGIT_COPIES)
-        return replace(base, bytes_per_token=base.bytes_per_token + extra) if extra else base
+        return causal_lm_cost_model(self)
 
     # -- running ------------------------------------------------------------------------
     def open_worker(self, device: Device, cache_tokens: int):
@@ -447,17 +360,11 @@ class EncoderFunction(ModelFunction):
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         super().__init__(model, input, shard_size, too_long)
-        from forge.runtime.encoder import encoder_capabilities, encoder_class
+        from forge.runtime.encoder import check_encoder, encoder_capabilities
         from forge.runtime.hf_compat import num_layers
 
         check_layers(self.forward.layers, num_layers(self.config))
-        if self.forward.targets:
-            raise ForgeError(f"{self.name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
-        if encoder_class(self.config) is None:
-            raise ForgeError(
-                f"model.name={self.model.name}: transformers has no encoder (AutoModel) class for "
-                f"model_type {getattr(self.config, 'model_type', '?')!r}"
-            )
+        check_encoder(self.config, self.forward, self.name, self.model.name)
         self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
         self._mode = (False, False)  # (packed, prefix cache) until check_mode says
 
@@ -475,28 +382,9 @@ class EncoderFunction(ModelFunction):
         return [*super().worker_modules(), "forge.runtime.encoder", "forge.runtime.views"]
 
     def cost_model(self) -> CostModel:
-        from forge.runtime.encoder import FakeEncoder
-        from forge.runtime.memory_fit import FIT_SHAPES, Target, fitted_cost_model
+        from forge.runtime.cost_models import encoder_cost_model
 
-        target = Target(
-            dtype=self.model.torch_dtype,
-            attn=self.caps.attn or "eager",
-            hidden_kept=max(1, len(set(self.forward.layers))),
-            pooling="mean",
-        )
-        shapes = tuple(s for s in FIT_SHAPES if not s.prefix_len)
-        try:
-            return fitted_cost_model(
-                self.config, target, bool(self.model.trust_remote_code), fake=FakeEncoder, shapes=shapes, kind="encoder"
-            )
-        except ForgeError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self.warn(
-                f"memory model: measuring {self.model.name} on fake tensors failed ({first_line(exc)}); "
-                "batching=memory plans from a first-principles estimate of its shape"
-            )
-            return self.shape_cost_model()
+        return encoder_cost_model(self)
 
     def open_worker(self, device: Device, cache_tokens: int):
         from transformers import AutoModel
@@ -505,39 +393,3 @@ class EncoderFunction(ModelFunction):
 
         model = self.hf.load(AutoModel, device.torch_device, self.caps.attn)
         return self._reducing_worker(EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id))
-
-
-def check_layers(layers: tuple[int, ...], n: int) -> None:
-    """Hidden-state indices must name one of the model's 0..n (negative ones count from the end: -1 = n)."""
-    bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not -(n + 1) <= x <= n]
-    if bad:
-        raise ForgeError(
-            f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
-            "(0 = embeddings; -1 = the final one)"
-        )
-
-
-def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:
-    """A first-principles estimate from the config's sizes (no measurement)."""
-    from forge.runtime.hf_compat import num_layers, text_config
-
-    c = text_config(config)
-    hidden, layers = c.hidden_size, num_layers(c)
-    inter = next(
-        (v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")) if v),
-        4 * hidden,
-    )
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    per_layer = hidden * head_dim * (heads * 2 + kv_heads * 2) + 3 * hidden * inter + 2 * hidden
-    embed = c.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    return CostModel.from_shape(
-        num_params=embed + layers * per_layer + hidden,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=inter,
-        dtype_bytes=DTYPES[torch_dtype],
-    )

@@ -42,9 +42,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from forge.errors import ForgeError
-from forge.location import open_location
-from forge.results import OFFSETS, read_info
-from forge.store import read_journal
+from forge.io.location import open_location
+from forge.io.results import OFFSETS, read_info
+from forge.io.store import read_journal
 
 ITEMS, PREFIXES = "activations", "prefix_states"
 PREFIX_MODES = ("drop", "once", "each")

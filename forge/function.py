@@ -11,7 +11,7 @@ declares:
 * how rows become items, with their token geometry (`records`: `Item`s, `Rejected` rows);
 * what a worker computes for a batch (`open_worker`: the model is loaded once per device);
 * its result schema and how outputs are committed (`result_schema`: fields, safetensors
-  shards or Parquet table rows; the generic sink of `forge.sinks` commits them; a function
+  shards or Parquet table rows; the generic sink of `forge.io.sinks` commits them; a function
   may instead override `open_sink` with its own `Sink`);
 * its cost model (`cost_model`, for batching=memory), the layouts it can run exactly
   (`check_mode`), and what decides its results (`fingerprint`, for resume).
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from forge.batching.memory import CostModel
-from forge.geometry import Batch, Device, Item
-from forge.run import Rejected
+from forge.core.geometry import Batch, Device, Item
+from forge.core.run import Rejected
 
 if TYPE_CHECKING:
-    from forge.results import ResultSchema
-    from forge.store import RunStore
+    from forge.io.results import ResultSchema
+    from forge.io.store import RunStore
 
 
 class BatchOutput(Protocol):
@@ -76,7 +76,7 @@ class Sink(Protocol):
 class Function(ABC):
     name: str = ""
     #: dataclass of the root config keys this function reads (its constructor's parameters),
-    #: typed, with value checks from `forge.schema` (positive, one_of, ...): the config is
+    #: typed, with value checks from `forge.config.schema` (positive, one_of, ...): the config is
     #: validated against it before any work. None: those keys pass unchecked.
     config_schema: type | None = None
     #: causal decoders may reuse a prefix's KV; encoders must not
@@ -91,7 +91,7 @@ class Function(ABC):
         """Load the model on `device` (once) and return a worker for its batches."""
 
     def result_schema(self) -> ResultSchema:
-        """What each item yields (`forge.results.ResultSchema`: fields, format, folder). The
+        """What each item yields (`forge.io.results.ResultSchema`: fields, format, folder). The
         worker's outputs then carry `columns` (`ResultColumns`) with those fields."""
         from forge.errors import ForgeError
 
@@ -102,7 +102,7 @@ class Function(ABC):
 
     def open_sink(self, store: RunStore) -> Sink:
         """The sink committing results: by default the generic one for `result_schema()`."""
-        from forge.sinks import open_sink
+        from forge.io.sinks import open_sink
 
         return open_sink(store, self.result_schema())
 

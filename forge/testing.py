@@ -50,7 +50,7 @@ SMALL_LIMITS = [
 class ModeCheck:
     """What `check_modes` found: each mode's largest difference from the reference, or why it was refused."""
 
-    reference: Any  # forge.results.Results of the one-item-at-a-time run
+    reference: Any  # forge.io.results.Results of the one-item-at-a-time run
     results: dict[str, Any] = field(default_factory=dict)  # mode -> its Results
     worst: dict[str, float] = field(default_factory=dict)  # mode -> largest absolute difference over numeric fields
     refused: dict[str, str] = field(default_factory=dict)  # mode -> Forge's one-line refusal
@@ -61,9 +61,9 @@ _COMPOSED: dict[tuple, Any] = {}
 
 def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """`forge run function=<function>` in this process (`run_dir`: a path or an fsspec URL); returns the report."""
-    from forge.cli import compose
-    from forge.config import build_spec
-    from forge.engine import execute
+    from forge.cli.compose import compose
+    from forge.config.build import build_spec
+    from forge.core.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     key = (function, str(rows_path), tuple(overrides))
@@ -71,7 +71,7 @@ def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides:
         _COMPOSED[key] = compose(
             [f"function={function}", f"input.path={rows_path}", "runtime.executor=inprocess", *overrides]
         )
-    from forge.location import local_path
+    from forge.io.location import local_path
 
     spec = build_spec(copy.deepcopy(_COMPOSED[key]), local_path(run_dir) or str(run_dir))
     return execute(spec, make_plugin_manager(modules=spec.plugins))
@@ -113,7 +113,7 @@ def check_modes(
 ) -> ModeCheck:
     """Run `function` over `rows` one item at a time and in every mode; assert each mode equals
     the one-item-at-a-time results within `tol`. Returns what was found (differences, refusals)."""
-    from forge.results import load
+    from forge.io.results import load
 
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ when there is one; sentence-transformers prompts are not added). Items have no s
 Pooling over the text's final hidden states (special tokens included, as sentence-transformers
 does): `mean`, `cls` (the first token; encoders only) or `last`; `normalize: true` divides each
 vector by its L2 norm. Output: `embedding` (float32 [dim]) per text under ``embeddings/``,
-safetensors or Parquet (`load_embeddings`, or `forge.results.load`).
+safetensors or Parquet (`load_embeddings`, or `forge.io.results.load`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from forge.api import (
     Prompt,
     Row,
 )
-from forge.schema import one_of, positive
+from forge.config.schema import one_of, positive
 
 FORMATS = ("safetensors", "parquet")
 UNBOUNDED = 1_000_000  # tokenizers report a huge model_max_length when they know none
@@ -184,8 +184,8 @@ class Embed:
         shard_size: int = 4096,
         too_long: str = "skip",
     ):
-        from forge.modelspec import HFModel
         from forge.runtime.capabilities import capabilities
+        from forge.runtime.modelspec import HFModel
 
         spec = ModelSpec(**model)
         decoder = capabilities(HFModel(spec).config, None, spec.attn_implementation).causal
@@ -200,7 +200,7 @@ class Embeddings(NamedTuple):
 
 def load_embeddings(run_dir) -> Embeddings:
     """ids and float32 vectors [N, dim] of an `embed` run (a local path or an fsspec URL), in input order."""
-    from forge.results import load
+    from forge.io.results import load
 
     res = load(run_dir, "embeddings")
     return Embeddings(res.ids, res.columns["embedding"])

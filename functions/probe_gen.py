@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.schema import MISSING, one_of, positive
+from forge.config.schema import MISSING, one_of, positive
 
 POOLINGS = ("last", "mean", "none")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -132,7 +132,7 @@ class ProbeGen(CausalLMFunction):
             return super().open_sink(store)
         from dataclasses import replace
 
-        from forge.sinks import ResultSink, RoutedSink
+        from forge.io.sinks import ResultSink, RoutedSink
 
         main = self.result_schema()
         sinks = {

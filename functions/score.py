@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from forge.api import CausalLMFunction, Column, Field, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.inputs import short
-from forge.rows import MayBeEmpty
-from forge.schema import positive
-from forge.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
+from forge.config.schema import positive
+from forge.io.ids import short
+from forge.io.results import load
+from forge.io.rows import MayBeEmpty
+from forge.runtime.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
 
 QUESTIONS = "questions.parquet"
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's when the model's config names no maximum
@@ -210,8 +211,6 @@ class _QuestionSink:
 
 def load_scores(run_dir):
     """Every committed score row of a run (pyarrow Table, input order; gold -1: none)."""
-    from forge.results import load
-
     return load(run_dir, "scores").table()
 
 
@@ -245,11 +244,14 @@ def question_table(scores):
 
 def accuracy(questions) -> dict[str, Any]:
     """Mean acc and acc_norm over the questions (None without any)."""
-    n = questions.num_rows
-    if not n:
+    if not (n := questions.num_rows):
         return {"questions": 0, "acc": None, "acc_norm": None}
     acc, norm = (np.asarray(questions.column(c).to_pylist()) for c in ("acc", "acc_norm"))
     return {"questions": n, "acc": round(float(acc.mean()), 6), "acc_norm": round(float(norm.mean()), 6)}
+
+
+def accuracy_line(acc: dict[str, Any]) -> str:  # `accuracy` in forge run's summary (forge.cli.summary)
+    return f"acc {acc['acc']:.4f}  acc_norm {acc['acc_norm']:.4f}  ({acc['questions']:,} questions)"
 
 
 def load_questions(run_dir):

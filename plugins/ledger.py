@@ -19,7 +19,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from forge.columns import ItemColumns
+from forge.core.column_batch import ItemColumns
 from forge.hookspecs import hookimpl
 
 NAME = "ledger"
@@ -83,7 +83,7 @@ def ledger_of(run) -> Ledger:
 
 def _write_jsonl(run, name: str, rows: list[dict]) -> None:
     if run.run_dir is not None and rows:
-        from forge.location import open_location  # a local path or an fsspec URL
+        from forge.io.location import open_location  # a local path or an fsspec URL
 
         open_location(run.run_dir).write_bytes(name, "".join(json.dumps(r) + "\n" for r in rows).encode())
 

@@ -31,13 +31,13 @@ SMALL = [
 
 
 def compose(*overrides):
-    from forge.cli import compose as _compose
+    from forge.cli.compose import compose as _compose
 
     return _compose(list(overrides))
 
 
 def spec_for(*overrides, run_dir: Path | None = None):
-    from forge.config import build_spec
+    from forge.config.build import build_spec
 
     return build_spec(compose(*overrides), run_dir)
 
@@ -46,7 +46,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
     """A run, in this process unless the overrides pick an executor (tests of isolation do)."""
     if not any(o.startswith(("runtime.executor=", "runtime=")) for o in overrides):
         overrides = ("runtime.executor=inprocess", *overrides)
-    from forge.engine import execute
+    from forge.core.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     spec = spec_for(*overrides, run_dir=tmp_path)
@@ -54,7 +54,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
 
 
 def plan_forge(*overrides, pm=None, keep_batches=False):
-    from forge.plan import plan
+    from forge.core.plan import plan
     from forge.pluginmanager import make_plugin_manager
 
     return plan(spec_for(*overrides), pm or make_plugin_manager(), keep_batches=keep_batches)

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.geometry import Batch, Item  # noqa: E402
+from forge.core.geometry import Batch, Item  # noqa: E402
 from forge.runtime.causal_lm import CausalLMRunner, reference_pooled  # noqa: E402
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
 

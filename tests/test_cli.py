@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from forge.cli import app
+from forge.cli.app import app
 
 SMALL = ["devices.limits.max_batch_tokens=2048", "devices.limits.max_seq_len=1024", "budget.tokens_per_step=2048"]
 
@@ -152,8 +152,8 @@ def test_plan_plot_draws_item_beside_token(cli, tmp_path):
 
 
 def test_calibration_batches_and_fit():
-    from forge.calibrate import calibration_batches, fit
-    from forge.geometry import Device, Item, Limits
+    from forge.core.geometry import Device, Item, Limits
+    from forge.runtime.calibrate import calibration_batches, fit
 
     items = [Item(str(i), 20 + i % 3) for i in range(200)]
     batches = calibration_batches(items, Device("d", Limits(2048, 64, 64)))
@@ -170,7 +170,7 @@ def test_calibrate_command_runs(cli):
     # the printed inventory entry declares a simulated device as fast as the one measured
     import yaml
 
-    from forge.devices import from_inventory
+    from forge.config.devices import from_inventory
 
     entry = next(line for line in result.output.splitlines() if "sim: {seconds_per_step" in line)
     [device] = from_inventory(yaml.safe_load(entry), {"max_batch_tokens": 2048, "max_rows": 64, "max_seq_len": 1024})

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import DictConfig
 
 from conftest import compose, spec_for
-from forge.config import conf_dir
+from forge.config.build import conf_dir
 from forge.errors import ForgeError
 
 GROUPS = {
@@ -70,12 +70,12 @@ def test_bad_device_limits_say_which_limit():
     with pytest.raises(ForgeError, match="devices.limits.max_rows=0: must be a positive integer"):
         spec_for("devices.limits.max_rows=0")
     with pytest.raises(ForgeError, match=r"inventory\[0\] \(cpu\).limits: limits.max_rows must be a positive integer"):
-        spec_for("devices=cpu", "devices.inventory.0.limits.max_rows=0")  # entries: forge.devices checks them
+        spec_for("devices=cpu", "devices.inventory.0.limits.max_rows=0")  # entries: forge.config.devices checks them
 
 
 def test_inventory_from_a_user_config_dir(tmp_path: Path):
-    from forge.cli import compose as cli_compose
-    from forge.config import build_spec
+    from forge.cli.compose import compose as cli_compose
+    from forge.config.build import build_spec
 
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "lab.yaml").write_text(
@@ -92,7 +92,7 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
 
 
 def test_a_non_causal_function_cannot_share_prefixes(pm):
-    from forge.engine import prepare
+    from forge.core.engine import prepare
 
     spec = spec_for("batching=token")
     assert spec.function.causal  # the embedded Llama is a causal decoder
@@ -105,14 +105,14 @@ def test_a_non_causal_function_cannot_share_prefixes(pm):
 
 
 def test_memory_mode_checks_budgets_before_any_work(pm):
-    from forge.engine import prepare
+    from forge.core.engine import prepare
 
     spec = spec_for("batching=memory", "devices=cpu", "devices.inventory.0.memory_gb=0.001")
     with pytest.raises(ForgeError, match="device cpu has 0.001 GB, not more than the model's"):
         prepare(spec, pm, dry_run=True)
 
 
-# -- the typed schema at the edge (forge.schema) -------------------------------------
+# -- the typed schema at the edge (forge.config.schema) -------------------------------------
 
 BAD = {
     # wrong types
@@ -158,7 +158,7 @@ BAD = {
 
 @pytest.mark.parametrize("override", list(BAD))
 def test_bad_config_is_one_line_naming_key_value_and_fix(override):
-    from forge.config import to_plain
+    from forge.config.build import to_plain
 
     with pytest.raises(ForgeError) as info:
         to_plain(compose(override))
@@ -168,8 +168,8 @@ def test_bad_config_is_one_line_naming_key_value_and_fix(override):
 
 
 def test_schema_types_values_and_keeps_interpolations(pm):
-    from forge.config import to_plain
-    from forge.engine import prepare
+    from forge.config.build import to_plain
+    from forge.core.engine import prepare
 
     plain = to_plain(compose("budget.tokens_per_step='4096'", "batching=item", "batching.batch_size=8"))
     assert plain["budget"]["tokens_per_step"] == 4096  # a quoted number becomes the declared int
@@ -182,8 +182,8 @@ def test_schema_types_values_and_keeps_interpolations(pm):
 
 
 def test_a_function_declares_its_own_root_keys():
+    from forge.config.schema import schema_for
     from forge.functions.probe_gen import ProbeGen
-    from forge.schema import schema_for
 
     keys = {f.name for f in dataclasses.fields(schema_for(ProbeGen.config_schema))}
     assert {"input", "layers", "pooling", "shard_size", "model"} <= keys
@@ -191,7 +191,7 @@ def test_a_function_declares_its_own_root_keys():
 
 
 def test_sweep_combinations_expand_like_the_basic_sweeper():
-    from forge.cli import MAX_SWEEP_CHECKS, sweep_combinations
+    from forge.cli.compose import MAX_SWEEP_CHECKS, sweep_combinations
 
     assert sweep_combinations(["batching=item,token", "layers=[1]", "input.limit=range(1,3)"]) == [
         ["batching=item", "layers=[1]", "input.limit=1"],
@@ -211,7 +211,7 @@ def test_sweep_combinations_expand_like_the_basic_sweeper():
 def test_a_function_name_that_disagrees_with_its_target_is_refused():
     from typer.testing import CliRunner
 
-    from forge.cli import app
+    from forge.cli.app import app
 
     for command in ("run", "plan"):
         result = CliRunner().invoke(app, [command, "function.name=nope"])
@@ -223,14 +223,14 @@ def test_a_function_name_that_disagrees_with_its_target_is_refused():
 
 
 def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
-    """conf/runtime/*.yaml extend forge.schema's Runtime / RayRuntime and restate no value; what
+    """conf/runtime/*.yaml extend forge.config.schema's Runtime / RayRuntime and restate no value; what
     a run gets is the schema's default unless overridden, every field settable (drain_s too)."""
     import dataclasses
 
     import yaml
 
-    from forge.config import conf_dir
-    from forge.schema import RayRuntime, Runtime
+    from forge.config.build import conf_dir
+    from forge.config.schema import RayRuntime, Runtime
 
     for path, schema in (
         (conf_dir() / "runtime" / "local.yaml", Runtime),
@@ -247,21 +247,21 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
 
 
 def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
-    """A batching YAML may restate a key of forge.schema.Batching only with the schema's value
+    """A batching YAML may restate a key of forge.config.schema.Batching only with the schema's value
     (Hydra overrides only keys a YAML has, so `window` is written there), and window's default
-    is forge.geometry.DEFAULT_WINDOW everywhere it is a default."""
+    is forge.core.geometry.DEFAULT_WINDOW everywhere it is a default."""
     import dataclasses
     import inspect
 
     import yaml
     from omegaconf import MISSING
 
-    from forge.config import conf_dir
-    from forge.engine import RunSpec
-    from forge.geometry import DEFAULT_WINDOW
-    from forge.scheduler import Scheduler
-    from forge.schema import Batching
-    from forge.simulate import plan_geometry
+    from forge.config.build import conf_dir
+    from forge.config.schema import Batching
+    from forge.core.engine import RunSpec
+    from forge.core.geometry import DEFAULT_WINDOW
+    from forge.core.scheduler import Scheduler
+    from forge.core.simulate import plan_geometry
 
     unset = (None, dataclasses.MISSING, MISSING)  # no default, or the mode's own
     defaults = {f.name: f.default for f in dataclasses.fields(Batching) if f.default not in unset}

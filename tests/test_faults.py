@@ -77,7 +77,7 @@ def test_chaos(tmp_path, faults, clean):
 def _forge(*args, env=None, **kw):
     """`forge run` in its own process group, as a user's terminal would start it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli", "run", *args],
+        [sys.executable, "-m", "forge.cli.app", "run", *args],
         cwd=TESTS,
         env=env,
         start_new_session=True,

@@ -9,11 +9,11 @@ import json
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
+from forge.core.geometry import Item
+from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
-from forge.geometry import Item
-from forge.inputs import InputFile, Row
-from forge.readers import BOM
-from forge.run import Rejected, Skipped
+from forge.io.inputs import InputFile, Row
+from forge.io.readers import BOM
 
 FUZZ = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -91,10 +91,10 @@ def _oracle_count(data: bytes, limit: int | None) -> int:
 
 
 def _as_item(record):
-    """probe_gen's row check (every model function's: forge.rows), and a stand-in for its
+    """probe_gen's row check (every model function's: forge.io.rows), and a stand-in for its
     tokenizer (no model needed)."""
     from forge.api import TEXT_COLUMNS
-    from forge.rows import check
+    from forge.io.rows import check
 
     if not isinstance(record, Row):
         return record
@@ -106,9 +106,9 @@ def _as_item(record):
 
 def _account(source: InputFile) -> tuple[list[Item], dict]:
     """The records through admission and the ledger, as a run counts them."""
-    from forge.admission import AdmissionRules, admit
+    from forge.core.admission import AdmissionRules, admit
+    from forge.core.run import RunContext
     from forge.pluginmanager import make_plugin_manager
-    from forge.run import RunContext
 
     pm = make_plugin_manager()
     run = RunContext(function="fuzz", batching="none", devices=[], run_dir=None)

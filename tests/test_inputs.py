@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from forge.core.geometry import Item
+from forge.core.run import Rejected
 from forge.errors import ForgeError
-from forge.geometry import Item
-from forge.inputs import read_rows
-from forge.run import Rejected
+from forge.io.inputs import read_rows
 
 N = 5000
 
@@ -159,7 +159,7 @@ def _write(path, rows):
 
 
 def _input(path, **options):
-    from forge.inputs import InputFile
+    from forge.io.inputs import InputFile
 
     return InputFile(path, {"path": str(path), **options})
 
@@ -178,7 +178,7 @@ def test_an_integer_and_a_string_of_the_same_text_are_one_id_and_repeats_are_ref
 def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_line(
     tmp_path, policy, kept_line, dropped_line
 ):
-    from forge.run import Skipped
+    from forge.core.run import Skipped
 
     path = _write(tmp_path / "in.jsonl", MIXED_IDS)
     records = list(probe_gen(path, duplicate_ids=policy).records())
@@ -206,10 +206,10 @@ def test_an_explicit_id_in_the_form_of_a_missing_one_is_rejected(tmp_path):
 def test_a_hash_collision_is_not_a_repeat(tmp_path, monkeypatch):
     import builtins
 
-    import forge.inputs
+    import forge.io.inputs
 
-    monkeypatch.setattr(forge.inputs, "hash", lambda value: 7, raising=False)  # every id hashes alike
-    assert forge.inputs.hash is not builtins.hash
+    monkeypatch.setattr(forge.io.inputs, "hash", lambda value: 7, raising=False)  # every id hashes alike
+    assert forge.io.inputs.hash is not builtins.hash
     path = _write(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": "t"} for i in range(50)])
     assert sum(1 for r in _input(path).rows()) == 50  # no refusal: the strings differ
 
@@ -227,7 +227,7 @@ def test_parquet_ids_follow_the_same_rule(tmp_path):
     path = _parquet(tmp_path / "in.parquet", text=["a", "b", "c"], id=pa.array([1, None, 1]))
     with pytest.raises(ForgeError, match=r"e\.g\. '1' at rows 0 and 2"):
         probe_gen(path)
-    from forge.run import Skipped
+    from forge.core.run import Skipped
 
     records = list(probe_gen(path, duplicate_ids="last").records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#1", "1"]
@@ -266,8 +266,8 @@ def test_every_function_yaml_takes_its_input_defaults_from_the_schema():
     import yaml
 
     from conftest import compose
-    from forge.config import conf_dir, to_plain
-    from forge.inputs import InputSpec
+    from forge.config.build import conf_dir, to_plain
+    from forge.io.inputs import InputSpec
 
     defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}
     example = Path(__file__).resolve().parent.parent / "examples" / "forge-plugin-example" / "forge_plugin_example"
@@ -300,7 +300,7 @@ def test_a_deeply_nested_row_is_its_own_failure(tmp_path):
 
 
 def test_odd_values_in_messages_are_short_and_never_raise():
-    from forge.inputs import short
+    from forge.io.ids import short
 
     nested: list = []
     for _ in range(5000):
@@ -341,7 +341,7 @@ def test_a_row_over_max_row_bytes_fails_before_it_is_parsed_and_the_next_line_re
         f"line 2: {len(long_line)} bytes, over input.max_row_bytes=1000; raise input.max_row_bytes or split the row",
     )
     assert rows[2][1].startswith("line 3: 3000000 bytes, over input.max_row_bytes=1000")
-    from forge.inputs import count_rows
+    from forge.io.inputs import count_rows
 
     assert count_rows(path, 1000) == 4
 

@@ -130,8 +130,8 @@ def test_memory_plan_reports_each_devices_largest_predicted_peak_within_its_budg
 def test_cuda_budget_is_free_memory_times_the_fraction(monkeypatch):
     import torch
 
-    from forge.devices import discover
-    from forge.geometry import Limits
+    from forge.config.devices import discover
+    from forge.core.geometry import Limits
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

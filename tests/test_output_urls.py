@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import assert_same_output, clean_activations, run_forge
-from forge.cli import app
+from forge.cli.app import app
 from forge.errors import ForgeError
-from forge.location import check_output_dir, hydra_dir
-from forge.store import read_journal
+from forge.io.location import check_output_dir, hydra_dir
+from forge.io.store import read_journal
 
 N = 16
 FAST = [
@@ -138,7 +138,7 @@ def test_cli_to_a_url_keeps_hydra_files_with_the_run(url, tmp_path, monkeypatch)
 
 
 def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path):
-    from forge.store import RunStore
+    from forge.io.store import RunStore
 
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(ForgeError, match=r"^output_dir=.*/file/run: cannot read or write there: \w+Error: "):
@@ -146,7 +146,7 @@ def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path):
 
 
 def test_hydra_jobs_map_to_run_directories_under_the_url():
-    from forge.location import run_dir_of
+    from forge.io.location import run_dir_of
 
     url = "s3://bucket/runs/sweep"
     assert run_dir_of(url, hydra_dir(url)) == url

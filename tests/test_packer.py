@@ -7,9 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
 from forge.batching.base import NO_PREFIX, Urgency
-from forge.columns import GeometryFeed, ItemFeed
-from forge.geometry import Batch, Device, Item, Limits, broken_limit
-from forge.scheduler import Scheduler
+from forge.core.columns import GeometryFeed, ItemFeed
+from forge.core.geometry import Batch, Device, Item, Limits, broken_limit
+from forge.core.scheduler import Scheduler
 
 
 @st.composite
@@ -175,7 +175,8 @@ def test_the_packer_side_never_imports_torch():
     import sys
 
     code = (
-        "import sys, forge, forge.batching, forge.scheduler, forge.admission, forge.plan, forge.builtin.batching, "
+        "import sys, forge, forge.batching, forge.core.scheduler, forge.core.admission, forge.core.plan, "
+        "forge.builtin.batching, "
         "forge.builtin.ledger; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -25,7 +25,7 @@ N = 120
 def _forge(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "forge.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+        [sys.executable, "-m", "forge.cli.app", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
     )
 
 
@@ -55,7 +55,7 @@ def test_forge_run_their_function_with_their_mode(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from forge.functions.assets import embedded_dataset_path, embedded_model_source, materialize_model
-    from forge.results import load
+    from forge.io.results import load
 
     res = load(out)
     rows = [json.loads(line) for line in open(embedded_dataset_path())][:N]

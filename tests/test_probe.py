@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from forge.errors import ForgeError
-from forge.probe import fit_probes, in_test, wilson
+from forge.functions.probe import fit_probes, in_test, wilson
 from tests.conftest import run_forge
 
 LAYERS = [1, 2]
@@ -23,7 +23,7 @@ def small_run(tmp_path_factory):
 
 
 def test_cli_writes_json_and_png(small_run, tmp_path):
-    from forge.cli import app
+    from forge.cli.app import app
 
     runner = CliRunner()
     out, plot = tmp_path / "p.json", tmp_path / "p.png"
@@ -45,7 +45,7 @@ def test_cli_writes_json_and_png(small_run, tmp_path):
 
 
 def test_cli_defaults_to_run_dir_and_refuses_other_dirs(small_run, tmp_path):
-    from forge.cli import app
+    from forge.cli.app import app
 
     runner = CliRunner()
     assert runner.invoke(app, ["probe", str(small_run)]).exit_code == 0

@@ -88,11 +88,11 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
     (a variable number of values per item) round-trip in Parquet and safetensors."""
     import numpy as np
 
+    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
-    from forge.geometry import Batch, Item
-    from forge.results import Field, ResultSchema, load, shards
-    from forge.sinks import open_sink
-    from forge.store import RunStore
+    from forge.io.results import Field, ResultSchema, load, shards
+    from forge.io.sinks import open_sink
+    from forge.io.store import RunStore
 
     for fmt in ("parquet", "safetensors"):
         run = tmp_path / fmt
@@ -146,11 +146,11 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
     import torch
     from safetensors import safe_open
 
+    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
-    from forge.geometry import Batch, Item
-    from forge.results import Field, ResultSchema, load
-    from forge.sinks import open_sink
-    from forge.store import RunStore
+    from forge.io.results import Field, ResultSchema, load
+    from forge.io.sinks import open_sink
+    from forge.io.store import RunStore
 
     store = RunStore(tmp_path, {"function": "test"})
     schema = ResultSchema((Field("states", dtype, (3,), ragged=True), Field("n", "int32")), format=fmt, folder="res")
@@ -173,11 +173,11 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
 def test_a_shaped_ragged_value_of_the_wrong_width_is_refused(tmp_path):
     import numpy as np
 
+    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
-    from forge.geometry import Batch, Item
-    from forge.results import Field, ResultSchema
-    from forge.sinks import open_sink
-    from forge.store import RunStore
+    from forge.io.results import Field, ResultSchema
+    from forge.io.sinks import open_sink
+    from forge.io.store import RunStore
 
     sink = open_sink(
         RunStore(tmp_path, {"function": "test"}),
@@ -196,7 +196,7 @@ def test_a_shaped_ragged_value_of_the_wrong_width_is_refused(tmp_path):
 )
 def test_load_reads_any_functions_results(tmp_path, function, field):
     """One reader for every built-in (the README's promise): no folder needed, rows in input order."""
-    from forge.results import load, shards
+    from forge.io.results import load, shards
 
     report = run_forge(
         tmp_path, f"function={function}", "input.limit=8", *(["layers=[4]"] if function == "probe_gen" else [])

@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import run_forge
-from forge.cli import app
+from forge.cli.app import app
 from forge.errors import ForgeError
-from forge.store import RunStore, read_journal
+from forge.io.store import RunStore, read_journal
 
 N = 12
 FAST = [
@@ -132,7 +132,7 @@ def test_the_fresh_run_check_is_atomic(tmp_path):
 
 HOLD = """
 import sys, time
-from forge.store import RunStore
+from forge.io.store import RunStore
 RunStore(sys.argv[1], {"f": 1}, resume=True)
 print("held", flush=True)
 time.sleep(600)
@@ -155,10 +155,10 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
 
 @pytest.fixture
 def short_lease(monkeypatch):
-    import forge.lock
+    import forge.io.lock
 
-    monkeypatch.setattr(forge.lock, "LEASE_TTL_S", 0.9)
-    monkeypatch.setattr(forge.lock, "LEASE_SETTLE_S", 0.02)
+    monkeypatch.setattr(forge.io.lock, "LEASE_TTL_S", 0.9)
+    monkeypatch.setattr(forge.io.lock, "LEASE_SETTLE_S", 0.02)
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_an_unusable_output_dir_is_one_line_and_exit_2(tmp_path, output_dir, mes
 
 
 def test_the_loader_reads_only_inside_the_run(tmp_path):
-    from forge.results import load
+    from forge.io.results import load
 
     out = tmp_path / "run"
     run_forge(out, *FAST)
@@ -272,7 +272,7 @@ def test_a_shard_writer_error_stops_the_run_cleanly_in_every_format(tmp_path, mo
 
 def _forge(*args, env=None):
     return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli", "run", *args],
+        [sys.executable, "-m", "forge.cli.app", "run", *args],
         cwd=TESTS,
         env=env,
         start_new_session=True,

@@ -8,17 +8,18 @@ import pytest
 from benchmarks.workloads import geometry, items as workload_items
 from forge.batching import TokenPacker
 from forge.builtin import ledger
-from forge.columns import ColumnBatch, ColumnFeed
+from forge.config.schema import Runtime
+from forge.core.column_batch import ColumnBatch
+from forge.core.columns import ColumnFeed
+from forge.core.geometry import Device, Limits, broken_limit
+from forge.core.indexset import IndexSet
+from forge.core.loop import Committer, RunLoop
+from forge.core.run import RunContext
+from forge.core.scheduler import Scheduler
 from forge.executors import SimExecutor
 from forge.executors.base import Outcome, Status
-from forge.geometry import Device, Limits, broken_limit
 from forge.hookspecs import hookimpl
-from forge.indexset import IndexSet
-from forge.loop import Committer, RunLoop
 from forge.pluginmanager import make_plugin_manager
-from forge.run import RunContext
-from forge.scheduler import Scheduler
-from forge.schema import Runtime
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]
 

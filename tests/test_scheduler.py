@@ -3,8 +3,8 @@
 import numpy as np
 
 from forge.batching import TokenPacker
-from forge.geometry import Device, Item, Limits
-from forge.scheduler import Scheduler
+from forge.core.geometry import Device, Item, Limits
+from forge.core.scheduler import Scheduler
 
 
 def workload(n, n_prefixes, seed=0):

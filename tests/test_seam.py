@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from forge.core.geometry import Batch, Item
 from forge.errors import ForgeError
 from forge.function import ResultColumns
-from forge.geometry import Batch, Item
 from forge.hookspecs import hookimpl
+from forge.io.results import Field, ResultSchema, load
+from forge.io.sinks import open_sink
+from forge.io.store import RunStore
 from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
-from forge.results import Field, ResultSchema, load
-from forge.sinks import open_sink
-from forge.store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
     """What `pip install` of a plugin package does: its config module joins Forge's search path,
     so its function composes with function=<name> and `forge ls` sees it."""
     import forge.pluginmanager
-    from forge.cli import compose, group_options
+    from forge.cli.compose import compose, group_options
 
     (tmp_path / "function").mkdir()
     (tmp_path / "function" / "echo_fn.yaml").write_text("# @package _global_\nfunction:\n  name: echo_fn\n")
@@ -250,7 +250,7 @@ def test_wheel_installs_everything_under_forge(tmp_path):
         cwd=tmp_path,
     )
     code = (
-        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config import conf_dir; "
+        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config.build import conf_dir; "
         "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -265,9 +265,66 @@ def test_wheel_installs_everything_under_forge(tmp_path):
 
 
 def test_group_options_include_a_user_config_dir(tmp_path):
-    from forge.cli import group_options
+    from forge.cli.compose import group_options
 
     (tmp_path / "batching").mkdir()
     (tmp_path / "batching" / "mine.yaml").write_text("mode: item\n")
     assert {"item", "token", "memory", "mine"} <= set(group_options("batching", tmp_path))
     assert "mine" not in group_options("batching")
+
+
+# -- the import map ---------------------------------------------------------------------
+
+_INSTALLED_AS = {"forge": "forge", "functions": "forge.functions", "plugins": "forge.builtin"}
+#: the floors below the public modules: what they import when imported, they never import
+#: the CLI, the function-author API, the testing helpers, the functions or the built-in plugins
+_LOWER = ("forge.core", "forge.io", "forge.config", "forge.runtime", "forge.batching", "forge.scheduling")
+_LOWER += ("forge.executors",)
+_UPPER = ("forge.cli", "forge.api", "forge.testing", "forge.functions", "forge.builtin")
+
+
+def _import_map() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it is imported (module level)."""
+    import ast
+
+    paths = {}
+    for folder, package in _INSTALLED_AS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            paths[".".join([package, *parts[: -1 if parts[-1] == "__init__" else None]])] = path
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_import_map_has_no_cycles_and_no_arrows_back_up():
+    graph = _import_map()
+    assert {"forge.core.engine", "forge.io.store", "forge.config.schema", "forge.cli.app"} <= set(graph)
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            assert state.get(target) != 1, f"import cycle: {' -> '.join([*path, module, target])}"
+            if target not in state:
+                visit(target, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    upward = sorted(
+        f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
+    )
+    assert upward == []

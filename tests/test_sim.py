@@ -8,11 +8,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from forge.batching.memory import CostModel
-from forge.devices import from_inventory, resolve_devices
+from forge.config.devices import from_inventory, resolve_devices
+from forge.core.geometry import Device, Item, Limits, StepTime
+from forge.core.simulate import plan_geometry
 from forge.errors import ForgeError
 from forge.executors.base import Status
-from forge.geometry import Device, Item, Limits, StepTime
-from forge.simulate import plan_geometry
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "devices"
 # The measured memory model of examples/models/llama-2-7b in bfloat16 (layers [1,2,4], pooling
@@ -84,7 +84,7 @@ def test_an_inventory_written_as_a_mapping_is_one_line_naming_it(tmp_path):
     (tmp_path / "devices" / "mapped.yaml").write_text("discover: false\ninventory:\n  g: {memory_gb: 1}\n")
     from typer.testing import CliRunner
 
-    from forge.cli import app
+    from forge.cli.app import app
 
     result = CliRunner().invoke(app, ["plan", "--config-dir", str(tmp_path), "devices=mapped"])
     assert result.exit_code == 2 and "devices.inventory=" in result.output and "expected a list" in result.output
@@ -93,9 +93,9 @@ def test_an_inventory_written_as_a_mapping_is_one_line_naming_it(tmp_path):
 
 
 def test_simulated_and_plain_devices_do_not_mix_and_forge_run_refuses_simulated_ones(tmp_path):
-    from forge.engine import RunSpec, execute
+    from forge.core.engine import RunSpec, execute
+    from forge.core.simulate import GeometryFunction
     from forge.pluginmanager import make_plugin_manager
-    from forge.simulate import GeometryFunction
 
     lim = Limits(4096, 64, 1024)
     mixed = [Device("a", lim, sim=StepTime(0.01, 1e-4)), Device("b", lim)]
@@ -150,7 +150,7 @@ def test_per_device_batch_sizes_scale_with_the_budget():
 def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
     """Batches lost on the large card go back; re-routed, none lands on the small card
     over its budget (they are re-padded, split or sent where they fit)."""
-    import forge.plan
+    import forge.core.plan
     from forge import hookimpl
     from forge.executors.sim import SimExecutor
     from forge.pluginmanager import make_plugin_manager
@@ -184,7 +184,7 @@ def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
         def forge_batch_routed(self, run, batch, device):
             routed.append((device, batch))
 
-    monkeypatch.setattr(forge.plan, "SimExecutor", LosesOnTheLargeCard)
+    monkeypatch.setattr(forge.core.plan, "SimExecutor", LosesOnTheLargeCard)
     pm = make_plugin_manager()
     pm.register(Spy())
     report = plan_geometry(reference(1500), inventory("mix_16g_32g"), "memory", cost=COST_7B, pm=pm)
@@ -246,7 +246,7 @@ def test_a_heavy_tail_over_the_mix_places_every_item_or_says_why(packing):
 def test_the_end_of_the_backlog_is_split_so_devices_finish_together(monkeypatch):
     """Near the end, a batch is cut to what the device can finish by the common finish time,
     or waits for a faster card: the finish skew is no worse, and better where it mattered."""
-    from forge.scheduler import Scheduler
+    from forge.core.scheduler import Scheduler
 
     devices, skews = inventory("mix_16g_32g"), []
     fair_share = Scheduler._fair_share

@@ -95,7 +95,7 @@ def reference(data):
 
 
 def _check_states(run_dir: Path, reference, tol: float = 1e-4) -> float:
-    from forge.results import load
+    from forge.io.results import load
 
     rows, prefixes = reference
     res = load(run_dir, "activations")
@@ -129,7 +129,7 @@ def test_every_token_state_equals_a_one_row_forward_pass(tmp_path, data, referen
 
 
 def test_prefix_states_none_stores_only_each_items_own_tokens(tmp_path, data, reference):
-    from forge.results import load, result_folders
+    from forge.io.results import load, result_folders
 
     run_function("probe_gen", data[0], tmp_path, [*SMALL_LIMITS, *NONE, "prefix_states=none", "shard_mb=1"])
     assert result_folders(tmp_path) == ["activations"]
@@ -144,7 +144,7 @@ def test_prefix_states_none_stores_only_each_items_own_tokens(tmp_path, data, re
 def test_bfloat16_storage_is_the_reference_rounded(tmp_path, data, reference):
     from safetensors import safe_open
 
-    from forge.results import load
+    from forge.io.results import load
 
     run_function("probe_gen", data[0], tmp_path, [*SMALL_LIMITS, "batching=token", *NONE[:2], "storage_dtype=bfloat16"])
     with safe_open(str(next((tmp_path / "activations").glob("*.safetensors"))), "pt") as f:
@@ -179,7 +179,7 @@ def test_plan_states_the_bytes_the_run_writes(tmp_path, data):
 def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypatch):
     import shutil
 
-    from forge import output_size
+    from forge.io import output_size
 
     free = shutil.disk_usage(tmp_path)._replace(free=100_000)
     monkeypatch.setattr(output_size.shutil, "disk_usage", lambda path: free)
@@ -199,7 +199,7 @@ def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypa
 def _forge(*args, env=None):
     """`forge run` in its own process group, as a user's terminal would start it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli", "run", *args],
+        [sys.executable, "-m", "forge.cli.app", "run", *args],
         cwd=TESTS,
         env=env,
         start_new_session=True,
@@ -246,7 +246,7 @@ def states_run(tmp_path_factory, data):
 
 def _stored(run: Path, layer: int, prefix: str) -> dict[tuple[int, int], np.ndarray]:
     """(item index, position) -> state, straight from the shards."""
-    from forge.results import load
+    from forge.io.results import load
 
     out = {}
     res, prefixes = load(run, "activations"), load(run, "prefix_states")
@@ -320,7 +320,7 @@ def test_the_loader_reads_a_url(data):
     import fsspec
 
     from forge.data import token_states
-    from forge.results import load
+    from forge.io.results import load
 
     url = "memory://forge-token-states/run"
     try:

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.geometry import Batch, Item  # noqa: E402
+from forge.core.geometry import Batch, Item  # noqa: E402
 from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
 

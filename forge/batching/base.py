@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from forge.core.geometry import Batch, Device, Item
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, Item
 
 if TYPE_CHECKING:
     from forge.batching.memory import CostModel
@@ -66,7 +66,7 @@ class Cut:
 @runtime_checkable
 class Feed(Protocol):
     """Where the scheduler's window gets its items: what `Scheduler` takes besides Items
-    (`forge.columns`: `ItemFeed`, `GeometryFeed`, `ColumnFeed`)."""
+    (`forge.core.columns`: `ItemFeed`, `GeometryFeed`, `ColumnFeed`)."""
 
     def admit(self, n: int) -> Chunk:
         """The geometry of up to `n` more items (fewer: the input is exhausted)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
+from forge.core.geometry import Device
 from forge.errors import ForgeError
-from forge.geometry import Device
 
 
 class ItemPacker(Packer):

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forge.batching.token import TokenPacker
+from forge.core.geometry import Batch, Device, row_scores
 from forge.errors import ForgeError
-from forge.geometry import Batch, Device, row_scores
 
 GB = 1 << 30
 

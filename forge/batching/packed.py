@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from forge.batching.base import Cut, Urgency
-from forge.geometry import Device
+from forge.core.geometry import Device
 
 if TYPE_CHECKING:
     from forge.batching.token import _Group

@@ -43,8 +43,8 @@ import numpy as np
 
 from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
 from forge.batching.packed import PackedPlanning
+from forge.core.geometry import Device
 from forge.errors import ForgeError
-from forge.geometry import Device
 
 _EMPTY = np.zeros(0, np.int64)
 

@@ -227,3 +227,14 @@ def capabilities(
         learned_positions=family in ("gpt2", "opt", "gpt_bigcode", "biogpt", "xglm"),
         softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
     )
+
+
+def causal_lm_capabilities(config: Any, cls: Any, model: Any, source: str) -> Capabilities:
+    """`capabilities` of a causal LM, its class from the model's own code (`auto_map`) when
+    transformers has none and the config trusts remote code (`model`: the `ModelSpec`)."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if cls is None and "AutoModelForCausalLM" in auto_map and model.trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], source, **model.hub_kwargs())
+    return capabilities(config, cls, model.attn_implementation)

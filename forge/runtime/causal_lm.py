@@ -1,4 +1,4 @@
-"""Run one `forge.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
+"""Run one `forge.core.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
 
 Three row layouts (see `Batch`):
 
@@ -30,15 +30,15 @@ Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from forge.geometry import Batch, Item
+from forge.core.geometry import Batch, Item
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
+from forge.runtime.items import resolve_layers, token_tensor
 from forge.runtime.masks import additive_masks
 from forge.runtime.outputs import PooledOutput, RowStates
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
@@ -46,37 +46,6 @@ from forge.runtime.reference import (
     POOLINGS as _POOLINGS,
     reference_pooled,  # noqa: F401  (tests import it from here)
 )
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _check_layers(layers: Sequence[int], num_layers: int, allow_empty: bool = False) -> list[int]:
-    """Layer indices resolved into 0..num_layers (negative ones count from the end)."""
-    out = []
-    for layer in layers:
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise ValueError(f"layers must be integers, got {layer!r}")
-        if not -(num_layers + 1) <= layer <= num_layers:
-            raise ValueError(
-                f"layer {layer} is out of range: the model has hidden states 0..{num_layers} "
-                f"(0 = embeddings, {num_layers} = final normed output)"
-            )
-        out.append(layer % (num_layers + 1))
-    if not out and not allow_empty:
-        raise ValueError("layers must name at least one layer")
-    return out
-
-
-def _token_tensor(item: Item) -> torch.Tensor:
-    if item.tokens is None:
-        raise ValueError(f"item {item.id!r} has no tokens; the causal LM runner needs token ids")
-    t = torch.as_tensor(item.tokens, dtype=torch.long).reshape(-1).cpu()
-    if t.numel() != item.num_tokens:
-        raise ValueError(f"item {item.id!r}: num_tokens={item.num_tokens} but it has {t.numel()} token ids")
-    if t.numel() == 0:
-        raise ValueError(f"item {item.id!r} has no tokens")
-    return t
-
 
 # ----------------------------------------------------------------------------- runner
 
@@ -108,7 +77,7 @@ class CausalLMRunner:
         self.pad_token_id = int(pad_token_id)
         self.num_layers = num_layers(self.config)
         self.layers = list(layers)
-        self._layer_idx = _check_layers(self.layers, self.num_layers, allow_no_layers)
+        self._layer_idx = resolve_layers(self.layers, self.num_layers, allow_no_layers)
         self._hs_select = sorted(set(self._layer_idx))
         self.cache = PrefixCache(cache_tokens)
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
@@ -267,7 +236,7 @@ class CausalLMRunner:
         n = len(items)
         if n == 0:
             return None
-        seqs = [_token_tensor(it) for it in items]
+        seqs = [token_tensor(it) for it in items]
         self._validate(batch, seqs, items)
 
         split = batch.split_prefix

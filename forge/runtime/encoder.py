@@ -1,4 +1,4 @@
-"""Run a `forge.geometry.Batch` through a bidirectional encoder (BERT-style); return pooled vectors.
+"""Run a `forge.core.geometry.Batch` through a bidirectional encoder (BERT-style); return pooled vectors.
 
 Model: an encoder's token sees every token of its own text, before and after it, and
 nothing else. Two row layouts give exactly what a one-text forward pass gives:
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from forge.core.geometry import Batch
 from forge.errors import ForgeError
-from forge.geometry import Batch
 from forge.runtime.capabilities import MASK_IMPLS, choose_attn
 from forge.runtime.hf_compat import text_config
 
@@ -329,3 +329,15 @@ class FakeEncoder:
             )
         peaks = tracker.get_tracker_snapshot("peak")
         return int(max(v.get("Total", 0) for v in peaks.values()))
+
+
+def check_encoder(config: Any, forward: Any, name: str, model_name: str) -> None:
+    """Refuse, at construction, an encoder function that cannot run: targets (an encoder has no
+    LM head), a model_type without an AutoModel class."""
+    if forward.targets:
+        raise ForgeError(f"{name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
+    if encoder_class(config) is None:
+        raise ForgeError(
+            f"model.name={model_name}: transformers has no encoder (AutoModel) class for "
+            f"model_type {getattr(config, 'model_type', '?')!r}"
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.lru import TokenLRU
+from forge.core.lru import TokenLRU
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.geometry import Batch
+from forge.core.geometry import Batch
 from forge.runtime.hf_compat import text_config
 
 HEAD_CHUNK_TOKENS = 1024  # positions per LM-head call: bounds the [tokens, vocab] float32 block

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.geometry import Batch, Item
+from forge.core.geometry import Batch, Item
 from forge.runtime.scoring import HEAD_CHUNK_TOKENS, LogitHead
 
 
@@ -36,7 +36,7 @@ class ItemMeta:
     target_start: int = 0  # position (in the item's sequence) whose state predicts targets[0]
     label: Any = None  # the row's label (kept in the journal by functions that keep labels)
     data: Any = None  # whatever the function attached to the item (its own row metadata)
-    row: int = -1  # the input row it came from (forge.inputs.Row.index)
+    row: int = -1  # the input row it came from (forge.io.inputs.Row.index)
 
 
 @dataclass
@@ -176,7 +176,7 @@ class CausalViews:
 def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     """Per-item result dicts as one column per field (numpy, CPU), in item order. A field whose
     values differ in shape per item (ragged) becomes a list of arrays. bfloat16 tensors (which
-    numpy lacks) travel as their bit patterns, uint16 (`forge.results.to_storage`)."""
+    numpy lacks) travel as their bit patterns, uint16 (`forge.io.results.to_storage`)."""
     columns: dict[str, Any] = {}
     for name in names:
         vals = [v[name] for v in values]

@@ -1,4 +1,4 @@
-"""The scheduler's parts, each owning its state (`forge.scheduler.Scheduler` composes them).
+"""The scheduler's parts, each owning its state (`forge.core.scheduler.Scheduler` composes them).
 
 * `PrefixCacheModel`: which prefixes each device's cache holds, as predicted.
 * `RetryQueue`: batches that came back from a failure, run first, and how often an item

@@ -12,7 +12,7 @@ It writes, next to this file:
   ``forge_init.json`` (weights are created on demand by
   :func:`forge.functions.assets.materialize_model`).
 
-The statements come from the facts and generators of ``facts.py``. Everything is
+The statements come from the facts of ``facts.json`` and the generators of ``facts.py``. Everything is
 deterministic: re-running the script reproduces byte-identical files (fixed seeds, sorted
 iteration, no timestamps, no library versions written).  Only ``tokenizers`` is needed (no
 torch / transformers).

@@ -1,360 +1,41 @@
-"""The facts the embedded datasets are drawn from, and the generators that turn them into
-true and false statements (`build_statement_pools`). `build_assets` builds statements.jsonl
-from them, `build_multiple_choice` multiple_choice.jsonl. Deterministic: every draw comes
-from the `random.Random` passed in.
+"""The generators that turn the facts of ``facts.json`` into true and false statements
+(`build_statement_pools`). `build_assets` builds statements.jsonl from them,
+`build_multiple_choice` multiple_choice.jsonl. Deterministic: every draw comes from the
+`random.Random` passed in.
+
+The facts (data, in ``facts.json`` next to this file):
+
+* ``countries``: (country as written mid-sentence, capital, continent);
+* ``animals_by_size``: animals ordered by typical adult size (smallest first); only pairs at
+  least ``min_size_gap`` apart are compared, so every comparison is unambiguous;
+* ``animal_classes``, ``colours``, ``object_colours``, ``opposites``, ``months``, ``days``,
+  ``elements``, ``number_words``, ``legs``;
+* ``ambiguous``: (subject, value) pairs never used as "false" statements because they are
+  arguably true (transcontinental countries, borderline colours).
 """
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
-# --------------------------------------------------------------------------
-# Facts
-# --------------------------------------------------------------------------
+_FACTS = json.loads((Path(__file__).parent / "facts.json").read_text(encoding="utf-8"))
 
-# (country as written mid-sentence, capital, continent)
-COUNTRIES = [
-    ("France", "Paris", "Europe"),
-    ("Germany", "Berlin", "Europe"),
-    ("Italy", "Rome", "Europe"),
-    ("Spain", "Madrid", "Europe"),
-    ("Portugal", "Lisbon", "Europe"),
-    ("the United Kingdom", "London", "Europe"),
-    ("Ireland", "Dublin", "Europe"),
-    ("the Netherlands", "Amsterdam", "Europe"),
-    ("Belgium", "Brussels", "Europe"),
-    ("Austria", "Vienna", "Europe"),
-    ("Switzerland", "Bern", "Europe"),
-    ("Poland", "Warsaw", "Europe"),
-    ("Sweden", "Stockholm", "Europe"),
-    ("Norway", "Oslo", "Europe"),
-    ("Finland", "Helsinki", "Europe"),
-    ("Denmark", "Copenhagen", "Europe"),
-    ("Greece", "Athens", "Europe"),
-    ("Hungary", "Budapest", "Europe"),
-    ("the Czech Republic", "Prague", "Europe"),
-    ("Romania", "Bucharest", "Europe"),
-    ("Bulgaria", "Sofia", "Europe"),
-    ("Serbia", "Belgrade", "Europe"),
-    ("Croatia", "Zagreb", "Europe"),
-    ("Ukraine", "Kyiv", "Europe"),
-    ("Iceland", "Reykjavik", "Europe"),
-    ("Estonia", "Tallinn", "Europe"),
-    ("Latvia", "Riga", "Europe"),
-    ("Lithuania", "Vilnius", "Europe"),
-    ("Japan", "Tokyo", "Asia"),
-    ("China", "Beijing", "Asia"),
-    ("South Korea", "Seoul", "Asia"),
-    ("India", "New Delhi", "Asia"),
-    ("Thailand", "Bangkok", "Asia"),
-    ("Vietnam", "Hanoi", "Asia"),
-    ("Indonesia", "Jakarta", "Asia"),
-    ("the Philippines", "Manila", "Asia"),
-    ("Malaysia", "Kuala Lumpur", "Asia"),
-    ("Pakistan", "Islamabad", "Asia"),
-    ("Bangladesh", "Dhaka", "Asia"),
-    ("Nepal", "Kathmandu", "Asia"),
-    ("Iran", "Tehran", "Asia"),
-    ("Iraq", "Baghdad", "Asia"),
-    ("Saudi Arabia", "Riyadh", "Asia"),
-    ("Mongolia", "Ulaanbaatar", "Asia"),
-    ("Afghanistan", "Kabul", "Asia"),
-    ("Syria", "Damascus", "Asia"),
-    ("Egypt", "Cairo", "Africa"),
-    ("Kenya", "Nairobi", "Africa"),
-    ("Nigeria", "Abuja", "Africa"),
-    ("Ethiopia", "Addis Ababa", "Africa"),
-    ("Ghana", "Accra", "Africa"),
-    ("Morocco", "Rabat", "Africa"),
-    ("Algeria", "Algiers", "Africa"),
-    ("Tunisia", "Tunis", "Africa"),
-    ("Senegal", "Dakar", "Africa"),
-    ("Uganda", "Kampala", "Africa"),
-    ("Zimbabwe", "Harare", "Africa"),
-    ("Angola", "Luanda", "Africa"),
-    ("Sudan", "Khartoum", "Africa"),
-    ("Mali", "Bamako", "Africa"),
-    ("Canada", "Ottawa", "North America"),
-    ("Mexico", "Mexico City", "North America"),
-    ("the United States", "Washington", "North America"),
-    ("Cuba", "Havana", "North America"),
-    ("Jamaica", "Kingston", "North America"),
-    ("Panama", "Panama City", "North America"),
-    ("Guatemala", "Guatemala City", "North America"),
-    ("Honduras", "Tegucigalpa", "North America"),
-    ("Brazil", "Brasilia", "South America"),
-    ("Argentina", "Buenos Aires", "South America"),
-    ("Chile", "Santiago", "South America"),
-    ("Peru", "Lima", "South America"),
-    ("Colombia", "Bogota", "South America"),
-    ("Venezuela", "Caracas", "South America"),
-    ("Ecuador", "Quito", "South America"),
-    ("Uruguay", "Montevideo", "South America"),
-    ("Paraguay", "Asuncion", "South America"),
-    ("Bolivia", "Sucre", "South America"),
-    ("Australia", "Canberra", "Oceania"),
-    ("New Zealand", "Wellington", "Oceania"),
-    ("Fiji", "Suva", "Oceania"),
-    ("Papua New Guinea", "Port Moresby", "Oceania"),
-]
+COUNTRIES: list[tuple[str, str, str]] = [tuple(c) for c in _FACTS["countries"]]
 CONTINENTS = sorted({c for _, _, c in COUNTRIES})
-
-# Animals ordered by typical adult size (smallest first).  Only pairs at least
-# MIN_SIZE_GAP apart are compared, so every comparison is unambiguous.
-ANIMALS_BY_SIZE = [
-    "ant",
-    "bee",
-    "fly",
-    "spider",
-    "butterfly",
-    "mouse",
-    "frog",
-    "sparrow",
-    "hamster",
-    "rat",
-    "squirrel",
-    "pigeon",
-    "rabbit",
-    "chicken",
-    "cat",
-    "duck",
-    "fox",
-    "goose",
-    "dog",
-    "sheep",
-    "wolf",
-    "pig",
-    "deer",
-    "lion",
-    "tiger",
-    "gorilla",
-    "bear",
-    "horse",
-    "camel",
-    "giraffe",
-    "rhinoceros",
-    "hippopotamus",
-    "elephant",
-    "blue whale",
-]
-MIN_SIZE_GAP = 6
-
-ANIMAL_CLASSES = {
-    "mammal": [
-        "dog",
-        "cat",
-        "horse",
-        "cow",
-        "whale",
-        "dolphin",
-        "bat",
-        "elephant",
-        "lion",
-        "tiger",
-        "rabbit",
-        "mouse",
-        "bear",
-        "monkey",
-        "giraffe",
-        "kangaroo",
-        "sheep",
-        "goat",
-        "pig",
-        "wolf",
-        "fox",
-        "deer",
-        "camel",
-    ],
-    "bird": [
-        "eagle",
-        "sparrow",
-        "penguin",
-        "owl",
-        "parrot",
-        "duck",
-        "ostrich",
-        "pigeon",
-        "crow",
-        "swan",
-        "flamingo",
-        "hawk",
-        "robin",
-        "chicken",
-    ],
-    "fish": ["salmon", "trout", "shark", "tuna", "cod", "goldfish", "carp", "herring"],
-    "reptile": ["snake", "lizard", "crocodile", "turtle", "iguana", "alligator", "gecko"],
-    "insect": ["ant", "bee", "butterfly", "beetle", "mosquito", "grasshopper", "wasp", "moth"],
-    "amphibian": ["frog", "toad", "salamander", "newt"],
-}
-
-COLOURS = ["red", "orange", "yellow", "green", "blue", "purple", "white", "black", "brown", "pink"]
-OBJECT_COLOURS = [
-    ("a ripe banana", "yellow"),
-    ("fresh snow", "white"),
-    ("coal", "black"),
-    ("fresh grass", "green"),
-    ("a clear daytime sky", "blue"),
-    ("a ripe tomato", "red"),
-    ("milk", "white"),
-    ("a lemon", "yellow"),
-    ("a carrot", "orange"),
-    ("an orange", "orange"),
-    ("chocolate", "brown"),
-    ("a flamingo", "pink"),
-    ("an emerald", "green"),
-    ("a ruby", "red"),
-    ("a sapphire", "blue"),
-    ("an amethyst", "purple"),
-    ("a lime", "green"),
-    ("charcoal", "black"),
-    ("a polar bear", "white"),
-    ("a crow", "black"),
-    ("a fire truck", "red"),
-    ("a pumpkin", "orange"),
-    ("an eggplant", "purple"),
-    ("a strawberry", "red"),
-    ("a school bus", "yellow"),
-    ("chalk", "white"),
-    ("a cucumber", "green"),
-    ("a grizzly bear", "brown"),
-    ("a blueberry", "blue"),
-    ("a canary", "yellow"),
-]
-
-OPPOSITES = [
-    ("hot", "cold"),
-    ("big", "small"),
-    ("up", "down"),
-    ("light", "dark"),
-    ("fast", "slow"),
-    ("old", "young"),
-    ("happy", "sad"),
-    ("open", "closed"),
-    ("wet", "dry"),
-    ("early", "late"),
-    ("hard", "soft"),
-    ("full", "empty"),
-    ("rich", "poor"),
-    ("loud", "quiet"),
-    ("strong", "weak"),
-    ("thick", "thin"),
-    ("tall", "short"),
-    ("heavy", "light"),
-    ("left", "right"),
-    ("true", "false"),
-    ("inside", "outside"),
-    ("above", "below"),
-    ("day", "night"),
-    ("win", "lose"),
-    ("buy", "sell"),
-    ("push", "pull"),
-    ("first", "last"),
-    ("north", "south"),
-    ("east", "west"),
-    ("clean", "dirty"),
-]
-
-MONTHS = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-]
-DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-
-ELEMENTS = [
-    ("hydrogen", "H"),
-    ("helium", "He"),
-    ("carbon", "C"),
-    ("nitrogen", "N"),
-    ("oxygen", "O"),
-    ("sodium", "Na"),
-    ("magnesium", "Mg"),
-    ("aluminium", "Al"),
-    ("silicon", "Si"),
-    ("phosphorus", "P"),
-    ("sulfur", "S"),
-    ("chlorine", "Cl"),
-    ("potassium", "K"),
-    ("calcium", "Ca"),
-    ("iron", "Fe"),
-    ("copper", "Cu"),
-    ("zinc", "Zn"),
-    ("silver", "Ag"),
-    ("tin", "Sn"),
-    ("gold", "Au"),
-    ("mercury", "Hg"),
-    ("lead", "Pb"),
-    ("uranium", "U"),
-    ("neon", "Ne"),
-    ("nickel", "Ni"),
-]
-
-# (subject, value) pairs never used as "false" statements because they are
-# arguably true (transcontinental countries, borderline colours).
-AMBIGUOUS = {
-    ("Egypt", "Asia"),
-    ("Iran", "Europe"),
-    ("Panama", "South America"),
-    ("chocolate", "black"),
-    ("a blueberry", "purple"),
-    ("an amethyst", "pink"),
-    ("a grizzly bear", "black"),
-    ("an eggplant", "black"),
-    ("a ripe tomato", "orange"),
-    ("a carrot", "red"),
-    ("a flamingo", "red"),
-    ("a flamingo", "orange"),
-    ("a lime", "yellow"),
-    ("a lemon", "green"),
-    ("a canary", "orange"),
-}
-
-NUMBER_WORDS = [
-    "zero",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    "eleven",
-    "twelve",
-]
-LEGS = [
-    ("A spider", 8),
-    ("A dog", 4),
-    ("A chicken", 2),
-    ("An ant", 6),
-    ("A horse", 4),
-    ("A duck", 2),
-    ("A beetle", 6),
-    ("A cat", 4),
-    ("An octopus", 8),
-    ("A snake", 0),
-    ("A human", 2),
-    ("A bee", 6),
-    ("A cow", 4),
-    ("A crab", 10),
-    ("An ostrich", 2),
-    ("A fish", 0),
-    ("A frog", 4),
-    ("A butterfly", 6),
-    ("A scorpion", 8),
-    ("A penguin", 2),
-]
+ANIMALS_BY_SIZE: list[str] = _FACTS["animals_by_size"]
+MIN_SIZE_GAP: int = _FACTS["min_size_gap"]
+ANIMAL_CLASSES: dict[str, list[str]] = _FACTS["animal_classes"]
+COLOURS: list[str] = _FACTS["colours"]
+OBJECT_COLOURS: list[tuple[str, str]] = [tuple(p) for p in _FACTS["object_colours"]]
+OPPOSITES: list[tuple[str, str]] = [tuple(p) for p in _FACTS["opposites"]]
+MONTHS: list[str] = _FACTS["months"]
+DAYS: list[str] = _FACTS["days"]
+ELEMENTS: list[tuple[str, str]] = [tuple(p) for p in _FACTS["elements"]]
+AMBIGUOUS: set[tuple[str, str]] = {tuple(p) for p in _FACTS["ambiguous"]}
+NUMBER_WORDS: list[str] = _FACTS["number_words"]
+LEGS: list[tuple[str, int]] = [tuple(p) for p in _FACTS["legs"]]
 
 
 def _article(word: str) -> str:

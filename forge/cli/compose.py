@@ -1,0 +1,138 @@
+"""Composing the config as `forge run` would, before Hydra runs: `compose`, a config group's
+options on the whole search path (`group_options`), the jobs of a `-m` sweep
+(`sweep_combinations`) and the checks `forge run` makes before any run directory exists
+(`precheck`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forge.errors import ForgeError
+
+HYDRA_VALUE_FLAGS = ("--config-dir", "-cd")
+MULTIRUN_FLAGS = ("-m", "--multirun")
+MAX_SWEEP_CHECKS = 64  # sweeps with more combinations are checked one swept value at a time
+
+
+def precheck(args: list[str]) -> None:
+    """Compose and validate before Hydra runs (and before it makes a run directory), so a bad
+    choice, key or value is one clear line. With -m, every combination of the sweep is checked
+    (beyond MAX_SWEEP_CHECKS, every swept value). Hydra's other flags (--cfg, --info, ...) are
+    left to Hydra."""
+    from forge.config.build import to_plain
+    from forge.io.location import check_output_dir
+
+    overrides, config_dir, multirun, i = [], None, False, 0
+    while i < len(args):
+        a = args[i]
+        if a in HYDRA_VALUE_FLAGS and i + 1 < len(args):
+            config_dir, i = Path(args[i + 1]), i + 2
+            continue
+        if a.startswith("--config-dir="):
+            config_dir = Path(a.split("=", 1)[1])
+        elif a in MULTIRUN_FLAGS:
+            multirun = True
+        elif a.startswith("-"):
+            return
+        else:
+            overrides.append(a)
+        i += 1
+    from forge.config.devices import resolve_devices
+    from forge.io.store import check_run_dir, check_sweep_dir
+
+    combinations = sweep_combinations(overrides, config_dir) if multirun else [overrides]
+    for job, combination in enumerate(combinations):
+        plain = to_plain(compose(combination, config_dir))
+        if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
+            simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
+            if simulated:
+                raise ForgeError(
+                    f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                    "plan on simulated ones with `forge plan` and the same overrides"
+                )
+        output_dir = str(plain.get("output_dir", ""))
+        check_output_dir(output_dir)
+        if multirun:
+            check_sweep_dir(output_dir)
+        if not multirun or len(combinations) <= MAX_SWEEP_CHECKS:  # a reduced check names no job directory
+            check_run_dir(f"{output_dir.rstrip('/')}/{job}" if multirun else output_dir, bool(plain.get("resume")))
+
+
+def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
+    """The override lists a `-m` sweep runs (Hydra's basic sweeper: the product of every
+    comma-separated, choice(), range() or glob() value), or, when there are more than
+    MAX_SWEEP_CHECKS, each swept value with the others at their first value. Intervals
+    (other sweepers' syntax) are left out: their jobs check themselves."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise ForgeError(" ".join(str(exc).split())) from None
+    choices = []
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            choices.append([o.input_line])
+        elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            options = group_options(o.key_or_group, config_dir)
+            choices.append([f"{key}={v}" for v in o.value().filter(options)])
+        elif o.is_discrete_sweep():
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+    total = 1
+    for c in choices:
+        total *= len(c)
+    if total <= MAX_SWEEP_CHECKS:
+        return [list(combo) for combo in itertools.product(*choices)]
+    firsts = [c[0] for c in choices]
+    return [firsts[:n] + [value] + firsts[n + 1 :] for n, c in enumerate(choices) for value in c]
+
+
+def group_options(group: str, config_dir: Path | None = None) -> list[str]:
+    """The options of a config group on Hydra's whole search path: Forge's conf/, installed
+    plugins' config modules (forge.config.searchpath) and `--config-dir`."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from forge.config.build import conf_dir
+    from forge.config.searchpath import register
+
+    register()
+    overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        options = (
+            GlobalHydra.instance().config_loader().get_group_options(group, config_name="config", overrides=overrides)
+        )
+    return sorted(options)
+
+
+def compose(overrides: list[str], config_dir: Path | None = None):
+    """Compose the config as `forge run` would, with clear errors for bad choices."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from forge.config.build import conf_dir
+    from forge.config.searchpath import register
+
+    register()
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
+    if config_dir is not None:
+        if not Path(config_dir).is_dir():
+            raise ForgeError(f"--config-dir {config_dir}: no such directory")
+        overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    except HydraException as exc:
+        from forge.config.schema import explain_compose_error
+
+        raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None

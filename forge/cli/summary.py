@@ -1,0 +1,159 @@
+"""What the CLI prints: the consoles, one-line errors and statuses, and a run's or plan's
+summary (`print_summary`: what ran, the ledger, the geometry, per device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+GIB = 1 << 30
+
+
+def error_line(exc: Exception) -> None:
+    """`error: <message>` on one line: never wrapped, never read as markup."""
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+
+
+def status_line(report: dict) -> None:
+    """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
+    status, error = report["status"], str(report.get("error"))
+    why = error[len(status) + 1 :].lstrip() if error.startswith(f"{status}:") else error
+    err.print(f"[bold red]{status}:[/] {escape(why)}", highlight=False, soft_wrap=True)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:,.1f} TB"
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """One screen: what ran, the ledger, the geometry, per device."""
+    console.print(_run_table(report))
+    console.print(_devices_table(report))
+    _notes(report)
+
+
+def _run_table(report: dict[str, Any]) -> Table:
+    """What ran and the ledger, one row each."""
+    items, tokens = report.get("items", {}), report.get("tokens", {})
+    hit = report.get("cache_hit_rate")
+    title = f"{report['function']} · batching={report['batching']}" + (" · plan" if report.get("dry_run") else "")
+    table = Table(title=title, show_header=False)
+    table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
+    table.add_row(
+        "tokens",
+        "  ".join(
+            f"{k} {tokens.get(k, 0):,}"
+            for k in ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")
+        ),
+    )
+    table.add_row("batches", f"{report.get('batches', 0):,}")
+    table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
+    table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
+    if report.get("path"):
+        table.add_row("path", str(report["path"]))
+    table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
+    table.add_row("status", str(report.get("status", "finished")))
+    sized = report.get("output_bytes")
+    if sized and sized.get("total"):
+        per = sized.get("per_stored_token")
+        fields = "  ".join(f"{k} {_bytes(v)}" for k, v in sized["fields"].items() if v)
+        table.add_row(
+            "will write",
+            f"{_bytes(sized['total'])}" + (f" ({per:,.0f} B per stored token)" if per else "") + f": {fields}",
+        )
+    attempts = {k: v for k, v in (report.get("attempts") or {}).items() if v}
+    if attempts or report.get("items", {}).get("resumed"):
+        table.add_row(
+            "recovered",
+            "  ".join(
+                [f"{k} {v:,}" for k, v in attempts.items()]
+                + [f"restarts {sum((report.get('restarts') or {}).values())}", f"resumed {items.get('resumed', 0):,}"]
+            ),
+        )
+    if not report.get("dry_run"):
+        _ran_rows(table, report)
+    return table
+
+
+def _ran_rows(table: Table, report: dict[str, Any]) -> None:
+    """The rows only a run has: its wall time, model, outputs and a function's own line."""
+    table.add_row(
+        "wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)"
+    )
+    table.add_row("model", str(report.get("model")))
+    out = report.get("outputs") or {}
+    table.add_row(
+        "outputs",
+        str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"),
+    )
+    acc = out.get("accuracy")
+    if acc and acc.get("questions"):
+        from forge.functions.score import accuracy_line  # the score function's result keys
+
+        table.add_row("accuracy", accuracy_line(acc))
+
+
+def _devices_table(report: dict[str, Any]) -> Table:
+    """Per device: its batches, tokens and padding (and memory, virtual time where planned)."""
+    devices = report.get("devices", [])
+    virtual = report.get("virtual_time")
+    memory = any("memory_budget_bytes" in d for d in devices)
+    cols = ["device", "batches", "tokens", "padded slots", "cache misses"]
+    if memory:
+        cols.append("GiB peak/budget")
+    if virtual:
+        cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
+        cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
+    else:
+        cols.append("busy s")
+    title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
+    dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    for col in cols:
+        dev.add_column(col)
+    for d in devices:
+        row = [
+            d["name"],
+            f"{d['batches']:,}",
+            f"{d['tokens']:,}",
+            f"{d['padded_slots']:,}",
+            str(d.get("cache_misses", 0)),
+        ]
+        if memory:
+            row.append(
+                f"{d['predicted_peak_bytes'] / GIB:.2f}/{d['memory_budget_bytes'] / GIB:.2f}"
+                if d.get("memory_budget_bytes")
+                else "-"
+            )
+        if virtual:
+            fmt = "{:,.2f}" if virtual["unit"] == "s" else "{:,.0f}"
+            row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}", str(d.get("oom", 0))]
+        else:
+            row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+        dev.add_row(*row)
+    return dev
+
+
+def _notes(report: dict[str, Any]) -> None:
+    """Skipped and failed items, warnings and retired devices, one line each (stderr)."""
+    items = report.get("items", {})
+    for reason, count in (report.get("skipped_reasons") or {}).items():
+        err.print(f"[yellow]skipped[/] {count} item(s): {reason}")
+    failures = report.get("failures") or []
+    if failures:
+        err.print(
+            f"[yellow]failed[/] {items.get('failed', 0)} item(s), e.g. {failures[0]['id']}: {failures[0]['reason']}"
+        )
+    for warning in report.get("warnings") or []:
+        err.print(f"[yellow]warning:[/] {warning}")
+    for why in (report.get("retired") or {}).values():
+        err.print(f"[yellow]retired:[/] {why}", highlight=False)

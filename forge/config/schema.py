@@ -1,0 +1,385 @@
+"""The typed schema of Forge's config, and the one check every entry point runs.
+
+`validate(cfg)` merges a composed config onto `OmegaConf.structured(schema)`, so OmegaConf
+itself refuses wrong types and unknown keys, then checks values (positive sizes, shares,
+choices) from each field's metadata (set by the field helpers of `forge.config.checks`). Every
+failure is one ForgeError line that names the full key, the bad value and what is valid. The
+function picked by `function._target_` declares its own root keys (`Function.config_schema`,
+a dataclass); the core declares the rest here.
+
+Hydra's own node (`hydra`) is never validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, ListConfig, Node, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+
+from forge.config.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
+from forge.core.geometry import DEFAULT_WINDOW
+from forge.errors import ForgeError
+
+# -- the core's keys -----------------------------------------------------------------
+
+
+@dataclass
+class FunctionRef:
+    name: str = MISSING  # the function's name; a plugin registers its class under it (forge_functions)
+    _target_: str | None = None  # import path of the class; unset: the class registered under `name`
+
+
+@dataclass
+class Budget:
+    tokens_per_step: int | None = positive(None)  # caps every device's max_batch_tokens
+    max_tokens: int | None = positive(None)  # stop admitting after this many tokens
+
+
+@dataclass
+class Batching:
+    """Keys every mode shares. Mode-specific options (batch_size, packing, ...) are extra keys,
+    checked by the mode's packer constructor."""
+
+    mode: str = MISSING
+    window: int = positive(DEFAULT_WINDOW)  # most items held waiting for a batch
+    prefix_cache: bool | None = None  # null: the mode's own default
+    cache_tokens: int | None = positive(None)
+
+
+@dataclass
+class DeviceLimits:
+    max_batch_tokens: int | None = positive(None)
+    max_rows: int | None = positive(None)
+    max_seq_len: int | None = positive(None)
+    pad_multiple: int | None = positive(None)
+
+
+@dataclass
+class Devices:
+    discover: bool = True
+    limits: DeviceLimits | None = None  # defaults for discovered and inventory devices
+    memory_fraction: float = share(0.9)
+    cpu_memory_gb: float | None = positive(None)
+    inventory: list[Any] = field(default_factory=list)  # entries checked by forge.config.devices
+
+
+@dataclass
+class Runtime:
+    """Where and how batches run, and how the run loop reacts to time and failure: the one
+    home of every runtime setting and its default. conf/runtime/local.yaml extends it (its
+    defaults list names `schema_local`, registered by `store_schemas`) and only selects;
+    core code gets an instance of it (`forge.config.build.build_runtime`)."""
+
+    executor: str = "process"  # a registered executor (forge_executors): process | inprocess | ray
+    max_in_flight: int = positive(2)  # batches queued per worker (one runs while the next waits)
+    batch_timeout_s: float | None = positive(None)  # null: derived per batch from its size and the device's rate
+    timeout_floor_s: float = positive(60.0)  # a derived timeout is never shorter
+    timeout_factor: float = positive(10.0)  # derived timeout = factor x padded slots / measured slots per second
+    startup_timeout_s: float = positive(600.0)  # a worker that has not loaded its model by then is replaced
+    kill_grace_s: float = non_negative(5.0)  # a timed-out worker may still answer this long before it is killed
+    max_restarts: int = non_negative(3)  # worker restarts per device before the device is retired
+    max_attempts: int = positive(3)  # runs of an item lost with its worker (crash, hang) before it fails
+    commit_interval_s: float = positive(30.0)  # results buffered for a shard are written at least this often
+    failure_window: int = positive(200)  # the last items (and input records) looked at for a recurring failure
+    max_failure_share: float = share(0.5)  # stop once one reason holds this share of the window
+    # on a stop (Ctrl-C, a recurring failure), how long batches in flight may finish
+    drain_s: float = non_negative(10.0)
+
+
+@dataclass
+class RayRuntime(Runtime):
+    """conf/runtime/ray.yaml (`schema_ray`): one Ray actor per device, on a cluster or a local
+    Ray instance."""
+
+    executor: str = "ray"
+    address: str | None = None  # null: start a local instance; "auto" or an address: join a cluster
+    num_cpus: int | None = positive(None)  # CPUs of a local instance (null: all)
+    cpus_per_actor: float = positive(1.0)  # CPUs each device's actor reserves (and torch threads of a CPU actor)
+
+
+RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other value: Runtime (local)
+
+
+def store_schemas() -> None:
+    """Register the schemas Forge's YAML extends with Hydra's ConfigStore: the runtime group's
+    options `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the
+    `input` node of every function YAML (`- /schema_input@input` in its defaults list)."""
+    from hydra.core.config_store import ConfigStore
+
+    from forge.io.inputs import InputSpec
+
+    store = ConfigStore.instance()
+    store.store(group="runtime", name="schema_local", node=Runtime)
+    store.store(group="runtime", name="schema_ray", node=RayRuntime)
+    store.store(name="schema_input", node=InputSpec)
+
+
+@dataclass
+class CoreConfig:
+    """Root keys the core reads. The function's own keys come from its `config_schema`."""
+
+    function: FunctionRef = field(default_factory=FunctionRef)
+    budget: Budget = field(default_factory=Budget)
+    too_long: str = one_of("skip", "skip", "truncate", "error")
+    output_dir: str = MISSING  # conf/config.yaml: a fresh directory under outputs/
+    batching: Batching = field(default_factory=Batching)
+    devices: Devices = field(default_factory=Devices)
+    runtime: Runtime = field(default_factory=Runtime)
+    resume: bool = False
+    check_disk: bool = True  # refuse a local output_dir without room for what the run will write
+    fail_fast: bool = False
+    plugins: list[str] = field(default_factory=list)
+
+
+OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
+
+
+def schema_for(function_schema: type | None, runtime_schema: type = Runtime) -> type:
+    """The root schema: the core's keys (with the chosen runtime's) plus the function's (a
+    dataclass of root keys)."""
+    core = (
+        CoreConfig
+        if runtime_schema is Runtime
+        else dataclass(
+            type(
+                "CoreConfig",
+                (CoreConfig,),
+                {"__annotations__": {"runtime": runtime_schema}, "runtime": field(default_factory=runtime_schema)},
+            )
+        )
+    )
+    if function_schema is None:
+        return core
+    clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(core)}
+    if clash:
+        raise ForgeError(f"{function_schema.__qualname__} declares core key(s) {sorted(clash)}; rename them")
+    return dataclass(type("Config", (function_schema, core), {}))
+
+
+def runtime_schema(cfg: DictConfig) -> type:
+    """The runtime group's schema, chosen by its `executor` key."""
+    executor = OmegaConf.select(cfg, "runtime.executor", default=None, throw_on_missing=False)
+    return RUNTIMES.get(executor, Runtime) if isinstance(executor, str) else Runtime
+
+
+def function_schema(cfg: DictConfig) -> type | None:
+    """The dataclass of root keys that the configured function declares, if any."""
+    from forge.pluginmanager import function_class
+
+    node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
+    if not isinstance(node, DictConfig):
+        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
+    ref = {k: OmegaConf.select(node, k, default=None, throw_on_missing=False) for k in ("_target_", "name")}
+    return getattr(function_class(ref), "config_schema", None)
+
+
+# -- validation ---------------------------------------------------------------------
+
+
+def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
+    """The config as plain typed containers, or one ForgeError line naming what is wrong.
+
+    `resolve=False` checks without resolving interpolations (values that are interpolations
+    are then checked only for their type once resolved, by a later `validate`)."""
+    cfg = _without_hydra(cfg)
+    fn_schema = function_schema(cfg)
+    schema_cls = schema_for(fn_schema, runtime_schema(cfg))
+    schema = _structured(schema_cls, typed_root=fn_schema is not None)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        plain = OmegaConf.to_container(merged, resolve=resolve, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
+    except OmegaConfBaseException as exc:
+        raise ForgeError(_explain(exc, schema_cls, cfg)) from None
+    _check_values(schema_cls, plain, "")
+    _check_executor((plain.get("runtime") or {}).get("executor"))
+    return plain
+
+
+def _check_executor(name) -> None:
+    """runtime.executor must name an executor a plugin registers (forge_executors)."""
+    from forge.pluginmanager import executors, make_plugin_manager
+
+    offered = executors(make_plugin_manager())
+    if name is not None and name not in offered:
+        raise ForgeError(
+            f"config runtime.executor={_show(name)}: choose one of: {', '.join(sorted(offered))} "
+            "(plugins add more through forge_executors)"
+        )
+
+
+def explain_compose_error(exc: BaseException) -> str | None:
+    """One line for a value or key Hydra refused while composing onto a typed node (the
+    runtime group extends its schema), in the words `validate` uses; None if it is another error."""
+    cause = exc.__cause__
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigKeyError) and key and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
+        parent, _, name = key.rpartition(".")
+        valid = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
+        return f"config: unknown key {name!r} in {parent or 'the root'}; valid keys: {valid}"
+    if isinstance(cause, ValidationError) and key:
+        expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
+        if expected:
+            return f"config {key}={_show(_raw(cause.value))}: expected {expected}"
+    return None
+
+
+def _structured(schema_cls: type, typed_root: bool = True) -> DictConfig:
+    """The schema as an OmegaConf node, with the nodes that take extra keys left open (and,
+    for a function without a schema, its root keys untyped)."""
+    schema = OmegaConf.structured(schema_cls)
+    if not typed_root:
+        for name in schema:
+            if isinstance(schema._get_node(name), DictConfig):
+                OmegaConf.set_struct(schema[name], True)
+        OmegaConf.set_struct(schema, False)
+    for name in OPEN_NODES:
+        if name in schema:
+            OmegaConf.set_struct(schema[name], False)
+    return schema
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    if "hydra" not in cfg:
+        return cfg
+    return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+
+
+def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(schema_cls)
+    if prefix and prefix.rstrip(".") not in OPEN_NODES:  # a typed node: Hydra lets `+key=` through to it
+        valid = [f.name for f in dataclasses.fields(schema_cls)]
+        unknown = [k for k in plain if k not in valid]
+        if unknown:
+            raise ForgeError(
+                f"config: unknown key {unknown[0]!r} in {prefix.rstrip('.')}; valid keys: {', '.join(valid)}"
+            )
+    for f in dataclasses.fields(schema_cls):
+        value = plain.get(f.name)
+        key = f"{prefix}{f.name}"
+        if value is None or (isinstance(value, str) and "${" in value):
+            continue
+        check: Callable | None = f.metadata.get(CHECK)
+        problem = check(value) if check else None
+        if problem:
+            raise ForgeError(f"config {key}={_show(value)}: {problem}")
+        inner = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            _check_values(inner, value, f"{key}.")
+
+
+def _unwrap_optional(tp):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and type(None) in typing.get_args(tp):
+        return args[0]
+    return tp
+
+
+def _show(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+NODE_TYPES = {
+    IntegerNode: "an integer",
+    FloatNode: "a number",
+    BooleanNode: "true or false",
+    StringNode: "a string",
+    ListConfig: "a list",
+}
+PLAIN_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> str:
+    """One line for an OmegaConf error: the full key, the bad value and what is valid."""
+    key = exc.full_key or ""
+    if not key:  # a merge error at a node's root names no key: find the root key that fails
+        key = _failing_key(schema_cls, cfg) or ""
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False) if key else None
+        expected = _expected(_field_type(schema_cls, key)) if key else None
+        if expected:
+            return f"config {key}={_show(_raw(value))}: expected {expected}"
+        return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
+    if isinstance(exc, ConfigKeyError):
+        parent, _, name = key.rpartition(".")
+        owner = _field_type(schema_cls, parent) if parent else schema_cls
+        valid = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+        where = f"in {parent}" if parent else "at the root"
+        return f"config: unknown key {name!r} {where}; valid keys: {', '.join(valid)}"
+    value = _raw(getattr(exc, "value", None))
+    if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
+        expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
+        expected = expected or _expected(_field_type(schema_cls, key))
+        if expected:
+            null_ok = "" if value is not None else " (null is not allowed here)"
+            return f"config {key}={_show(value)}: expected {expected}{null_ok}"
+    return f"config {key}: {str(exc).splitlines()[0]}"
+
+
+def _raw(value):
+    if isinstance(value, (DictConfig, ListConfig)):
+        return None if value._is_none() else OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, Node):
+        return value._value()
+    return value
+
+
+def _failing_key(schema_cls: type, cfg: DictConfig) -> str | None:
+    """The deepest dotted key whose value alone fails to merge onto the schema."""
+    for key in cfg:
+        try:
+            OmegaConf.merge(_structured(schema_cls), {key: cfg._get_node(key)})
+        except OmegaConfBaseException:
+            inner, node = _field_type(schema_cls, str(key)), cfg._get_node(key)
+            if dataclasses.is_dataclass(inner) and isinstance(node, DictConfig):
+                deeper = _failing_key(inner, node)
+                if deeper:
+                    return f"{key}.{deeper}"
+            return str(key)
+    return None
+
+
+def _field_type(schema_cls: type, key: str):
+    """The declared type at a dotted key like `devices.limits.max_rows` or `layers[1]`."""
+    tp: Any = schema_cls
+    for part in re.findall(r"[^.\[\]]+", key):
+        tp = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                return None
+            tp = hints[part]
+        elif typing.get_origin(tp) is list and part.isdigit():
+            tp = typing.get_args(tp)[0] if typing.get_args(tp) else Any
+        else:
+            return None
+    return _unwrap_optional(tp)
+
+
+def _expected(tp) -> str | None:
+    if tp is None:
+        return None
+    tp = _unwrap_optional(tp)
+    if tp in PLAIN_TYPES:
+        return PLAIN_TYPES[tp]
+    if typing.get_origin(tp) is list:
+        return "a list"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return None

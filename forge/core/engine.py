@@ -1,0 +1,322 @@
+"""The engine: turns a RunSpec into a run (or a plan) on the run loop.
+
+`prepare` builds what every run needs (packer, scheduler over admitted items); `execute`
+adds the run directory (`forge.io.store`), the function's sink and an executor, and drives
+`forge.core.loop.RunLoop` until the work is done or the run stops early. The loop, the
+scheduler and the hooks do the rest; accounting happens through hooks, so the ledger sees
+every token received, routed, completed, retried, discarded and failed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pluggy
+
+from forge.batching.base import Packer, create_packer
+from forge.config.schema import Runtime
+from forge.core.admission import AdmissionRules, admit
+from forge.core.geometry import DEFAULT_WINDOW, Device, Item
+from forge.core.loop import Committer, RunLoop, Stop
+from forge.core.run import RunContext
+from forge.core.scheduler import Scheduler
+from forge.errors import ForgeError
+from forge.executors import Executor
+from forge.function import Function
+from forge.io.location import local_path
+from forge.io.output_size import check_space
+from forge.io.store import RunStore
+from forge.pluginmanager import batching_modes, executors, load_object
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, as plain values. Built from config at the edge (forge.config.build)."""
+
+    function: Function  # the function instance
+    mode: str  # batching mode name
+    mode_options: dict[str, Any]  # keyword arguments of the mode's packer
+    devices: list[Device]  # consumers, limits already capped by the step budget
+    window: int = DEFAULT_WINDOW  # most items held waiting for a batch
+    cache_tokens: int = 0  # per-device prefix cache capacity; 0 = off
+    too_long: str = "skip"  # skip | truncate | error
+    max_tokens: int | None = None  # stop admitting once this many tokens were received
+    run_dir: Path | str | None = None  # outputs: a local path or an fsspec URL (s3://...); None for a plan
+    config: dict[str, Any] = field(default_factory=dict)  # resolved config, for the report
+    runtime: Runtime = field(default_factory=Runtime)  # executor, timeouts, restarts (forge.config.schema's defaults)
+    resume: bool = False  # finish the run in run_dir, skipping what it committed
+    fail_fast: bool = False  # the first bad record stops the run
+    check_disk: bool = True  # refuse a local run directory without room for what the run will write
+    plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
+    files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
+    started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
+
+
+def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
+    modes = {name: factory for name, (factory, _) in batching_modes(pm).items()}
+    options = dict(spec.mode_options)
+    factory = modes.get(spec.mode)
+    if factory is not None and "cost_model" in inspect.signature(factory).parameters:
+        options["cost_model"] = spec.function.cost_model()
+    packer = create_packer(modes, spec.mode, options)
+    for device in spec.devices:
+        packer.check_device(device)
+    return packer
+
+
+def placeable(packer: Packer, devices: list[Device], mode: str):
+    """Admission's check: why each item can never run (None where some device takes it)."""
+
+    def reasons(items: list[Item]) -> list[str | None]:
+        n = np.fromiter((it.num_tokens for it in items), np.int64, len(items))
+        p = np.fromiter((it.prefix_len for it in items), np.int64, len(items))
+        ok = np.zeros(len(items), bool)
+        for device in devices:
+            ok |= packer.fits(n, p, device)
+        return [
+            None
+            if good
+            else (
+                f"item {it.id!r} ({it.num_tokens} tokens, {it.prefix_len} of them prefix) fits no device under "
+                f"batching={mode}: a batch of it alone breaks every device's limits or memory budget; raise a "
+                "device's memory_gb or limits, or set too_long=truncate"
+            )
+            for it, good in zip(items, ok.tolist())
+        ]
+
+    return reasons
+
+
+def prepare(
+    spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool, committed: set[int] | frozenset = frozenset()
+) -> tuple[RunContext, Scheduler]:
+    """Start a run: fire run_start, build the packer and the scheduler over admitted items."""
+    if not spec.devices:
+        raise ForgeError("no devices: set devices=auto or list devices in a devices config")
+    run = RunContext(
+        function=spec.function.name,
+        batching=spec.mode,
+        devices=spec.devices,
+        run_dir=spec.run_dir,
+        config=spec.config,
+        dry_run=dry_run,
+        expected_items=None if dry_run else spec.function.expected_items(),
+    )
+    packer = build_packer(spec, pm)
+    splits = packer.split_prefix
+    packed = packer.packing == "packed"
+    # refuse, before any work, a layout the function cannot run exactly
+    spec.function.check_mode(splits, packed, spec.cache_tokens > 0)
+    # a non-causal function may pack whole sequences without a cache (its check_mode accepted them:
+    # embed's encoders, whose items have no prefix); sharing a prefix's KV stays refused
+    if splits and not spec.function.causal and (spec.cache_tokens > 0 or not packed):
+        raise ForgeError(
+            f"batching={spec.mode} shares prefixes, but {spec.function.name}'s model is not causal; "
+            "set batching.prefix_cache=false and batching.packing=rows"
+        )
+    pm.hook.forge_run_start(run=run)
+    rules = AdmissionRules(
+        max_seq_len=max(d.limits.max_seq_len for d in spec.devices),
+        too_long=spec.too_long,
+        max_tokens=spec.max_tokens,
+        fail_fast=spec.fail_fast,
+        placeable=placeable(packer, spec.devices, spec.mode),
+    )
+    items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed)
+    scheduler = Scheduler(
+        packer,
+        items,
+        spec.devices,
+        window=spec.window,
+        cache_tokens=spec.cache_tokens if splits else 0,
+        max_attempts=spec.runtime.max_attempts,
+    )
+    return run, scheduler
+
+
+def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) -> Executor:
+    """The executor `runtime.executor` names, from the ones plugins register (forge_executors)."""
+    offered = executors(pm)
+    name = spec.runtime.executor
+    if name not in offered:
+        raise ForgeError(
+            f"runtime.executor={name!r}; choose one of: {', '.join(sorted(offered))} "
+            "(plugins add more through forge_executors)"
+        )
+    ref, plugin = offered[name]
+    factory = load_object(ref, f"executor {name} (plugin {plugin})")
+    return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
+
+
+def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
+    """Run the function over its input on every device; return the report (also written).
+
+    The report's `status` says how the run ended: finished, interrupted (Ctrl-C), stopped
+    (a recurring failure, a write error, every device retired) or stalled; `error` says why.
+    Every status but finished leaves a run that `resume=true` finishes.
+    """
+    from forge.core.report import finish_report
+
+    assert spec.run_dir is not None
+    simulated = [d.name for d in spec.devices if d.sim is not None]
+    if simulated:
+        raise ForgeError(
+            f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+            "plan on simulated ones with `forge plan` and the same overrides"
+        )
+    started = time.perf_counter()
+    began = time.time()
+    store = RunStore(
+        spec.run_dir,
+        spec.function.fingerprint(),
+        resume=spec.resume,
+        fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None),
+    )
+    try:
+        if spec.check_disk and local_path(spec.run_dir) is not None:
+            expected = spec.function.expected_items()
+            check_space(
+                spec.function, local_path(spec.run_dir), None if expected is None else expected - len(store.committed)
+            )
+        run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+        sink = spec.function.open_sink(store)
+        store.add_missing(spec.files)
+    except BaseException:  # a refusal, or Ctrl-C / SIGTERM during start-up
+        store.abandon()
+        raise
+    status = "interrupted"  # what run.json says if anything below escapes
+    try:
+        committer = Committer(sink, set(store.committed), spec.runtime.commit_interval_s)
+        executor = make_executor(spec, scheduler.cache_tokens, pm)
+        loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=spec.runtime)
+        run.timings["loop_at"] = time.time()
+        status, error = _drive(loop, executor, list(scheduler.devices.values()))
+        try:
+            outputs = sink.close()
+        except OSError as exc:
+            outputs, status, error = (
+                {},
+                "stopped",
+                f"writing the last shard failed ({exc}); resume=true finishes the run",
+            )
+        return finish_report(
+            run=run,
+            pm=pm,
+            spec=spec,
+            tallies=loop.tallies,
+            predicted_misses=scheduler.cache_misses,
+            wall_s=time.perf_counter() - started,
+            extra={
+                "status": status,
+                "error": error,
+                "outputs": outputs,
+                "phases": phases(run.timings, executor, spec.started_at or began, began),
+                **_loop_extras(loop, scheduler, executor, spec),
+            },
+        )
+    finally:
+        store.close(status)  # after the report: the directory stays ours until it is written
+
+
+def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: RunSpec) -> dict[str, Any]:
+    """What the loop, the scheduler and the executor add to a run's report."""
+    return {
+        "max_window_items": scheduler.max_window_seen,
+        "scheduler_s": round(loop.scheduler_s, 4),
+        "attempts": {
+            **dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
+            **dict(loop.counts),
+            "oom_splits": scheduler.oom_splits,
+        },
+        **executor.info(),
+        "restarts": dict(executor.restarts),
+        "retired": dict(executor.retired),
+        "effective_limits": {
+            name: d.limits.as_dict()
+            for name, d in scheduler.devices.items()
+            if d.limits != next(x for x in spec.devices if x.name == name).limits
+        },
+    }
+
+
+def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | None]:
+    """Where the time went, in seconds from the command's start `t0` (spans) or summed (totals):
+
+    - start_s: to `execute` (imports, config composition, the function's set-up);
+    - open_s: the run directory (lock, fingerprint), the packer and the sink, to the loop's start;
+    - worker_load_s: the slowest device's model load, as its worker measured it;
+    - worker_ready_s: until every device's worker was ready;
+    - first_batch_s: until the first batch's result was committed;
+    - drain_s: from the last batch routed to the end;
+    - read_tokenize_s and commit_s: totals of reading and tokenizing input, and of committing
+      results (both overlap the other phases).
+    """
+    end = time.time()
+    at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
+    return {
+        "start_s": round(began - t0, 3),
+        "open_s": round(timings.get("loop_at", end) - began, 3),
+        "worker_load_s": max(executor.load_s.values(), default=None),
+        "worker_ready_s": round(max(executor.ready_at.values()) - t0, 3) if executor.ready_at else None,
+        "first_batch_s": at("first_batch_at"),
+        "drain_s": round(end - timings["last_routed_at"], 3) if "last_routed_at" in timings else None,
+        "read_tokenize_s": round(timings.get("read_tokenize_s", 0.0), 3),
+        "commit_s": round(timings.get("commit_s", 0.0), 3),
+        "total_s": round(end - t0, 3),
+    }
+
+
+INTERRUPTED_TWICE = (
+    "interrupted twice: stopped at once without waiting for batches in flight; "
+    "committed work stays, resume=true finishes the run"
+)
+
+
+def _drive(loop: RunLoop, executor: Executor, devices: list[Device]) -> tuple[str, str | None]:
+    """Run the loop to its end: (status, error). A second Ctrl-C stops the workers at once and
+    winds the loop down where it stands, so even then there is a report."""
+    try:
+        try:
+            with _stop_on_signals(loop):
+                executor.start(devices)
+                loop.run_until_done()
+            return "finished", None
+        except Stop as stop:
+            return stop.status, str(stop)
+        except KeyboardInterrupt:
+            executor.close(grace_s=0.0)
+            loop.wind_down(INTERRUPTED_TWICE)
+            return "interrupted", INTERRUPTED_TWICE
+    finally:
+        executor.close()
+
+
+@contextmanager
+def _stop_on_signals(loop: RunLoop):
+    """Ctrl-C (or SIGTERM) asks the loop to stop gracefully; a second one stops at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if loop.halt is not None and loop.halt[0] == "interrupted":
+            raise KeyboardInterrupt
+        loop.halt = (
+            "interrupted",
+            f"interrupted by {signal.Signals(signum).name}; committed work stays, resume=true finishes the run",
+        )
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

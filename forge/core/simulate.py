@@ -1,0 +1,75 @@
+"""Plan bare token geometry on any devices: `forge plan` without a function's input or model.
+
+Model: a `GeometryFunction` hands the engine Items that carry only their token geometry
+(lengths and prefixes) and a given memory model, so benchmarks and tests plan synthetic
+workloads (the reference workload, heavy tails, 200k items) on simulated devices through the
+same admission, scheduler, run loop, simulated executor and ledger as `forge plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from forge.batching.memory import CostModel
+from forge.core.engine import RunSpec
+from forge.core.geometry import DEFAULT_WINDOW, Device, Item
+from forge.errors import ForgeError
+from forge.function import Function
+
+
+class GeometryFunction(Function):
+    """Items as given; a memory model as given; nothing runs (plans only)."""
+
+    name = "geometry"
+
+    def __init__(self, items: Iterable[Item], cost: CostModel | None = None):
+        self.items = items  # token geometry only (Item.tokens may be None)
+        self.cost = cost  # the memory model batching=memory and simulated devices use
+
+    def records(self) -> Iterator[Item]:
+        return iter(self.items)
+
+    def open_worker(self, device: Device, cache_tokens: int):
+        raise ForgeError("a geometry function only plans: it has no model to run")
+
+    def open_sink(self, store):
+        raise ForgeError("a geometry function only plans: it writes no outputs")
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"function": self.name}
+
+    def cost_model(self) -> CostModel | None:
+        return self.cost
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": "geometry", "input": "items"}
+
+
+def plan_geometry(
+    items: Iterable[Item],
+    devices: list[Device],
+    mode: str = "memory",
+    *,
+    cost: CostModel | None = None,
+    options: dict[str, Any] | None = None,
+    cache_tokens: int = 32768,
+    window: int = DEFAULT_WINDOW,
+    keep_batches: bool = False,
+    pm=None,
+) -> dict[str, Any]:
+    """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
+    from forge.core.plan import plan
+    from forge.pluginmanager import make_plugin_manager
+
+    options = dict(options or {})
+    splits = mode != "item" and options.get("prefix_cache", True)
+    spec = RunSpec(
+        function=GeometryFunction(items, cost),
+        mode=mode,
+        mode_options=options,
+        devices=devices,
+        window=window,
+        cache_tokens=cache_tokens if splits else 0,
+    )
+    return plan(spec, pm or make_plugin_manager(), keep_batches=keep_batches)

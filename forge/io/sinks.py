@@ -1,0 +1,252 @@
+"""Generic sinks: commit any function's per-item results, as its `ResultSchema` declares.
+
+Model: a worker returns, for a batch, one array per field with a row per item, aligned
+with `batch.items` (`ResultColumns`, or any object with a `columns` mapping). The sink keeps
+the rows of items not committed yet, buffers them, and on `flush` writes one shard through
+`RunStore.write_shard` (the shard put in place whole, then its journal record naming the
+items' input indexes and ids): a safetensors file holding one tensor per field, or a Parquet
+table with `id`, `index` and a column per field. `forge.io.results.load` reads either back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from forge.errors import ForgeError
+from forge.io.results import (
+    BFLOAT16,
+    FORMATS,
+    META,
+    OFFSETS,
+    STRING,
+    Field,
+    ResultSchema,
+    ragged_array,
+    storage_dtype,
+    to_storage,
+)
+
+if TYPE_CHECKING:
+    from forge.core.geometry import Batch
+    from forge.io.store import RunStore
+
+
+class ShardBuffer:
+    """Buffers result rows; `flush` commits them as one shard of the schema's format."""
+
+    def __init__(self, store: RunStore, schema: ResultSchema):
+        self.store = store
+        self.schema = schema
+        self.rows_per_shard = schema.rows_per_shard
+        self.bytes_per_shard = schema.bytes_per_shard
+        store.write_file(f"{schema.folder}/{META}", json.dumps(schema.describe(), default=str))
+        self.shards = 0  # written by this session
+        self._names = 0  # shard names used by this session (failed writes included)
+        self.rows_written = 0
+        self._shapes: dict[str, tuple[int, ...]] = {}  # per-item shape of fields declared with shape None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._parts: dict[str, list[np.ndarray]] = {f.name: [] for f in self.schema.fields}
+        self._ids: list[str] = []
+        self._index: list[int] = []
+        self._meta: list[Any] = []
+        self.bytes_buffered = 0  # bytes of the buffered values
+
+    def full(self) -> bool:
+        """A shard's worth is buffered: `rows_per_shard` rows, or `bytes_per_shard` bytes."""
+        return len(self._ids) >= self.rows_per_shard or self.bytes_buffered >= self.bytes_per_shard
+
+    def add(self, ids: Sequence[str], index: Sequence[int], columns: dict[str, Any], meta: Sequence[Any] = ()) -> None:
+        """Buffer rows: `columns[field]` holds a row per id (checked against the schema)."""
+        n = len(ids)
+        checked = {f.name: self._check(f, columns, n) for f in self.schema.fields}
+        for name, values in checked.items():
+            self._parts[name].append(values)
+            self.bytes_buffered += (
+                values.nbytes
+                if values.dtype != object
+                else sum(v.nbytes if isinstance(v, np.ndarray) else len(str(v)) for v in values)
+            )
+        self._ids.extend(str(i) for i in ids)
+        self._index.extend(int(i) for i in index)
+        if self.schema.meta_key:
+            self._meta.extend(meta if len(meta) == n else [None] * n)
+
+    def _check(self, f: Field, columns: dict[str, Any], n: int) -> np.ndarray:
+        if f.name not in columns:
+            raise ForgeError(
+                f"result field {f.name!r} missing from the worker's output (it gave "
+                f"{', '.join(sorted(columns)) or 'nothing'}); "
+                "the function's result_schema and worker disagree"
+            )
+        if f.ragged:  # an array [n, *shape] per item (shape (): any array, flattened)
+            values = [to_storage(v, f.dtype) for v in columns[f.name]]
+            if len(values) != n:
+                raise ForgeError(f"result field {f.name!r}: the worker gave {len(values)} values for {n} item(s)")
+            shape = (
+                f.shape
+                if f.shape is not None
+                else self._shapes.setdefault(f.name, values[0].shape[1:] if values else ())
+            )
+            for k, v in enumerate(values):
+                if not shape:
+                    values[k] = v.reshape(-1)
+                elif v.shape[1:] != tuple(shape):
+                    raise ForgeError(
+                        f"result field {f.name!r}: the worker gave shape {v.shape} for one item, "
+                        f"expected (n, {', '.join(map(str, shape))})"
+                    )
+            return ragged_array(values)
+        if f.dtype == BFLOAT16:
+            values = to_storage(columns[f.name], f.dtype)
+        else:
+            values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
+        if f.dtype not in (STRING, BFLOAT16):
+            if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
+                raise ForgeError(f"result field {f.name!r}: the worker gave {values.dtype}, the schema says {f.dtype}")
+            values = values.astype(f.dtype, copy=False)
+        shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values.shape[1:])
+        if values.shape != (n, *shape):
+            raise ForgeError(
+                f"result field {f.name!r}: the worker gave shape {values.shape} for {n} item(s), expected {(n, *shape)}"
+            )
+        return values
+
+    def flush(self) -> None:
+        """Commit the buffered rows as one shard (raises OSError when the write fails)."""
+        if not self._ids:
+            return
+        columns = {name: np.concatenate(parts) for name, parts in self._parts.items()}
+        name = f"{self.schema.folder}/{self.store.shard_name(self._names, FORMATS[self.schema.format])}"
+        record: dict[str, Any] = {"index": self._index, "ids": self._ids}
+        if self.schema.meta_key:
+            record[self.schema.meta_key] = self._meta
+        self._names += 1  # a failed write's name is not reused (a shard it left in place is an orphan)
+        try:
+            self.store.write_shard(name, self._writer(columns), record)
+            self.shards += 1
+            self.rows_written += len(self._ids)
+        finally:  # a failed write commits nothing: its rows are dropped (the loop accounts them)
+            self._clear()
+
+    def _writer(self, columns: dict[str, np.ndarray]) -> Callable[[Any], None]:
+        if self.schema.format == "safetensors":
+            tensors = {}
+            for f in self.schema.fields:
+                values = columns[f.name]
+                if f.ragged:  # values end to end, and where each row's start
+                    tensors[f.name + OFFSETS] = np.cumsum([0, *(len(v) for v in values)]).astype(np.int64)
+                    values = (
+                        np.concatenate(list(values))
+                        if len(values)
+                        else np.zeros((0, *(f.shape or ())), storage_dtype(f.dtype))
+                    )
+                tensors[f.name] = np.ascontiguousarray(values)
+            bf16 = [f.name for f in self.schema.fields if f.dtype == BFLOAT16]
+            if bf16:  # numpy has no bfloat16: write the shard through torch, as real BF16 tensors
+                import torch
+                from safetensors.torch import save_file as save_pt
+
+                pt = {k: torch.from_numpy(v) for k, v in tensors.items()}
+                for name in bf16:
+                    pt[name] = pt[name].view(torch.bfloat16)
+                return lambda path: save_pt(pt, str(path))
+            from safetensors.numpy import save_file
+
+            return lambda path: save_file(tensors, str(path))
+        import pyarrow.parquet as pq
+
+        from forge.io.results import Results
+
+        table = Results(self._ids, np.asarray(self._index, np.int64), columns, None, {}).table()
+        return lambda path: pq.write_table(table, str(path))
+
+    def close(self) -> dict[str, Any]:
+        """Flush what is left; figures for the report."""
+        self.flush()
+        where = self.store.url(self.schema.folder)
+        return {
+            "results": where,
+            self.schema.folder: where,
+            "format": self.schema.format,
+            "shards": self.shards,
+            "rows": self.rows_written,
+        }
+
+
+class ResultSink:
+    """The `forge.function.Sink` of a function that declares a `ResultSchema`: rows come from
+    the output's `columns` (aligned with `batch.items`), ids and input indexes from the items,
+    and each item's `meta` is kept when the schema names a `meta_key`."""
+
+    def __init__(self, store: RunStore, schema: ResultSchema, meta_of: Callable[[Any], Any] | None = None):
+        self.buffer = ShardBuffer(store, schema)
+        self.meta_of = meta_of or (lambda item: item.meta)  # what the journal keeps of an item (schema.meta_key)
+
+    def write(self, batch: Batch, output: Any, keep: list[bool] | None) -> None:
+        items = batch.items
+        columns = dict(output.columns)
+        if keep is not None:
+            mask = np.asarray(keep, bool)
+            items = [it for it, k in zip(items, keep) if k]
+            columns = {
+                name: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else np.asarray(values)[mask]
+                for name, values in columns.items()
+            }
+        self.buffer.add(
+            [it.id for it in items], [it.index for it in items], columns, [self.meta_of(it) for it in items]
+        )
+
+    def full(self) -> bool:
+        return self.buffer.full()
+
+    def flush(self) -> None:
+        self.buffer.flush()
+
+    def close(self) -> dict[str, Any]:
+        return self.buffer.close()
+
+
+class RoutedSink:
+    """Results in several folders from one worker output: each item's row goes to the sink
+    `route(item)` names (probe_gen's per-token states: items to one folder, the states of each
+    distinct prefix, stored once, to another). Every folder's shards are journaled alike, so
+    each item is committed exactly once whichever folder holds it."""
+
+    def __init__(self, sinks: dict[str, ResultSink], route: Callable[[Any], str]):
+        self.sinks = sinks  # name -> sink; the first is the main one (its figures lead the report's)
+        self.route = route  # item -> the name of the sink its row goes to
+
+    def write(self, batch: Batch, output: Any, keep: list[bool] | None) -> None:
+        keep = keep if keep is not None else [True] * len(batch.items)
+        routes = [self.route(it) for it in batch.items]
+        for name, sink in self.sinks.items():
+            mask = [k and r == name for k, r in zip(keep, routes)]
+            if any(mask):
+                sink.write(batch, output, mask)
+
+    def full(self) -> bool:
+        return any(sink.full() for sink in self.sinks.values())
+
+    def flush(self) -> None:
+        for sink in self.sinks.values():
+            sink.flush()
+
+    def close(self) -> dict[str, Any]:
+        figures = [sink.close() for sink in self.sinks.values()]
+        out = dict(figures[0])
+        for name, more in zip(list(self.sinks)[1:], figures[1:]):
+            out[name] = more["results"]
+            out["shards"] += more["shards"]
+            out[f"{name}_rows"] = more["rows"]
+        return out
+
+
+def open_sink(store: RunStore, schema: ResultSchema) -> ResultSink:
+    """A sink committing `schema`'s fields: safetensors shards or Parquet tables."""
+    return ResultSink(store, schema)

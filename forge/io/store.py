@@ -1,0 +1,400 @@
+"""The run directory: what decides results (a fingerprint), and a journal of committed shards.
+
+    run_dir/lock.json       who holds the directory (`forge.io.lock`): one run or resume at a time
+    run_dir/run.json        fingerprint, status, sessions
+    run_dir/commits.jsonl   local disk: one line per committed shard: {"file", "index": [...], ...}
+    run_dir/commits/SSS-NNNNNN.json   object store: one marker object per committed shard (same record)
+    run_dir/pending.jsonl   local disk: one line per shard about to be written: {"file"}
+    run_dir/pending/SSS-NNNNNN.json   object store: the same, one marker per shard
+    run_dir/<shards>        written by the function's sink through `write_shard`
+
+Model: the journal is the truth. Before a shard is written, its name is recorded as pending;
+the shard is then put in place whole, and only then is its commit record written. On resume,
+a pending shard without a commit record is an orphan of a crash and is removed, with its
+staged temporary file: resume deletes nothing else, so a file Forge did not stage itself is
+never touched. A resumed run skips every item whose input index the journal names, so nothing
+is recomputed or committed twice. All of it happens under the directory's lock.
+
+A directory is a run's when it holds `run.json`. A fresh run refuses a non-empty directory
+that is not a run (before writing anything there) and a directory that already holds a run
+(unless `resume=True`); both checks happen under the lock, so two runs cannot both pass them.
+
+`run_dir` is a local path or an fsspec URL (`forge.io.location`), and the journal takes the form
+the storage makes safe and fast:
+- local disk: the shard is written under a temporary name, flushed and renamed into place;
+  its record is appended to `commits.jsonl` and flushed. One append per commit; a torn last
+  line (a crash mid-append) is cut off on resume.
+- object store (no rename, append or fsync): the shard is uploaded whole (a PUT is atomic:
+  readers never see half an object), then its record is PUT as its own small marker object,
+  named by session and commit number so that listing them in name order is commit order.
+  A marker is all there or absent, so there is no torn record to cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from forge.errors import ForgeError
+from forge.io.location import TMP_SUFFIX, Location, check_output_dir, open_location, reach
+from forge.io.lock import LOCK_FILE, RunLock, acquire
+
+RUN_FILE = "run.json"
+JOURNAL = "commits"  # commits.jsonl on a local disk, commits/ on an object store
+PENDING = "pending"  # pending.jsonl / pending/: shards about to be written
+SHARD_PREFIX = "shard-"
+#: what a directory may hold, and still be taken for a fresh run: what a refused or abandoned start
+#: left, or a start that is writing its run.json right now (under a temporary name)
+LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING, RUN_FILE + TMP_SUFFIX}
+
+
+def fingerprint_changes(old: dict, new: dict, where: str = "") -> list[str]:
+    """What differs between two fingerprints, in words: 'layers: [1, 2] -> [1, 4]'."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += fingerprint_changes(a, b, f"{where}{key}.")
+        elif a != b:
+            changes.append(f"{where}{key}: {a!r} -> {b!r}")
+    return changes
+
+
+class _LineJournal:
+    """<name>.jsonl on a local disk: appended and flushed, one line per record."""
+
+    def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
+        self.path = Path(where.root) / f"{name}.jsonl"
+        self.durable = durable  # fsync each record (commits); pending records need only survive the process
+        self._file = None
+
+    def read(self, repair: bool = False) -> list[dict]:
+        """The records, in commit order; a torn last line is ignored (cut off with `repair`)."""
+        if not self.path.exists():
+            return []
+        records, good = [], 0
+        with open(self.path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break
+                try:
+                    records.append(json.loads(raw))
+                except ValueError:
+                    break  # a torn last line: the shard it named is an orphan
+                good += len(raw)
+        if repair:
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+        return records
+
+    def append(self, record: dict, session: int, n: int) -> None:
+        import os
+
+        if self._file is None:
+            self._file = open(self.path, "a")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.durable:
+            os.fsync(self._file.fileno())
+
+    def clear(self) -> None:
+        """Drop every record (they have all been acted on)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _MarkerJournal:
+    """<name>/SSS-NNNNNN.json on an object store: one whole object per record."""
+
+    def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
+        self.where = where
+        self.folder = name
+
+    def _markers(self) -> list[tuple[tuple[int, ...], str]]:
+        found = []
+        for rel in self.where.files(self.folder):
+            folder, _, name = rel.rpartition("/")
+            if folder != self.folder or not name.endswith(".json"):
+                continue
+            try:
+                found.append((tuple(int(part) for part in name[:-5].split("-")), rel))
+            except ValueError:
+                continue
+        return sorted(found)
+
+    def read(self, repair: bool = False) -> list[dict]:
+        records = []
+        for _, rel in self._markers():
+            try:
+                records.append(json.loads(self.where.read_bytes(rel)))
+            except ValueError:  # never on an atomic store; a marker that does not parse commits nothing
+                if repair:
+                    self.where.remove(rel)
+        return records
+
+    def append(self, record: dict, session: int, n: int) -> None:
+        self.where.write_bytes(f"{self.folder}/{session:03d}-{n:06d}.json", json.dumps(record).encode())
+
+    def clear(self) -> None:
+        for _, rel in self._markers():
+            self.where.remove(rel)
+
+    def close(self) -> None:
+        pass
+
+
+def _journal(where: Location, name: str = JOURNAL, durable: bool = True):
+    return (_LineJournal if where.durable_rename else _MarkerJournal)(where, name, durable)
+
+
+def check_journal_path(rel: Any, run_dir) -> str:
+    """A journaled file name, if it stays inside the run directory (a relative path without
+    '..'); a corrupt or crafted journal is one line, never a read elsewhere."""
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or rel.startswith("/")
+        or "\\" in rel
+        or ":" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise ForgeError(
+            f"{run_dir}: its journal names {rel!r}, which is not a file inside the run directory; "
+            "the journal is damaged: restore commits from a copy, or run again into a new output_dir"
+        )
+    return rel
+
+
+class RunStore:
+    """The run directory of one run, opened fresh or to resume, and held (locked) until closed.
+
+    `run_dir` is a local path or an fsspec URL. `fingerprint` is a JSON-able dict of
+    everything that decides results (function, model, input content, layers, ...). Opening a
+    directory that already holds a run needs `resume=True` and the same fingerprint; a
+    non-empty directory that holds no run is refused.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        fingerprint: dict[str, Any],
+        resume: bool = False,
+        fault: Callable[[str], None] | None = None,
+    ):
+        # fault: called with a point's name (a test seam): "write_shard" once a shard is written
+        # but not in place, "commit_record" once it is in place but its record is not written
+        self.fault = fault
+        check_output_dir(run_dir)
+        self.where = open_location(run_dir)
+        self.dir = self.where.root  # a Path for a local directory, else the URL (use `url` and `write_file`)
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as it reads back
+        self.committed: set[int] = set()  # input indexes of committed items (earlier sessions)
+        self.shards: list[dict] = []  # journal records of earlier sessions
+        self.session = 0  # this session's number: shard names stay unique across crashes
+        self._journal = _journal(self.where)
+        self._pending = _journal(self.where, PENDING, durable=False)
+        self._commits = 0  # records this session wrote or tried to write
+        self._written: set[str] = set()  # shards this session committed
+        self._previous: bytes | None = None  # run.json as an earlier session left it
+        reach(run_dir, lambda: self._refuse_foreign(run_dir))  # before anything is written there
+        self.lock: RunLock | None = reach(run_dir, lambda: acquire(self.where, run_dir))
+        try:
+            reach(run_dir, lambda: self._open(run_dir, resume))
+        except BaseException:
+            self._release()
+            raise
+
+    def _refuse_foreign(self, run_dir) -> None:
+        _refuse_foreign(self.where, run_dir)
+
+    def _open(self, run_dir, resume: bool) -> None:
+        previous = _previous_run(self.where, run_dir, resume)
+        self._previous = None if previous is None else self.where.read_bytes(RUN_FILE)  # restored if abandoned
+        if previous is None:
+            self._refuse_foreign(run_dir)  # again, under the lock
+        else:
+            changes = fingerprint_changes(previous.get("fingerprint", {}), self.fingerprint)
+            if changes:
+                raise ForgeError(
+                    f"resume refused: {'; '.join(changes)} since the run in {run_dir} started; "
+                    "run with its settings again, or choose a new output_dir"
+                )
+            self.session = int(previous.get("sessions", 0))
+            self.shards = self._journal.read(repair=True)
+            for record in self.shards:
+                check_journal_path(record.get("file"), run_dir)
+                self.committed.update(record["index"])
+        self._remove_orphans()
+        self.status = "running"
+        self._save()
+
+    def _remove_orphans(self) -> None:
+        """Shards a crashed session recorded as pending but never committed, and their staged
+        files. Nothing else is removed: only what Forge staged, by the names it recorded."""
+        known = {record["file"] for record in self.shards} | self._written
+        for record in self._pending.read(repair=True):
+            rel = record.get("file")
+            if isinstance(rel, str) and rel not in known:
+                check_journal_path(rel, self.dir)
+                self.where.remove(rel)
+                if self.where.durable_rename:
+                    self.where.remove(rel + TMP_SUFFIX)
+        self._pending.clear()
+
+    # -- writing ----------------------------------------------------------------
+    def write_shard(self, rel_path: str, write: Callable[[Path], None], record: dict[str, Any]) -> None:
+        """Write one shard whole, then journal it. `write(path)` writes the shard to a local
+        path (a temporary name; the store puts it in place). `record` must hold "index"
+        (input indexes of its items). Any failure (a full disk, a store error, the writer
+        library's own error) raises OSError, and nothing of the shard is committed."""
+        n, self._commits = self._commits, self._commits + 1  # never reused, even after a failure
+        staged = None
+        try:
+            if self.lock is not None:
+                self.lock.check()
+            self._pending.append({"file": rel_path}, self.session, n)
+            staged = self.where.staging(rel_path)
+            write(staged)
+            if self.fault is not None:
+                self.fault("write_shard")
+            self.where.put(staged, rel_path)
+            staged = None
+            if self.fault is not None:
+                self.fault("commit_record")
+            self._journal.append({"file": rel_path, **record}, self.session, n)
+            self._written.add(rel_path)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a writer's or store package's own error: a write error all the same
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if staged is not None:
+                try:
+                    staged.unlink(missing_ok=True)
+                except OSError:
+                    pass  # resume removes it: it is recorded as pending
+
+    def write_file(self, rel_path: str, data: bytes | str) -> None:
+        """A small file of the run (metadata), replaced whole; not journaled."""
+        self.where.write_bytes(rel_path, data.encode() if isinstance(data, str) else data)
+
+    def add_missing(self, files: dict[str, bytes]) -> None:
+        """Files of the run written only where absent (Hydra's .hydra/ of the first session)."""
+        for rel, data in files.items():
+            if not self.where.exists(rel):
+                self.write_file(rel, data)
+
+    def url(self, rel_path: str = "") -> str:
+        """Where a file of the run lives (a local path or a URL), for reports."""
+        return self.where.url(rel_path)
+
+    def shard_name(self, k: int, suffix: str) -> str:
+        """A shard file name unique across sessions of this run."""
+        return f"{SHARD_PREFIX}{self.session:03d}-{k:05d}{suffix}"
+
+    # -- status -----------------------------------------------------------------
+    def _save(self) -> None:
+        self.write_file(
+            RUN_FILE,
+            json.dumps(
+                {"fingerprint": self.fingerprint, "status": self.status, "sessions": self.session + 1},
+                indent=2,
+                default=str,
+            ),
+        )
+
+    def _release(self) -> None:
+        self._journal.close()
+        self._pending.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        self.where.close()
+
+    def abandon(self) -> None:
+        """A session refused or interrupted during start-up: a first session leaves no run
+        behind, a resumed one leaves run.json as it found it (one that committed already is
+        closed as interrupted)."""
+        if self._commits:
+            return self.close("interrupted")
+        try:
+            if self._previous is None:
+                self.where.remove(RUN_FILE)
+            else:
+                self.where.write_bytes(RUN_FILE, self._previous)
+        finally:
+            self._release()
+
+    def close(self, status: str) -> None:
+        """Record how this session ended (finished, interrupted, stopped: ...) and release the
+        directory. Call it after the report is written: the lock covers the report too."""
+        try:
+            self.status = status
+            self._save()
+            self._journal.close()
+            self._remove_orphans()  # a shard whose write failed this session; pending records go
+        finally:
+            self._release()
+
+
+def _refuse_foreign(where: Location, run_dir) -> None:
+    """A non-empty directory that holds no run (only what a refused start left is allowed)."""
+    names = where.entries()
+    if RUN_FILE in names or not set(names) - LEFT_BY_A_START:
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise ForgeError(
+        f"output_dir={run_dir} is not empty ({shown}) and holds no Forge run; Forge writes only "
+        "into a new or empty directory or into its own run: choose another output_dir"
+    )
+
+
+def _previous_run(where: Location, run_dir, resume: bool) -> dict | None:
+    """The run the directory holds (None: none); one without `resume` is refused."""
+    if not where.exists(RUN_FILE):
+        return None
+    try:
+        previous = json.loads(where.read_bytes(RUN_FILE))
+    except ValueError:
+        raise ForgeError(f"output_dir={run_dir}: its {RUN_FILE} is damaged; choose a new output_dir") from None
+    if not resume:
+        raise ForgeError(
+            f"output_dir={run_dir} already holds a run ({previous.get('status', 'unknown')}); "
+            "add resume=true to finish it, or choose a new output_dir"
+        )
+    return previous
+
+
+def check_run_dir(run_dir: Path | str, resume: bool) -> None:
+    """The refusals a run would give for this directory, checked before anything (Hydra
+    included) writes there. Read-only; the run checks again under the lock."""
+    where = open_location(run_dir)
+    reach(run_dir, lambda: (_refuse_foreign(where, run_dir), _previous_run(where, run_dir, resume)))
+
+
+def check_sweep_dir(output_dir: str) -> None:
+    """A sweep's directory holds one numbered run directory per job and nothing else."""
+    where = open_location(output_dir)
+    names = reach(output_dir, where.entries)
+    foreign = [n for n in names if not n.isdigit()]
+    if foreign:
+        raise ForgeError(
+            f"output_dir={output_dir} holds {', '.join(foreign[:3])}, which is not a job of a Forge "
+            "sweep (a sweep writes only numbered run directories); choose another output_dir"
+        )
+
+
+def read_journal(run_dir: Path | str) -> list[dict]:
+    """The committed shards of a run directory (a local path or a URL), in commit order. A
+    record naming a file outside the run directory is refused (`check_journal_path`)."""
+    records = _journal(open_location(run_dir)).read()
+    for record in records:
+        check_journal_path(record.get("file"), run_dir)
+    return records

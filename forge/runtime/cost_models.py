@@ -1,0 +1,113 @@
+"""The memory cost models of a Hugging Face model function (`forge.api.ModelFunction`), for
+batching=memory: its forward pass measured on fake tensors (`forge.runtime.memory_fit`), or,
+where that fails, a first-principles estimate from the config's sizes.
+
+`causal_lm_cost_model` and `encoder_cost_model` take the function itself (its `config`,
+`model`, `caps`, `forward` and `warn`); `forge.api` calls them from `cost_model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from forge.batching.memory import CostModel
+from forge.errors import ForgeError
+from forge.runtime.modelspec import DTYPES, first_line
+
+LOGIT_COPIES = 3  # target scoring holds float32 [tokens, vocab] logits about three times (cast, log_softmax, argmax)
+
+
+def _target(fn: Any, pooling: str):
+    from forge.runtime.memory_fit import Target
+
+    return Target(
+        dtype=fn.model.torch_dtype,
+        attn=fn.caps.attn or "eager",
+        hidden_kept=max(1, len(set(fn.forward.layers))),
+        pooling=pooling,
+    )
+
+
+def _fell_back(fn: Any, exc: Exception) -> CostModel:
+    fn.warn(
+        f"memory model: measuring {fn.model.name} on fake tensors failed ({first_line(exc)}); "
+        "batching=memory plans from a first-principles estimate of its shape"
+    )
+    return fn.shape_cost_model()
+
+
+def causal_lm_cost_model(fn: Any) -> CostModel:
+    """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
+    per token: float32 logits when targets are scored, and the function's own extras."""
+    from forge.runtime.hf_compat import text_config
+    from forge.runtime.memory_fit import fitted_cost_model
+
+    try:
+        base = fitted_cost_model(fn.config, _target(fn, fn.memory_pooling()), bool(fn.model.trust_remote_code))
+    except ForgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
+        base = _fell_back(fn, exc)
+    extra = fn.extra_bytes_per_token()
+    if fn.forward.targets:
+        vocab = int(getattr(text_config(fn.config), "vocab_size", 0) or 0)
+        extra += vocab * (DTYPES[fn.model.torch_dtype] + 4 * LOGIT_COPIES)
+    return replace(base, bytes_per_token=base.bytes_per_token + extra) if extra else base
+
+
+def encoder_cost_model(fn: Any) -> CostModel:
+    """An encoder's forward pass measured on fake tensors (whole texts: no prefix shapes)."""
+    from forge.runtime.encoder import FakeEncoder
+    from forge.runtime.memory_fit import FIT_SHAPES, fitted_cost_model
+
+    shapes = tuple(s for s in FIT_SHAPES if not s.prefix_len)
+    try:
+        return fitted_cost_model(
+            fn.config,
+            _target(fn, "mean"),
+            bool(fn.model.trust_remote_code),
+            fake=FakeEncoder,
+            shapes=shapes,
+            kind="encoder",
+        )
+    except ForgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return _fell_back(fn, exc)
+
+
+def check_layers(layers: tuple[int, ...], n: int) -> None:
+    """Hidden-state indices must name one of the model's 0..n (negative ones count from the end: -1 = n)."""
+    bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not -(n + 1) <= x <= n]
+    if bad:
+        raise ForgeError(
+            f"layers={list(layers)}: the model has {n} layers; choose layers in 0..{n} "
+            "(0 = embeddings; -1 = the final one)"
+        )
+
+
+def shape_cost_model(config: Any, torch_dtype: str) -> CostModel:
+    """A first-principles estimate from the config's sizes (no measurement)."""
+    from forge.runtime.hf_compat import num_layers, text_config
+
+    c = text_config(config)
+    hidden, layers = c.hidden_size, num_layers(c)
+    inter = next(
+        (v for v in (getattr(c, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")) if v),
+        4 * hidden,
+    )
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    per_layer = hidden * head_dim * (heads * 2 + kv_heads * 2) + 3 * hidden * inter + 2 * hidden
+    embed = c.vocab_size * hidden * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    return CostModel.from_shape(
+        num_params=embed + layers * per_layer + hidden,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=inter,
+        dtype_bytes=DTYPES[torch_dtype],
+    )
