@@ -275,3 +275,30 @@ def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
     assert inspect.signature(plan_geometry).parameters["window"].default == DEFAULT_WINDOW
     assert {f.name: f.default for f in dataclasses.fields(RunSpec)}["window"] == DEFAULT_WINDOW
     assert spec_for().window == DEFAULT_WINDOW
+
+
+@pytest.mark.parametrize("name", ["probe_gen", "score", "embed", "surprisal"])
+def test_function_yaml_and_constructor_agree_with_the_config_schema(name):
+    """A function's root keys have one default, its config schema's: the YAML may restate a key
+    (Hydra overrides only keys a YAML has) only with that value, and the constructor's keyword
+    defaults are the same values."""
+    import dataclasses
+    import inspect
+
+    import yaml
+    from omegaconf import MISSING
+
+    from forge.config.build import conf_dir
+    from forge.pluginmanager import function_class
+
+    data = yaml.safe_load((conf_dir() / "function" / f"{name}.yaml").read_text())
+    cls = function_class(data["function"])
+    unset = (dataclasses.MISSING, MISSING)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_schema) if f.default not in unset}
+    assert "shard_size" in defaults and "shard_size" in data  # the check has something to compare
+    for key, default in defaults.items():
+        if key in data and not isinstance(data[key], dict):
+            assert data[key] == default, f"{name}.yaml: {key}={data[key]!r}, the schema says {default!r}"
+    for key, p in inspect.signature(cls.__init__).parameters.items():
+        if key in defaults and p.default is not inspect.Parameter.empty:
+            assert p.default == defaults[key], f"{cls.__name__}({key}={p.default!r}), the schema says {defaults[key]!r}"
