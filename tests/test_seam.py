@@ -283,8 +283,9 @@ _LOWER += ("forge.executors",)
 _UPPER = ("forge.cli", "forge.api", "forge.testing", "forge.functions", "forge.builtin")
 
 
-def _import_map() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports when it is imported (module level)."""
+def _import_map(lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it is imported (module level), or
+    anywhere in it (`lazy`: imports inside functions too)."""
     import ast
 
     paths = {}
@@ -295,7 +296,8 @@ def _import_map() -> dict[str, set[str]]:
     graph = {}
     for name, path in paths.items():
         found = set()
-        for node in ast.parse(path.read_text()).body:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if lazy else tree.body:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -324,6 +326,17 @@ def test_the_import_map_has_no_cycles_and_no_arrows_back_up():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+    upward = sorted(
+        f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
+    )
+    assert upward == []
+
+
+def test_no_lower_floor_imports_upward_even_inside_a_function():
+    """Lazy imports too: the runtime finds the embedded assets (data under functions/) without
+    importing functions/, and no floor below the public modules reaches the CLI, forge.api,
+    forge.testing, the functions or the built-in plugins."""
+    graph = _import_map(lazy=True)
     upward = sorted(
         f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
     )

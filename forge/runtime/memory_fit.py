@@ -310,7 +310,7 @@ def fit(shapes: Iterable[Shape], peaks: Iterable[int], weight_bytes: int, margin
 
 
 def cache_dir() -> Path:
-    from forge.functions.assets import default_cache_dir
+    from forge.runtime.embedded import default_cache_dir
 
     return default_cache_dir() / "memory_fits"
 

@@ -47,7 +47,7 @@ def resolve_model_source(name: str) -> str:
     if name.startswith(MODULE):
         return resolve_module_dir(name)
     if name.startswith(EMBEDDED):
-        from forge.functions.assets import ASSETS_DIR
+        from forge.runtime.embedded import ASSETS_DIR
 
         path = ASSETS_DIR / name[len(EMBEDDED) :]
         if not path.is_dir():
@@ -75,7 +75,7 @@ def resolve_module_dir(name: str) -> str:
 
 def resolve_input(path: str) -> Path:
     if path.startswith(EMBEDDED):
-        from forge.functions.assets import ASSETS_DIR
+        from forge.runtime.embedded import ASSETS_DIR
 
         return ASSETS_DIR / f"{path[len(EMBEDDED) :]}.jsonl"
     return Path(path).expanduser()
@@ -153,7 +153,7 @@ class HFModel:
         an embedded model's weights are made (and cached) first."""
         import torch
 
-        from forge.functions.assets import materialize_model
+        from forge.runtime.embedded import materialize_model
 
         path = str(materialize_model(Path(self.source))) if Path(self.source).is_dir() else self.source
         self.loaded_from = path
