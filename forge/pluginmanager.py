@@ -9,7 +9,7 @@ import importlib
 
 import pluggy
 
-from forge import hookspecs
+import forge.hookspecs as hookspecs
 from forge.errors import ForgeError
 
 ENTRY_POINT_GROUP = "forge"

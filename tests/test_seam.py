@@ -297,13 +297,41 @@ def _import_map(lazy: bool = False) -> dict[str, set[str]]:
     for name, path in paths.items():
         found = set()
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree) if lazy else tree.body:
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for n in ast.walk(block)}
+        for node in (n for n in ast.walk(tree) if id(n) not in typing_only) if lazy else tree.body:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
         graph[name] = {m for m in found if m in paths and m != name}
     return graph
+
+
+def _is_type_checking(node) -> bool:
+    """An `if TYPE_CHECKING:` block: its imports are for type checkers, never run."""
+    import ast
+
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph (a path that comes back to its first module), or None."""
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return [*path, module, target]
+            if target not in state and (found := visit(target, [*path, module])):
+                return found
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module, [])):
+            return found
+    return None
 
 
 def _within(module: str, packages: tuple[str, ...]) -> bool:
@@ -313,19 +341,8 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
 def test_the_import_map_has_no_cycles_and_no_arrows_back_up():
     graph = _import_map()
     assert {"forge.core.engine", "forge.io.store", "forge.config.schema", "forge.cli.app"} <= set(graph)
-    state: dict[str, int] = {}
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(graph[module]):
-            assert state.get(target) != 1, f"import cycle: {' -> '.join([*path, module, target])}"
-            if target not in state:
-                visit(target, [*path, module])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
     upward = sorted(
         f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
     )
@@ -333,10 +350,12 @@ def test_the_import_map_has_no_cycles_and_no_arrows_back_up():
 
 
 def test_no_lower_floor_imports_upward_even_inside_a_function():
-    """Lazy imports too: the runtime finds the embedded assets (data under functions/) without
-    importing functions/, and no floor below the public modules reaches the CLI, forge.api,
-    forge.testing, the functions or the built-in plugins."""
+    """Imports inside functions too (type-checking-only blocks aside, which never run): no cycle,
+    and no floor below the public modules reaches the CLI, forge.api, forge.testing, the
+    functions or the built-in plugins (the runtime locates the embedded assets under functions/
+    as data, without importing them)."""
     graph = _import_map(lazy=True)
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
     upward = sorted(
         f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
     )

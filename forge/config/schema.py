@@ -79,7 +79,7 @@ class Devices:
 class Runtime:
     """Where and how batches run, and how the run loop reacts to time and failure: the one
     home of every runtime setting and its default. conf/runtime/local.yaml extends it (its
-    defaults list names `schema_local`, registered by `store_schemas`) and only selects;
+    defaults list names `schema_local`, registered by `forge.config.searchpath.store_schemas`) and only selects;
     core code gets an instance of it (`forge.config.build.build_runtime`)."""
 
     executor: str = "process"  # a registered executor (forge_executors): process | inprocess | ray
@@ -110,20 +110,6 @@ class RayRuntime(Runtime):
 
 
 RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other value: Runtime (local)
-
-
-def store_schemas() -> None:
-    """Register the schemas Forge's YAML extends with Hydra's ConfigStore: the runtime group's
-    options `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the
-    `input` node of every function YAML (`- /schema_input@input` in its defaults list)."""
-    from hydra.core.config_store import ConfigStore
-
-    from forge.io.inputs import InputSpec
-
-    store = ConfigStore.instance()
-    store.store(group="runtime", name="schema_local", node=Runtime)
-    store.store(group="runtime", name="schema_ray", node=RayRuntime)
-    store.store(name="schema_input", node=InputSpec)
 
 
 @dataclass

@@ -50,10 +50,23 @@ class ForgeSearchPathPlugin(SearchPathPlugin):
 
 def register() -> None:
     """Make sure Hydra uses the plugin (a no-op when its namespace scan found it already), and
-    knows the schemas Forge's YAML extends (`forge.config.schema.store_schemas`)."""
+    knows the schemas Forge's YAML extends (`store_schemas`)."""
     from hydra.core.plugins import Plugins
-
-    from forge.config.schema import store_schemas
 
     Plugins.instance().register(ForgeSearchPathPlugin)
     store_schemas()
+
+
+def store_schemas() -> None:
+    """Register the schemas Forge's YAML extends with Hydra's ConfigStore: the runtime group's
+    options `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the
+    `input` node of every function YAML (`- /schema_input@input` in its defaults list)."""
+    from hydra.core.config_store import ConfigStore
+
+    from forge.config.schema import RayRuntime, Runtime
+    from forge.io.inputs import InputSpec
+
+    store = ConfigStore.instance()
+    store.store(group="runtime", name="schema_local", node=Runtime)
+    store.store(group="runtime", name="schema_ray", node=RayRuntime)
+    store.store(name="schema_input", node=InputSpec)

@@ -59,7 +59,7 @@ _ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key
 class InputSpec:
     """The `input` keys every model function reads, and the one home of their defaults: each
     function YAML extends it (`- /schema_input@input` in its defaults list, registered by
-    `forge.config.schema.store_schemas`) and sets only `path`."""
+    `forge.config.searchpath.store_schemas`) and sets only `path`."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
     limit: int | None = positive(None)  # take only the first N rows
