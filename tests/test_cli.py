@@ -249,3 +249,15 @@ def test_run_refuses_simulated_devices_before_any_work_and_plan_takes_them(cli, 
     assert plan["virtual_time"]["unit"] == "s" and plan["balanced"]
     assert {d["name"] for d in plan["devices"]} == {"card16", "card32"}
     assert all(d["virtual_finish"] > 0 and 0 < d["busy_share"] <= 1 for d in plan["devices"])
+
+
+def test_plan_states_what_a_per_token_run_will_write(cli):
+    """forge plan sizes a pooling=none run before it runs: per layer, in total, per stored token."""
+    args = ["plan", "pooling=none", "layers=[1,2]", "storage_dtype=float16", "input.limit=40", *SMALL]
+    result = cli.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    sized = json.loads(result.stdout)["output_bytes"]
+    assert sized["fields"]["layer_1"] == sized["fields"]["layer_2"] == sized["stored_tokens"] * 256 * 2
+    assert sized["per_stored_token"] == pytest.approx(sized["total"] / sized["stored_tokens"])
+    human = cli.invoke(app, args)
+    assert human.exit_code == 0 and "will write" in human.output and "per stored token" in human.output
