@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,17 @@ def assert_same_output(run_dir: Path, clean: dict, atol: float) -> None:
     for layer, got in layers.items():
         want = torch.stack([clean[i][layer] for i in ids])
         assert torch.allclose(got, want, atol=atol, rtol=0), (layer, (got - want).abs().max())
+
+
+def forge_process(*args, env=None, **kw) -> subprocess.Popen:
+    """`forge run` in its own process group, as a user's terminal would start it (stdout and
+    stderr together, on a pipe)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli.app", "run", *args],
+        cwd=Path(__file__).resolve().parent,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )

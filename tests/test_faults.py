@@ -8,14 +8,12 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_output, clean_activations, run_forge
+from conftest import assert_same_output, clean_activations, forge_process, plan_forge, run_forge
 from forge import load_activations
 from forge.errors import ForgeError
 
@@ -74,24 +72,11 @@ def test_chaos(tmp_path, faults, clean):
     same_output(tmp_path, clean)
 
 
-def _forge(*args, env=None, **kw):
-    """`forge run` in its own process group, as a user's terminal would start it."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli.app", "run", *args],
-        cwd=TESTS,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        **kw,
-    )
-
-
 def test_kill9_of_the_whole_tree_then_resume(tmp_path, faults, clean):
     out = tmp_path / "run"
     faults(kill_run_at_write=3)  # SIGKILL to the whole process group while the 3rd shard is written
     args = [*FAST, *PROC, "shard_size=8", f"output_dir={out}"]
-    proc = _forge(*args, env=dict(os.environ))
+    proc = forge_process(*args, env=dict(os.environ))
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "report.json").exists()
@@ -192,7 +177,7 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clea
 def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
     out = tmp_path / "run"
     faults(hang={"seconds": 30, "nth": 4})  # a long batch to interrupt
-    proc = _forge(
+    proc = forge_process(
         *FAST, *PROC, "shard_size=4", "runtime.commit_interval_s=0.1", f"output_dir={out}", env=dict(os.environ)
     )
     deadline = time.monotonic() + 120
@@ -259,7 +244,6 @@ def test_a_heavy_tail_never_stalls(tmp_path, packing, how):
     ]
     data = tmp_path / "tail.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from conftest import plan_forge
 
     args = [
         "devices=sim_16g_32g",
@@ -310,7 +294,7 @@ def test_large_batches_and_results_cross_the_pipes(tmp_path):
     worker that is itself waiting to send (a deadlock before the worker drained its pipe)."""
     out = tmp_path / "run"
     # the whole embedded input at the default limits (8,192-token batches; it hung before the fix)
-    proc = _forge("layers=[0,1,2,3,4]", "runtime.executor=process", f"output_dir={out}", env=dict(os.environ))
+    proc = forge_process("layers=[0,1,2,3,4]", "runtime.executor=process", f"output_dir={out}", env=dict(os.environ))
     text = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == 0, text
     report = json.loads((out / "report.json").read_text())

@@ -17,7 +17,7 @@ import fsspec
 import pytest
 from typer.testing import CliRunner
 
-from conftest import run_forge
+from conftest import forge_process, run_forge
 from forge.cli.app import app
 from forge.errors import ForgeError
 from forge.io.store import RunStore, read_journal
@@ -270,21 +270,12 @@ def test_a_shard_writer_error_stops_the_run_cleanly_in_every_format(tmp_path, mo
     assert 4 <= report["items"]["resumed"] == committed < N
 
 
-def _forge(*args, env=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli.app", "run", *args],
-        cwd=TESTS,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
 def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults):
     out = tmp_path / "run"
     faults(sigterm_at_start=True)
-    proc = _forge(*FAST, "runtime.executor=inprocess", "plugins=[faults]", f"output_dir={out}", env=dict(os.environ))
+    proc = forge_process(
+        *FAST, "runtime.executor=inprocess", "plugins=[faults]", f"output_dir={out}", env=dict(os.environ)
+    )
     text = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 130, text
     assert "interrupted during start-up, before any work" in text and "Traceback" not in text
@@ -296,7 +287,7 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults)
 def test_a_second_ctrl_c_stops_at_once_and_still_writes_the_report(tmp_path, faults):
     out = tmp_path / "run"
     faults(hang={"seconds": 120, "nth": 2})  # a batch that would hold the first Ctrl-C's drain
-    proc = _forge(
+    proc = forge_process(
         *FAST,
         "runtime.executor=process",
         "plugins=[faults]",

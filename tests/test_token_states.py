@@ -6,8 +6,6 @@ import collections
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import forge_process, plan_forge
 from forge.errors import ForgeError
 from forge.testing import run_function
 
@@ -159,8 +158,6 @@ def test_bfloat16_storage_is_the_reference_rounded(tmp_path, data, reference):
 def test_plan_states_the_bytes_the_run_writes(tmp_path, data):
     from safetensors import safe_open
 
-    from conftest import plan_forge
-
     overrides = [f"input.path={data[0]}", "function=probe_gen", *SMALL_LIMITS, *NONE]
     sized = plan_forge(*overrides)["output_bytes"]
     run_function("probe_gen", data[0], tmp_path, [*SMALL_LIMITS, *NONE])
@@ -196,18 +193,6 @@ def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypa
     assert report["items"]["completed"] == 26  # 23 rows and 3 prefixes
 
 
-def _forge(*args, env=None):
-    """`forge run` in its own process group, as a user's terminal would start it."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "forge.cli.app", "run", *args],
-        cwd=TESTS,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
 def test_kill9_then_resume_stores_every_token_exactly_once(tmp_path, data, reference, faults):
     out = tmp_path / "run"
     args = [
@@ -222,13 +207,13 @@ def test_kill9_then_resume_stores_every_token_exactly_once(tmp_path, data, refer
         f"output_dir={out}",
     ]
     faults(kill_run_at_write=3)  # SIGKILL to the whole process group while the 3rd shard is written
-    proc = _forge(*args, env=dict(os.environ))
+    proc = forge_process(*args, env=dict(os.environ))
     log = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == -signal.SIGKILL, log[-2000:]
     lines = (out / "commits.jsonl").read_text().splitlines()
     assert 2 <= len(lines) and not (out / "report.json").exists()
     faults()
-    proc = _forge(*args, "resume=true", env=dict(os.environ))
+    proc = forge_process(*args, "resume=true", env=dict(os.environ))
     log = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == 0, log[-2000:]
     report = json.loads((out / "report.json").read_text())
