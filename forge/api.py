@@ -44,7 +44,7 @@ from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.io.inputs import Column, InputFile, InputSpec, Row
-from forge.io.results import Field, ResultSchema
+from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
 from forge.runtime.cost_models import check_layers
 from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
@@ -123,7 +123,7 @@ class ModelFunction(Function):
     format: str = "parquet"  # parquet | safetensors (tensors only)
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
-    shard_bytes: int = 256 << 20  # a shard is also cut once its rows hold this many bytes (per-token results)
+    shard_bytes: int = SHARD_BYTES  # a shard is also cut once its rows hold this many bytes (per-token results)
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         self.hf = HFModel(ModelSpec(**model))

@@ -47,7 +47,7 @@ class ProbeGenConfig(ModelFunctionConfig):
     pooling: str = one_of("last", *POOLINGS)  # none: every token's state
     storage_dtype: str | None = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
     prefix_states: str = one_of("once", "once", "none")  # pooling=none: store each prefix's states once, or not
-    shard_mb: int = positive(256)  # a shard is also cut once its rows hold this many MiB (per-token states)
+    shard_mb: int = positive(CausalLMFunction.shard_bytes >> 20)  # shards also cut at this many MiB (per-token)
 
 
 class ProbeGen(CausalLMFunction):
@@ -67,7 +67,7 @@ class ProbeGen(CausalLMFunction):
         too_long: str = "skip",
         storage_dtype: str | None = None,
         prefix_states: str = "once",
-        shard_mb: int = 256,
+        shard_mb: int = CausalLMFunction.shard_bytes >> 20,
     ):
         if pooling not in POOLINGS:
             raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")

@@ -31,6 +31,7 @@ FORMATS = {"safetensors": ".safetensors", "parquet": ".parquet"}
 STRING = "string"  # dtype of a text field (Parquet only)
 BFLOAT16 = "bfloat16"  # held in numpy as its uint16 bit patterns; a real BF16 tensor in safetensors shards
 RESERVED = ("id", "index")  # columns every result row has
+SHARD_BYTES = 256 << 20  # a shard is cut once its rows hold this many bytes (the default of every result schema)
 OFFSETS = ".offsets"  # safetensors: a ragged field is its values end to end plus <name>.offsets [rows + 1]
 
 
@@ -104,7 +105,7 @@ class ResultSchema:
     format: str = "parquet"  # parquet: a table row per item | safetensors: a tensor per field, a row per item
     folder: str = "results"  # subfolder of the run directory holding the shards and meta.json
     rows_per_shard: int = 4096  # the loop commits a shard once this many rows wait
-    bytes_per_shard: int = 256 << 20  # ... or once the rows waiting hold this many bytes (per-token states)
+    bytes_per_shard: int = SHARD_BYTES  # ... or once the rows waiting hold this many bytes (per-token states)
     meta_key: str | None = None  # journal key recording each item's `meta` (e.g. "labels"); None: not kept
     meta: dict[str, Any] = field(default_factory=dict)  # written to meta.json (model, pooling, ...)
 
