@@ -1,6 +1,7 @@
 """Every token's activations: Forge `pooling=none` against the real tools, the loader against a
 naive read, and peak memory against the number of stored tokens. Not a test.
 
+    pip install -e '.[bench-token-states]'   # nnsight and SAELens (its own venv: SAELens pins transformer-lens < 4)
     python -m benchmarks.bench_token_states write [--rows 1000] [--layer 2] [--rounds 2]
     python -m benchmarks.bench_token_states read [--tokens 1000000] [--rounds 3]
     python -m benchmarks.bench_token_states rss [--tokens 1000000 10000000]

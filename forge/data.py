@@ -153,6 +153,8 @@ class TokenStates(IterableDataset):
             if (folder := posixpath.dirname(line["file"])) in folders
         ]
         self.max_pool_tokens = 0  # the most tokens the shuffle buffer held (this reader, this process)
+        self._ids: dict[int, str] | None = None  # input index -> item id, read on first use (with_ids)
+        self._prefixes: dict[int, dict[str, torch.Tensor]] | None = None  # prefix id -> its states (prefix=each)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -228,7 +230,7 @@ class TokenStates(IterableDataset):
             }
 
     def _item_ids(self) -> dict[int, str]:
-        if not hasattr(self, "_ids"):
+        if self._ids is None:
             self._ids = {i: name for s in self.shards for i, name in zip(s.index, s.ids)}
         return self._ids
 
@@ -285,7 +287,7 @@ class TokenStates(IterableDataset):
         return _cat(parts)
 
     def _prefix_table(self) -> dict[int, dict[str, torch.Tensor]]:
-        if not hasattr(self, "_prefixes"):
+        if self._prefixes is None:
             self._prefixes = {}
             for line in read_journal(self.run_dir):
                 if posixpath.dirname(line["file"]) != PREFIXES:
