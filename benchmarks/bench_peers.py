@@ -287,6 +287,10 @@ def main() -> None:
         fr += ["function=score", "batching=token", *forge_model_args(model)]
         variants = {
             "Forge score, token rows, prefix cache": ("forge", fr),
+            "Forge score, token rows, prefix cache, groups apart (merge_groups=false)": (
+                "forge",
+                [*fr, "batching.merge_groups=false"],
+            ),
             # every context computed for each of its choices, but many questions per batch
             "Forge score, token rows, no prefix cache": ("forge", [*fr, "batching.prefix_cache=false"]),
         }
@@ -303,6 +307,10 @@ def main() -> None:
         fr += ["function=probe_gen", "batching=token", "layers=[1,2,4]", "pooling=last", *forge_model_args(model)]
         variants = {
             "Forge probe_gen, token rows, prefix cache": ("forge", fr),
+            "Forge probe_gen, token rows, prefix cache, groups apart (merge_groups=false)": (
+                "forge",
+                [*fr, "batching.merge_groups=false"],
+            ),
             "Forge probe_gen, token packed rows <= 256, prefix cache": (
                 "forge",
                 [*fr, "batching.packing=packed", "batching.packed_row_tokens=256"],

@@ -300,6 +300,7 @@ class CausalLMFunction(ModelFunction):
         check_layers(self.forward.layers, n)
         self.caps = causal_lm_capabilities(self.config, causal_lm_class(self.config), self.model, self.hf.source)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
+        self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:

@@ -81,6 +81,9 @@ class Function(ABC):
     config_schema: type | None = None
     #: causal decoders may reuse a prefix's KV; encoders must not
     causal: bool = True
+    #: its workers run tree batches (`Batch.tree`: many prefix groups in packed rows), so the
+    #: token packer may merge small prefix groups (`batching.merge_groups`); off unless declared
+    tree_rows: bool = False
 
     @abstractmethod
     def records(self) -> Iterator[Item | Rejected]:

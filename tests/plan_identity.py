@@ -24,21 +24,29 @@ from typing import Any
 DIGESTS = Path(__file__).resolve().parent / "plan_identity.json"
 # the reference workload: the embedded default input, 600 rows, on two plain devices sized for
 # the embedded model (conf/devices/sim_16g_32g.yaml: batching=memory binds on their budgets)
+# The cases recorded before small prefix groups could merge (issue 20) keep prefix groups apart
+# (`batching.merge_groups=false`), so their plans stay byte-identical; the `-merged` cases record
+# the default, which merges them.
+APART = "batching.merge_groups=false"
 REFERENCE = {
     "ref-item": ["batching=item"],
-    "ref-token": ["batching=token"],
-    "ref-packed": ["batching=token", "batching.packing=packed"],
-    "ref-memory": ["batching=memory"],
-    "ref-nocache": ["batching=token", "batching.prefix_cache=false"],
+    "ref-token": ["batching=token", APART],
+    "ref-packed": ["batching=token", "batching.packing=packed", APART],
+    "ref-memory": ["batching=memory", APART],
+    "ref-nocache": ["batching=token", "batching.prefix_cache=false", APART],
+    "ref-token-merged": ["batching=token"],
+    "ref-packed-merged": ["batching=token", "batching.packing=packed"],
+    "ref-memory-merged": ["batching=memory"],
 }
 # a heavy tail over the 1:2 mix (conf/devices/mix_16g_32g.yaml): (mode, options)
 HEAVY = {
     "heavy-item": ("item", {"batch_size": 64}),
-    "heavy-token": ("token", {}),
-    "heavy-packed": ("token", {"packing": "packed"}),
-    "heavy-memory": ("memory", {}),
-    "heavy-nocache": ("token", {"prefix_cache": False}),
-    "heavy-memory-nocache": ("memory", {"prefix_cache": False}),
+    "heavy-token": ("token", {"merge_groups": False}),
+    "heavy-packed": ("token", {"packing": "packed", "merge_groups": False}),
+    "heavy-memory": ("memory", {"merge_groups": False}),
+    "heavy-nocache": ("token", {"prefix_cache": False, "merge_groups": False}),
+    "heavy-memory-nocache": ("memory", {"prefix_cache": False, "merge_groups": False}),
+    "heavy-memory-merged": ("memory", {}),
 }
 HEAVY_ITEMS = 2500
 

@@ -88,6 +88,8 @@ MODES = {
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
     "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
     "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
+    # small prefix groups (a window of 4 items) merged into tree rows: a step costs so much that all merge
+    "token-merged": ["batching=token", "batching.window=4", "batching.batch_overhead_tokens=100000"],
 }
 # (mode, pooling) pairs run for every family: every mode once, both poolings on the prefix paths
 CASES = [
@@ -99,6 +101,7 @@ CASES = [
     ("token-packed", "last"),
     ("token-packed", "mean"),
     ("memory", "last"),
+    ("token-merged", "last"),
 ]
 # refused before work, with the reason the message must name
 REFUSED = {("bloom", "token-packed"): "ALiBi", ("falcon-alibi", "token-packed"): "ALiBi"}
@@ -222,6 +225,9 @@ def test_fidelity_float32(tmp_path, data, name, mode, pooling):
     assert report["items"]["completed"] == len(refs) and report["items"]["failed"] == 0, report.get("failures")
     assert report["balanced"], report["imbalance"]
     assert report["path"].startswith(f"{_family_type(path)}: ")
+    if mode == "token-merged":  # tree rows ran, unless packed rows are not exact for the family
+        trees = sum(d["tree_batches"] for d in report["devices"])
+        assert (trees > 0) == ((name, "token-packed") not in REFUSED), trees
     ids, _, layers = load_activations(tmp_path)
     for layer in LAYERS:
         want = torch.stack([refs[i][pooling][layer] for i in ids])

@@ -44,6 +44,8 @@ def packers():
             lambda: TokenPacker(prefix_cache=False),
             lambda: TokenPacker(packing="packed"),
             lambda: TokenPacker(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0),
+            lambda: TokenPacker(batch_overhead_tokens=100_000),  # every small prefix group merges (tree rows)
+            lambda: TokenPacker(merge_groups=False),
             lambda: MemoryPacker(cost_model=cost, default_memory_bytes=200_000),
         ]
     )
@@ -64,6 +66,12 @@ def drain(packer, items, limits, window, devices=1):
 
 def independent_padding(batch: Batch) -> int:
     off = batch.prefix_len if batch.split_prefix else 0
+    if batch.tree:  # a tree row holds each run's prefix once, then the run's suffixes
+        used = []
+        for row in batch.rows:
+            starts = [i for i, it in enumerate(row) if i == 0 or it.prefix_key != row[i - 1].prefix_key]
+            used.append(sum(row[i].prefix_len for i in starts) + sum(it.num_tokens - it.prefix_len for it in row))
+        return sum(batch.padded_len - u for u in used)
     return sum(batch.padded_len - sum(it.num_tokens - off for it in row) for row in batch.rows)
 
 
@@ -81,10 +89,16 @@ def test_every_item_once_within_limits(workload, make_packer, devices):
     seen = Counter(it.id for b in batches for it in b.items)
     assert seen == Counter(it.id for it in items)  # every item exactly once
     assert sched.max_window_seen <= window  # the window bound holds
+    assert not packer.groups() and len(packer) == 0  # nothing left waiting, merged groups' pool included
     for b in batches:
         assert broken_limit(b, limits) is None, (broken_limit(b, limits), b)
         assert b.padding == independent_padding(b) >= 0
         assert b.padded_len % limits.pad_multiple == 0
+        if b.tree:  # each prefix group's items sit together in a row, its prefix once
+            assert b.packed and not b.split_prefix
+            for row in b.rows:
+                keys = [it.prefix_key for i, it in enumerate(row) if i == 0 or it.prefix_key != row[i - 1].prefix_key]
+                assert len(keys) == len(set(keys))
         if b.split_prefix:  # rows of a cached batch share one prefix
             assert {it.prefix_key for it in b.items} == {b.prefix_key}
             assert {it.prefix_len for it in b.items} == {b.prefix_len}

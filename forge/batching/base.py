@@ -51,6 +51,7 @@ class Cut:
     prefix: int  # shared prefix code of every item, or NO_PREFIX (rows of whole sequences)
     split_prefix: bool  # rows hold suffixes; the prefix runs once for the batch (or is cached)
     packed: bool = False  # rows may hold several items end to end
+    tree: bool = False  # packed rows of prefix groups (`Batch.tree`): items of many prefix codes
     seq: int = -1  # order in which the scheduler handed it out
     cache_hit: bool | None = None  # scheduler's prediction: the device's cache holds the prefix
 

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
+from forge.batching.merged import MERGED, MergedPlanning
 from forge.batching.packed import PackedPlanning
 from forge.core.geometry import Device
 from forge.errors import ForgeError
@@ -119,13 +120,14 @@ class _Group:
         return starts.tolist(), lengths[starts].tolist(), [*below[starts].tolist(), int(below[-1])]
 
 
-class TokenPacker(PackedPlanning, Packer):
+class TokenPacker(PackedPlanning, MergedPlanning, Packer):
     def __init__(
         self,
         packing: str = "rows",
         prefix_cache: bool = True,
         batch_overhead_tokens: int = 256,
         packed_row_tokens: int | None = None,
+        merge_groups: bool = True,
     ):
         if packing not in ("rows", "packed"):
             raise ForgeError(f"batching.packing must be 'rows' or 'packed', got {packing!r}")
@@ -135,6 +137,11 @@ class TokenPacker(PackedPlanning, Packer):
         self.prefix_cache = bool(prefix_cache)
         self.batch_overhead_tokens = int(batch_overhead_tokens)
         self.packed_row_tokens = packed_row_tokens
+        # small prefix groups share tree batches where that costs less (forge.batching.merged);
+        # only where groups have prefixes of their own, and the run turns it off for a model
+        # whose packed rows would not be exact
+        self.merge_groups = bool(merge_groups)
+        self._init_pool()
         # a group is planned again once this many batches' worth of tokens has arrived since
         # its last plan: fewer, larger plans (rows: 2, packed: 3; more steals prefixes)
         self.replan_batches = 3 if packing == "packed" else 2
@@ -208,6 +215,9 @@ class TokenPacker(PackedPlanning, Packer):
             if g.info is None:
                 g.info = GroupInfo(g.code, g.count, g.tokens, split and g.code != NO_PREFIX, len(g.ready), g.arrived)
             out.append(g.info)
+        pool = self._pool_group()
+        if pool is not None:
+            out.append(pool)
         return out
 
     # -- cutting ----------------------------------------------------------------
@@ -220,7 +230,13 @@ class TokenPacker(PackedPlanning, Packer):
         profile = None
         replan_tokens = self.replan_batches * device.limits.max_batch_tokens
         groups = self._groups
+        merged = False  # a group joined the pool during this walk
         for key in keys:
+            if key == MERGED:
+                cut = self._take_pool(device, urgency)
+                if cut is not None:
+                    return cut
+                continue
             g = groups.get(key)
             if g is None or (urgency == Urgency.WAIT and not g.ready):
                 continue
@@ -233,6 +249,11 @@ class TokenPacker(PackedPlanning, Packer):
                     continue  # planned already, and too little has arrived since to change it
                 g.merge()
                 g.info = None
+                if urgency > Urgency.WAIT and self._merges(g, device):
+                    self._pool_add(g)  # its items now wait in the pool, still counted in the window
+                    del groups[key]
+                    merged = True
+                    continue
                 if self.packing == "packed":
                     self._plan_packed(g, device, urgency)
                 else:
@@ -249,8 +270,18 @@ class TokenPacker(PackedPlanning, Packer):
             self._count -= n
             if not g.count:
                 del groups[key]
+            if cut.split_prefix and g.offset:
+                self._note_ran(g.code)  # its prefix ran split off: the device's cache may hold it now
             return cut
-        return None
+        # the pool, when a group joined it on this walk, or when everything is cut (its key may
+        # not have been among those asked: groups join it as they are planned)
+        return self._take_pool(device, urgency) if merged or urgency == Urgency.DRAIN else None
+
+    def _take_pool(self, device: Device, urgency: Urgency) -> Cut | None:
+        cut = self._pool_cut(device, urgency)
+        if cut is not None:
+            self._count -= len(cut.ids)
+        return cut
 
     def fits(self, num_tokens: np.ndarray, prefix_len: np.ndarray, device: Device) -> np.ndarray:
         lim = device.limits

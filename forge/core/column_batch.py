@@ -130,6 +130,7 @@ class ColumnBatch(Batch):
             prefix_len=self.prefix_len,
             split_prefix=self.split_prefix,
             packed=self.packed,
+            tree=self.tree,
             seq=self.seq,
             retry=self.retry,
             cache_hit=self.cache_hit,

@@ -116,6 +116,7 @@ class ItemFeed:
             prefix_len=self.prefix_len(cut.prefix),
             split_prefix=cut.split_prefix,
             packed=cut.packed,
+            tree=cut.tree,
             seq=cut.seq,
             cache_hit=cut.cache_hit,
         )
@@ -283,6 +284,7 @@ class ColumnFeed:
             prefix_len=prefix_len,
             split_prefix=cut.split_prefix,
             packed=cut.packed,
+            tree=cut.tree,
             seq=cut.seq,
             cache_hit=cut.cache_hit,
             columns=cols,

@@ -114,6 +114,14 @@ def prepare(
     splits = packer.split_prefix
     packed = packer.packing == "packed"
     # refuse, before any work, a layout the function cannot run exactly
+    if getattr(packer, "merge_groups", False):
+        # merged prefix groups run as tree rows (packed): only for a function whose workers run
+        # them, and a model whose packed rows are exact; otherwise groups stay apart
+        try:
+            spec.function.check_mode(True, True, spec.cache_tokens > 0)
+            packer.merge_groups = spec.function.tree_rows and spec.function.causal
+        except ForgeError:
+            packer.merge_groups = False
     spec.function.check_mode(splits, packed, spec.cache_tokens > 0)
     # a non-causal function may pack whole sequences without a cache (its check_mode accepted them:
     # embed's encoders, whose items have no prefix); sharing a prefix's KV stays refused

@@ -128,7 +128,9 @@ class Batch:
     Rows are lists of items. A row holds one item (row per sequence) or several items
     end to end (packed rows). When `split_prefix` is true every item shares `prefix_key`,
     rows hold only the items' suffixes, and the prefix runs once for the whole batch
-    (or comes from the device's prefix cache).
+    (or comes from the device's prefix cache). When `tree` is true (packed, not split) a row
+    holds prefix groups: each run of items sharing a prefix key puts that prefix in the row
+    once, then the items' suffixes after it (`row_used`), so one batch carries many prefixes.
     """
 
     rows: list[list[Item]]
@@ -137,6 +139,7 @@ class Batch:
     prefix_len: int = 0  # length of that shared prefix
     split_prefix: bool = False  # rows hold suffixes; the prefix runs once (or is cached)
     packed: bool = False  # rows may hold several sequences end to end
+    tree: bool = False  # packed rows of prefix groups: each group's prefix once, then its suffixes
     seq: int = -1  # order in which the scheduler cut it
     retry: bool = False  # re-run of items from a failed batch
     cache_hit: bool | None = field(default=None, compare=False)  # scheduler's prediction
@@ -176,7 +179,7 @@ class Batch:
     def row_tokens(self) -> int:
         """Useful tokens inside the rows."""
         off = self.row_offset
-        return sum(it.num_tokens - off for row in self.rows for it in row)
+        return sum(row_used(row, off, self.tree) for row in self.rows)
 
     @property
     def num_tokens(self) -> int:
@@ -207,6 +210,21 @@ class StepCost:
     prefix_computed: int  # prefix tokens computed: the split prefix on a cache miss, else 0
 
 
+def row_used(row: Sequence[Item], offset: int = 0, tree: bool = False) -> int:
+    """Tokens a row's items take in it: each item's tokens past `offset` (the split prefix); in a
+    tree row, each run of items sharing a prefix key takes that prefix once, then their suffixes."""
+    if not tree:
+        return sum(it.num_tokens - offset for it in row)
+    used, last = 0, None
+    for it in row:
+        key = it.prefix_key if it.prefix_len else None
+        if key is None or key != last:
+            used += it.prefix_len
+        used += it.num_tokens - it.prefix_len
+        last = key
+    return used
+
+
 def row_scores(padded_len: int, context: int) -> int:
     """Attention query x key pairs of one row of `padded_len` slots behind `context` prefix tokens."""
     return padded_len * (context + padded_len)
@@ -232,7 +250,7 @@ def broken_limit(batch: Batch, limits: Limits) -> str | None:
         return "pad_multiple"
     off = batch.row_offset
     for row in batch.rows:
-        used = sum(it.num_tokens - off for it in row)
+        used = row_used(row, off, batch.tree)
         if used > batch.padded_len:
             return "padded_len"
         if off + used > limits.max_seq_len:  # a row's tokens (and its prefix) fit one sequence
@@ -245,6 +263,6 @@ def broken_limit(batch: Batch, limits: Limits) -> str | None:
 def pad_to_limits(batch: Batch, limits: Limits) -> Batch | None:
     """`batch` padded to its longest row for `limits`, or None when it breaks one of them."""
     off = batch.row_offset
-    used = max(sum(it.num_tokens - off for it in row) for row in batch.rows)
+    used = max(row_used(row, off, batch.tree) for row in batch.rows)
     fitted = replace(batch, padded_len=limits.pad(used))
     return fitted if broken_limit(fitted, limits) is None else None

@@ -341,6 +341,7 @@ class DeviceTally:
     """Per-device figures for the report."""
 
     batches: int = 0
+    tree_batches: int = 0  # of them, batches of merged prefix groups (Batch.tree)
     tokens: int = 0  # useful tokens completed
     padded_slots: int = 0
     busy_s: float = 0.0
@@ -350,6 +351,7 @@ class DeviceTally:
 
     def add(self, batch: Batch, stats: BatchStats) -> None:
         self.batches += 1
+        self.tree_batches += batch.tree
         self.tokens += batch.num_tokens
         self.padded_slots += stats.padded_slots
         self.busy_s += stats.seconds

@@ -35,6 +35,7 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
                 "name": d.name,
                 "limits": d.limits.as_dict(),
                 "batches": tallies[d.name].batches,
+                "tree_batches": tallies[d.name].tree_batches,
                 "tokens": tallies[d.name].tokens,
                 "padded_slots": tallies[d.name].padded_slots,
                 "busy_s": round(tallies[d.name].busy_s, 4),

@@ -12,6 +12,9 @@ c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``)
    suffixes end to end in a row; 4D additive masks (each token sees the prefix and earlier
    tokens of its own item, within its layer's window; padding sees the prefix and earlier
    padding), positions restart at P for each item.
+d. ``tree=True`` (packed, not split): rows of prefix groups, each prefix once in the row and
+   its items' suffixes after it (`forge.runtime.tree_rows`); the same 4D masks, where a
+   suffix also sees its prefix's span, and positions restart at 0 for each prefix.
 
 Only the base decoder runs (no LM head). Results equal a plain one-prompt-at-a-time
 forward pass (`forge.runtime.reference`) up to float rounding; layouts that cannot
@@ -42,6 +45,7 @@ from forge.runtime.items import resolve_layers, token_tensor
 from forge.runtime.masks import additive_masks
 from forge.runtime.outputs import PooledOutput, RowStates
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
+from forge.runtime.tree_rows import NO_CONTEXT, prefix_places, tree_layout, write_prefix_spans
 from forge.runtime.reference import (
     POOLINGS as _POOLINGS,
     reference_pooled,  # noqa: F401  (tests import it from here)
@@ -210,16 +214,7 @@ class CausalLMRunner:
         if states is None:
             h = self.hidden_size or 0
             return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
-        pooled = self._pool(
-            states.hidden,
-            states.tok if states.total else None,
-            states.lens,
-            states.starts,
-            states.item_row,
-            states.pool_from,
-            states.entry,
-            len(batch.items),
-        )
+        pooled = self._pool(states, len(batch.items))
         return PooledOutput(
             pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens, cache_hit=states.cache_hit
         )
@@ -251,12 +246,17 @@ class CausalLMRunner:
 
         # Row geometry, per item: row, start slot in row, tokens in row, first pooled slot.
         rows = [r for r, row in enumerate(batch.rows) for _ in row]
-        lens_list = [s.numel() - off for s in seqs]
-        starts_list = []
-        used = [0] * len(batch.rows)
-        for r, m in zip(rows, lens_list):
-            starts_list.append(used[r])
-            used[r] += m
+        layout = tree_layout(batch.rows, seqs) if batch.tree else None
+        offs = [it.prefix_len for it in items] if layout is not None else [off] * n  # tokens outside each span
+        lens_list = [s.numel() - o for s, o in zip(seqs, offs)]
+        if layout is not None:
+            starts_list, used = layout.starts, layout.used
+        else:
+            starts_list = []
+            used = [0] * len(batch.rows)
+            for r, m in zip(rows, lens_list):
+                starts_list.append(used[r])
+                used[r] += m
         S = int(batch.padded_len)
         if max(used) > S:
             r = max(range(len(used)), key=used.__getitem__)
@@ -269,14 +269,16 @@ class CausalLMRunner:
         starts = torch.tensor(starts_list, dtype=torch.long)
         item_row = torch.tensor([row_map.get(r, -1) for r in rows], dtype=torch.long)
         # First slot (within the item's span in the row) that mean pooling counts.
-        pool_from = torch.tensor([it.prefix_len - off for it in items], dtype=torch.long).clamp_(min=0)
+        item_off = torch.tensor(offs, dtype=torch.long)
+        pool_from = (torch.tensor([it.prefix_len for it in items], dtype=torch.long) - item_off).clamp_(min=0)
+        prefix_at = prefix_places(layout, row_map) if layout is not None else None
 
         hidden: dict[int, torch.Tensor] = {}
         last, tok = None, None
         total = int(lens.sum())
         if total > 0:
             hidden, tok, last = self._forward_rows(
-                seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed
+                seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, row_map
             )
         return RowStates(
             hidden=hidden,
@@ -287,16 +289,18 @@ class CausalLMRunner:
             starts=starts,
             item_row=item_row,
             pool_from=pool_from,
+            item_off=item_off,
+            prefix_at=prefix_at,
             entry=entry,
             cache_hit=hit,
             prefix_computed_tokens=prefix_computed,
         )
 
-    def _forward_rows(self, seqs, off, lens, starts, item_row, B, S, used, keep_rows, entry, packed):
+    def _forward_rows(self, seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, rmap):
         dev = self.device
         n = lens.numel()
         total = int(lens.sum())
-        flat = torch.cat([s[off:] for s in seqs])
+        flat = torch.cat([s[o:] for s, o in zip(seqs, item_off.tolist())])
         tok_item = torch.repeat_interleave(torch.arange(n), lens)
         item_first = torch.cumsum(lens, 0) - lens
         tok_within = torch.arange(total) - item_first[tok_item]
@@ -305,17 +309,24 @@ class CausalLMRunner:
 
         input_ids = torch.full((B, S), self.pad_token_id, dtype=torch.long)
         input_ids[tok_row, tok_col] = flat
+        off = int(item_off[0]) if layout is None else 0
         position_ids = (off + torch.arange(S, dtype=torch.long)).repeat(B, 1)
         if packed:
-            position_ids[tok_row, tok_col] = off + tok_within
+            position_ids[tok_row, tok_col] = item_off[tok_item] + tok_within
         P = entry.length if entry is not None else 0
 
         if packed or (P and self.caps.windows):
             # Per-item 4D masks: packed rows keep items apart; sliding windows cut off far prefix keys.
             seg = torch.full((B, S), -1, dtype=torch.long)
             seg[tok_row, tok_col] = tok_item
+            ctx = None
+            if layout is not None:  # tree rows: each prefix span in the row, seen by its suffixes
+                ctx = torch.full((B, S), NO_CONTEXT, dtype=torch.long)
+                group = torch.tensor(layout.group_of, dtype=torch.long)
+                ctx[tok_row, tok_col] = torch.where(group >= 0, n + group, NO_CONTEXT)[tok_item]
+                write_prefix_spans(layout, seqs, rmap, n, input_ids, position_ids, seg, ctx)
             window = self.caps.windows[0] if self.caps.windows else None
-            mask = additive_masks(seg, position_ids, P, self.caps.layer_types, window, self.dtype, dev)
+            mask = additive_masks(seg, position_ids, P, self.caps.layer_types, window, self.dtype, dev, ctx)
         else:
             used_t = torch.tensor([used[r] for r in keep_rows], dtype=torch.long)
             suffix = (torch.arange(S)[None, :] < used_t[:, None]).long()
@@ -340,7 +351,9 @@ class CausalLMRunner:
         hidden = {i: out.hidden_states[i] for i in self._hs_select}
         return hidden, (tok_item, tok_within, tok_row, tok_col), out.last_hidden_state
 
-    def _pool(self, hidden, tok, lens, starts, item_row, pool_from, entry, n) -> dict[int, torch.Tensor]:
+    def _pool(self, states: RowStates, n: int) -> dict[int, torch.Tensor]:
+        hidden, tok, lens, starts = states.hidden, states.tok, states.lens, states.starts
+        item_row, pool_from, entry = states.item_row, states.pool_from, states.entry
         dev = self.device
         result: dict[int, torch.Tensor] = {}
         if self.pooling == "last":
@@ -354,7 +367,11 @@ class CausalLMRunner:
                     out = torch.empty(n, vals.shape[-1], dtype=torch.float32)
                     out[has] = vals
                 if not bool(has.all()):  # items that are all prefix: the prefix's last state
-                    last = entry.last_hidden[i]
+                    if states.prefix_at is not None:  # tree rows: the prefix's span in the row
+                        p_row, p_col = states.prefix_at
+                        last = hidden[i][p_row[~has].to(dev), p_col[~has].to(dev)].float().cpu()
+                    else:
+                        last = entry.last_hidden[i]
                     if out is None:
                         out = torch.empty(n, last.shape[-1], dtype=torch.float32)
                     out[~has] = last

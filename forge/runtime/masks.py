@@ -5,7 +5,9 @@ position in its own prompt; each key too, and the P prefix keys (positions 0..P-
 visible to every segment. A query sees a key when they share a segment (or the key is in
 the prefix), the key's position is not after the query's, and, on a sliding-window layer
 of window W, the key is less than W positions back: exactly the keys a one-prompt forward
-pass shows it. Padding (the tail of a row, positions still rising) sees the prefix and
+pass shows it. In tree rows (`Batch.tree`) a prefix sits in the row itself: each query also
+carries a context segment (`ctx`: its prefix's span in the row), whose keys it sees as well,
+and the prefix's own tokens are a segment of their own. Padding (the tail of a row, positions still rising) sees the prefix and
 earlier padding, so no query row is empty.
 """
 
@@ -26,6 +28,7 @@ def additive_masks(
     window: int | None,
     dtype: torch.dtype,
     device: torch.device,
+    ctx: torch.Tensor | None = None,  # (B, S) a second segment each query sees (tree rows); None: none
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """One (B, 1, S, P+S) mask, or {layer type: mask} when the layer types differ."""
     B, S = seg.shape
@@ -34,6 +37,8 @@ def additive_masks(
     k_pos = torch.cat([torch.arange(P, dtype=pos.dtype).expand(B, P), pos], dim=1).to(device)
     q_seg, q_pos = seg.to(device), pos.to(device)
     base = (k_seg[:, None, :] == q_seg[:, :, None]) | (k_seg[:, None, :] == SHARED)
+    if ctx is not None:
+        base |= k_seg[:, None, :] == ctx.to(device)[:, :, None]
     back = q_pos[:, :, None] - k_pos[:, None, :]  # how far back each key is, per query
     base &= back >= 0
 

@@ -34,6 +34,8 @@ class RowStates:
     starts: torch.Tensor  # per item: its first column in its row
     item_row: torch.Tensor  # per item: the row it runs in (among rows run)
     pool_from: torch.Tensor  # per item: first place within its span after its own prefix
+    item_off: torch.Tensor  # per item: its tokens before its span (the split prefix; tree rows: its own prefix)
+    prefix_at: tuple[torch.Tensor, torch.Tensor] | None  # tree rows: per item, (row, column) of its prefix's last token
     entry: PrefixEntry | None  # the shared prefix's KV, when split off
     cache_hit: bool  # the prefix came from the device's cache
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)

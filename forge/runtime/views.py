@@ -95,22 +95,27 @@ class CausalViews:
 
     def _views(self, batch: Batch, states) -> list[ItemView]:
         items = batch.items
-        off = batch.prefix_len if batch.split_prefix else 0
+        offs = states.item_off.tolist()  # per item: its tokens before its span in the row
         entry = states.entry
         dev = self.runner.device
         layers = list(zip(self.runner.layers, self.runner._layer_idx))
         prefix_split = {layer: entry.last_hidden[i].to(dev) for layer, i in layers} if entry is not None else {}
-        logprobs, greedy = self._targets(items, states, off) if self.head is not None else (None, None)
+        logprobs, greedy = self._targets(items, states) if self.head is not None else (None, None)
         views = []
         places = zip(states.item_row.tolist(), states.starts.tolist(), states.lens.tolist())
+        in_row = [t.tolist() for t in states.prefix_at] if states.prefix_at is not None else None
         for k, (item, (row, start, n)) in enumerate(zip(items, places)):
-            own_from = item.prefix_len - off
+            own_from = item.prefix_len - offs[k]
             hidden, prefix_state = {}, {}
             for layer, i in layers:
                 span = states.hidden[i][row, start : start + n] if n else None
                 hidden[layer] = span[own_from:] if span is not None else torch.empty(0, device=dev)
-                if item.prefix_len:
-                    prefix_state[layer] = prefix_split[layer] if off else span[own_from - 1]
+                if not item.prefix_len:
+                    continue
+                if in_row is not None:  # tree rows: the prefix's last token sits in the row
+                    prefix_state[layer] = states.hidden[i][in_row[0][k], in_row[1][k]]
+                else:
+                    prefix_state[layer] = prefix_split[layer] if offs[k] else span[own_from - 1]
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
             views.append(
                 ItemView(
@@ -130,7 +135,7 @@ class CausalViews:
             )
         return views
 
-    def _targets(self, items: list[Item], states, off: int):
+    def _targets(self, items: list[Item], states):
         """Per item: float32 log-probabilities and greedy flags of its targets."""
         metas = [it.meta for it in items]
         counts = torch.tensor([len(m.targets) for m in metas], dtype=torch.long)
@@ -138,13 +143,15 @@ class CausalViews:
         total = int(counts.sum())
         owner = torch.repeat_interleave(torch.arange(len(items)), counts)
         place = start[owner] + torch.arange(total) - (torch.cumsum(counts, 0) - counts)[owner]  # predicting position
+        off = states.item_off[owner]  # per target: its item's tokens before its span
         from_prefix = place < off
         lens = torch.tensor([it.num_tokens for it in items])
-        if bool((place < off - 1).any() or (place < 0).any() or (place >= lens[owner]).any()):
-            k = int(owner[(place < off - 1) | (place < 0) | (place >= lens[owner])][0])
+        outside = (place < off - 1) | (place < 0) | (place >= lens[owner])
+        if bool(outside.any()):
+            k = int(owner[outside][0])
             raise ValueError(
                 f"item {items[k].id!r}: its targets are predicted from positions outside "
-                f"{max(off - 1, 0)}..{items[k].num_tokens - 1}"
+                f"{max(int(states.item_off[k]) - 1, 0)}..{items[k].num_tokens - 1}"
             )
         dev = self.runner.device
         targets = torch.tensor([t for m in metas for t in m.targets], dtype=torch.long)
@@ -154,10 +161,14 @@ class CausalViews:
         rows_in = ~from_prefix
         if bool(rows_in.any()):
             rows = states.item_row[owner[rows_in]].to(dev)
-            cols = (states.starts[owner[rows_in]] + place[rows_in] - off).to(dev)
+            cols = (states.starts[owner[rows_in]] + place[rows_in] - off[rows_in]).to(dev)
             h[rows_in.to(dev)] = states.last[rows, cols]
         if bool(from_prefix.any()):
-            h[from_prefix.to(dev)] = states.entry.last_state.to(dtype)
+            if states.prefix_at is not None:  # tree rows: the prefix's last token sits in the row
+                p_row, p_col = (t[owner[from_prefix]].to(dev) for t in states.prefix_at)
+                h[from_prefix.to(dev)] = states.last[p_row, p_col]
+            else:
+                h[from_prefix.to(dev)] = states.entry.last_state.to(dtype)
         logprob = torch.empty(total, dtype=torch.float32, device=dev)
         best = torch.empty(total, dtype=torch.bool, device=dev)
         for lo in range(0, total, HEAD_CHUNK_TOKENS):

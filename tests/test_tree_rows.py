@@ -1,0 +1,192 @@
+"""Many prefix groups in one batch (`batching.merge_groups`, tree rows): the packer merges small
+prefix groups into tree batches only where that costs less, every item once within the limits;
+and tree rows give what one-prompt-at-a-time forward passes give, for probe_gen (pooled and
+per token) and score (tests/test_fidelity.py runs them in every family, and checks they are
+left off where packed rows would not be exact)."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from forge.batching import TokenPacker
+from forge.core.geometry import Device, Item, Limits, broken_limit, row_used
+from forge.core.scheduler import Scheduler
+from forge.testing import check_modes
+
+LIMITS = Limits(max_batch_tokens=4096, max_rows=64, max_seq_len=1024, pad_multiple=8)
+
+
+def questions(n: int, choices: int = 4, context: int = 120) -> list[Item]:
+    """Score-like geometry: n distinct contexts of `context`/6 to `context` tokens, each with a few short continuations."""
+    items = []
+    for q in range(n):
+        p = context // 6 + (q * 37) % (context - context // 6)
+        for c in range(choices):
+            items.append(Item(f"q{q}c{c}", p + 1 + (q + c) % 5, f"ctx{q}", p))
+    return items
+
+
+def drain(packer, items, limits=LIMITS, window=100_000):
+    dev = Device("d0", limits)
+    sched = Scheduler(packer, items, [dev], window=window, cache_tokens=100_000)
+    batches = []
+    while not sched.done:
+        batch = sched.schedule(dev)
+        assert batch is not None
+        batches.append(batch)
+    return batches
+
+
+def runs(row):
+    """The prefix keys of a row's runs of items, in order."""
+    keys = []
+    for it in row:
+        if not keys or keys[-1] != it.prefix_key:
+            keys.append(it.prefix_key)
+    return keys
+
+
+def test_small_prefix_groups_share_tree_batches_every_item_once():
+    items = questions(300)
+    batches = drain(TokenPacker(), items)
+    assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
+    trees = [b for b in batches if b.tree]
+    assert trees and len(batches) <= 300 // 8  # one batch per question without merging
+    for b in trees:
+        assert broken_limit(b, LIMITS) is None
+        assert b.packed and not b.split_prefix and b.prefix_key is None
+        for row in b.rows:
+            keys = runs(row)
+            assert len(keys) == len(set(keys))  # each group's items sit together: its prefix once per row
+            assert row_used(row, 0, True) == sum(it.prefix_len for it in {it.prefix_key: it for it in row}.values()) + sum(
+                it.num_tokens - it.prefix_len for it in row
+            )
+        assert b.padding == b.padded_slots - sum(row_used(r, 0, True) for r in b.rows) >= 0
+    assert max(len(runs(row)) for b in trees for row in b.rows) >= 2  # rows hold several prefixes
+    # rows are as long as their longest group (prefix + suffixes) needs, or as max_rows rows
+    # filling max_batch_tokens need, not max_seq_len
+    for b in trees:
+        units = Counter()
+        for it in b.items:
+            units[it.prefix_key] += it.num_tokens - it.prefix_len
+        longest = max(units[it.prefix_key] + it.prefix_len for it in b.items)
+        assert b.padded_len <= LIMITS.pad(max(longest, LIMITS.max_batch_tokens // LIMITS.max_rows))
+
+
+def test_groups_that_fill_batches_and_merge_groups_false_stay_apart():
+    big = [Item(f"b{i}", 60 + i % 40, "big", 50) for i in range(400)]  # one prefix, many suffixes
+    assert not any(b.tree for b in drain(TokenPacker(), big))
+    assert not any(b.tree for b in drain(TokenPacker(merge_groups=False), questions(100)))
+
+
+def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheaper():
+    """A long prefix that ran in a batch of its own (so the device's cache holds it) costs only its
+    suffixes there; merging would compute it again. The same geometry never run merges."""
+    dev = Device("d0", LIMITS)
+    packer = TokenPacker(batch_overhead_tokens=64)
+    first = [Item(f"a{i}", 600 + i % 20, "long", 590) for i in range(40)]  # too long to merge: runs apart
+    later = [Item(f"z{i}", 600 + i, "long", 590) for i in range(2)] + [Item(f"o{i}", 600 + i, "other", 590) for i in range(2)]
+    sched = Scheduler(packer, first + later, [dev], window=40, cache_tokens=100_000)
+    batches = []
+    while not sched.done:
+        if (batch := sched.schedule(dev)) is not None:
+            batches.append(batch)
+    assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in first + later)
+    kinds = {(b.tree, b.cache_hit, frozenset(it.prefix_key for it in b.items)) for b in batches}
+    assert kinds == {(False, False, frozenset({"long"})), (False, True, frozenset({"long"})), (True, None, frozenset({"other"}))}
+
+
+def test_packer_merges_only_where_the_cost_is_lower():
+    """Same items, merging on and off, through the simulated step cost: merging never costs more."""
+    from forge.core.geometry import step_cost
+
+    def cost(batches, overhead=256):
+        return sum(overhead + step_cost(b).tokens for b in batches)
+
+    for items in (questions(200), questions(50, choices=12, context=300), questions(40, choices=2, context=30)):
+        on, off = drain(TokenPacker(), items), drain(TokenPacker(merge_groups=False), items)
+        assert cost(on) <= cost(off)
+
+
+# -- exactness -------------------------------------------------------------------------------
+
+
+def _spy(monkeypatch):
+    """Records, per tree batch the runner lays out, how many prefix spans each row holds."""
+    import forge.runtime.causal_lm as cl
+
+    seen = []
+    real = cl.tree_layout
+
+    def spy(rows, seqs):
+        layout = real(rows, seqs)
+        seen.append([sum(1 for span in layout.spans if span[0] == r) for r in range(len(rows))])
+        return layout
+
+    monkeypatch.setattr(cl, "tree_layout", spy)
+    return seen
+
+
+FORCE = "batching.batch_overhead_tokens=100000"  # a step costs so much that every small group merges
+MERGED = {
+    "token-merged": ["batching=token", FORCE],
+    "token-merged-packed": ["batching=token", "batching.packing=packed", FORCE],
+    "memory-merged": ["batching=memory", "devices.cpu_memory_gb=0.03", FORCE],
+}
+LIMITS_ARGS = [
+    "devices=auto",
+    "devices.limits.max_batch_tokens=768",
+    "devices.limits.max_seq_len=384",
+    "devices.limits.max_rows=2",  # two rows fill a step: rows as long as max_seq_len, holding several groups
+    "budget.tokens_per_step=768",
+]
+
+
+@pytest.fixture(scope="module")
+def few_shot_rows():
+    from test_token_states import held_out_rows
+
+    rows = held_out_rows()
+    for j, r in enumerate(rows):  # six prefixes of 60..95 characters: many small groups
+        if "prefix" in r:
+            r["prefix"] = r["prefix"][: 60 + 7 * (j % 6)]
+    return rows
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "none"])
+def test_probe_gen_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch, few_shot_rows, pooling):
+    seen = _spy(monkeypatch)
+    extra = ["storage_dtype=float32", "prefix_states=none"] if pooling == "none" else []
+    found = check_modes(
+        "probe_gen",
+        few_shot_rows,
+        tmp_path,
+        tol=1e-4,
+        overrides=[f"pooling={pooling}", "layers=[0,2,4]", *extra],
+        modes=MERGED,
+        limits=LIMITS_ARGS,
+    )
+    assert not found.refused
+    assert max(found.worst.values()) < 1e-4
+    assert seen and max(max(rows) for rows in seen) >= 2  # rows held several prefixes
+
+
+def test_score_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch):
+    from forge.functions.assets import embedded_dataset_path
+
+    seen = _spy(monkeypatch)
+    path = embedded_dataset_path().with_name("multiple_choice.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:24]]
+    found = check_modes(
+        "score",
+        rows,
+        tmp_path,
+        tol=1e-4,
+        modes={"token": ["batching=token"]},  # the defaults merge these questions on their own
+        limits=["devices=auto", "devices.limits.max_batch_tokens=2048", "devices.limits.max_seq_len=1024"],
+    )
+    assert not found.refused and found.worst["token"] < 1e-4
+    assert len(seen) >= 2
+    got, want = found.results["token"].columns, found.reference.columns
+    assert list(got["greedy"]) == list(want["greedy"])
