@@ -18,7 +18,8 @@ LIMITS = Limits(max_batch_tokens=4096, max_rows=64, max_seq_len=1024, pad_multip
 
 
 def questions(n: int, choices: int = 4, context: int = 120) -> list[Item]:
-    """Score-like geometry: n distinct contexts of `context`/6 to `context` tokens, each with a few short continuations."""
+    """Score-like geometry: n distinct contexts of `context`/6 to `context` tokens, each with a few
+    short continuations."""
     items = []
     for q in range(n):
         p = context // 6 + (q * 37) % (context - context // 6)
@@ -59,9 +60,9 @@ def test_small_prefix_groups_share_tree_batches_every_item_once():
         for row in b.rows:
             keys = runs(row)
             assert len(keys) == len(set(keys))  # each group's items sit together: its prefix once per row
-            assert row_used(row, 0, True) == sum(it.prefix_len for it in {it.prefix_key: it for it in row}.values()) + sum(
-                it.num_tokens - it.prefix_len for it in row
-            )
+            assert row_used(row, 0, True) == sum(
+                it.prefix_len for it in {it.prefix_key: it for it in row}.values()
+            ) + sum(it.num_tokens - it.prefix_len for it in row)
         assert b.padding == b.padded_slots - sum(row_used(r, 0, True) for r in b.rows) >= 0
     assert max(len(runs(row)) for b in trees for row in b.rows) >= 2  # rows hold several prefixes
     # rows are as long as their longest group (prefix + suffixes) needs, or as max_rows rows
@@ -86,7 +87,9 @@ def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheape
     dev = Device("d0", LIMITS)
     packer = TokenPacker(batch_overhead_tokens=64)
     first = [Item(f"a{i}", 600 + i % 20, "long", 590) for i in range(40)]  # too long to merge: runs apart
-    later = [Item(f"z{i}", 600 + i, "long", 590) for i in range(2)] + [Item(f"o{i}", 600 + i, "other", 590) for i in range(2)]
+    later = [Item(f"z{i}", 600 + i, "long", 590) for i in range(2)] + [
+        Item(f"o{i}", 600 + i, "other", 590) for i in range(2)
+    ]
     sched = Scheduler(packer, first + later, [dev], window=40, cache_tokens=100_000)
     batches = []
     while not sched.done:
@@ -94,7 +97,11 @@ def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheape
             batches.append(batch)
     assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in first + later)
     kinds = {(b.tree, b.cache_hit, frozenset(it.prefix_key for it in b.items)) for b in batches}
-    assert kinds == {(False, False, frozenset({"long"})), (False, True, frozenset({"long"})), (True, None, frozenset({"other"}))}
+    assert kinds == {
+        (False, False, frozenset({"long"})),
+        (False, True, frozenset({"long"})),
+        (True, None, frozenset({"other"})),
+    }
 
 
 def test_packer_merges_only_where_the_cost_is_lower():

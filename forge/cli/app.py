@@ -39,6 +39,7 @@ def run(ctx: typer.Context) -> None:
     the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/);
     an fsspec URL (s3://bucket/run, gs://..., memory://...) works too.
     """
+    _warm_up_early(ctx.args)
     import hydra
 
     from forge.config.build import conf_dir
@@ -84,6 +85,19 @@ def run(ctx: typer.Context) -> None:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _warm_up_early(args: list[str]) -> None:
+    """Start the process executor's fork server before Hydra composes anything, when the
+    overrides leave the default executor (process) in place: it imports torch, transformers
+    and the causal-LM runtime on the second core while this process composes the config and
+    sets up the function (`forge.executors.process.warm_up`). A sweep, a config print or
+    another executor skips it; `_warm_up_workers` then decides once the config is known."""
+    if any(a.startswith(("runtime=", "runtime.executor=")) or a in ("-m", "--multirun", "--cfg", "-c") for a in args):
+        return
+    from forge.executors.process import warm_up
+
+    warm_up(("forge.api", "forge.runtime.causal_lm", "forge.runtime.views"))
 
 
 def _warm_up_workers(cfg) -> None:

@@ -45,11 +45,11 @@ from forge.runtime.items import resolve_layers, token_tensor
 from forge.runtime.masks import additive_masks
 from forge.runtime.outputs import PooledOutput, RowStates
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
-from forge.runtime.tree_rows import NO_CONTEXT, prefix_places, tree_layout, write_prefix_spans
 from forge.runtime.reference import (
     POOLINGS as _POOLINGS,
     reference_pooled,  # noqa: F401  (tests import it from here)
 )
+from forge.runtime.tree_rows import NO_CONTEXT, prefix_places, tree_layout, write_prefix_spans
 
 # ----------------------------------------------------------------------------- runner
 
