@@ -8,8 +8,7 @@ of window W, the key is less than W positions back: exactly the keys a one-promp
 pass shows it. In tree rows (`Batch.tree`) a prefix sits in the row itself: each query also
 carries a context segment (`ctx`: its prefix's span in the row), whose keys it sees as well,
 and the prefix's own tokens are a segment of their own. Padding (the tail of a row, positions
-still rising) sees the prefix and
-earlier padding, so no query row is empty.
+still rising) sees the prefix and earlier padding, so no query row is empty.
 """
 
 from __future__ import annotations
