@@ -1,11 +1,12 @@
-"""Start-up as a user pays it: `forge run` with and without the early fork server, interleaved.
+"""Start-up as a user pays it: `forge run` with its fork server started at three points, interleaved.
 
     python -m benchmarks.bench_startup [--rows 1000] [--rounds 3]
 
-Each round runs the same command twice in fresh processes, A B then B A: `forge run` as it
-ships (the process executor's fork server starts importing torch while the function is set
-up, `forge.executors.process.warm_up`), and the same with that call made a no-op (the fork
-server starts when the executor does). It prints the report's phases (seconds from the
+Each round runs the same command three times in fresh processes, A B C then C B A: `forge run`
+as it ships (the process executor's fork server starts importing torch and transformers before
+Hydra composes, `forge.cli.app._warm_up_early`); the same with that call made a no-op (the fork
+server starts once the config is composed, while the function is set up); and with both made
+no-ops (the fork server starts when the executor does). It prints the report's phases (seconds from the
 command's start: `start_s`, `worker_ready_s`, `first_batch_s`, `total_s`) and the wall time
 of each process, medians per variant. Not a test.
 """
@@ -21,12 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# The shipped CLI with the early start disabled; the guard keeps the fork server from running it.
+# The shipped CLI with early starts disabled; the guard keeps the fork server from running it.
 NO_WARM_UP = """
 import sys
 if __name__ == "__main__":
     import forge.cli.app as cli
-    cli._warm_up_workers = lambda cfg: None
+    cli._warm_up_early = lambda args: None
+    if sys.argv.pop(1) == "late":
+        cli._warm_up_workers = lambda cfg: None
     cli._COMMAND = True
     sys.argv = ["forge", *sys.argv[1:]]
     cli.main()
@@ -35,9 +38,11 @@ KEYS = ("start_s", "worker_ready_s", "first_batch_s", "total_s")
 
 
 def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str, float]:
-    command = (
-        [sys.executable, "-m", "forge.cli.app"] if variant == "early fork server" else [sys.executable, str(script)]
-    )
+    command = {
+        "fork server before composing": [sys.executable, "-m", "forge.cli.app"],
+        "fork server after composing": [sys.executable, str(script), "composed"],
+        "fork server at executor start": [sys.executable, str(script), "late"],
+    }[variant]
     t0 = time.perf_counter()
     subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True)
     wall = time.perf_counter() - t0
@@ -51,7 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     args = [f"input.limit={a.rows}", "runtime.executor=process"]
-    variants = ("early fork server", "fork server at executor start")
+    variants = ("fork server before composing", "fork server after composing", "fork server at executor start")
     seen: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "no_warm_up.py"

@@ -32,10 +32,18 @@ __all__ = ["MODES", "ONE_AT_A_TIME", "SMALL_LIMITS", "ModeCheck", "check_modes",
 ONE_AT_A_TIME = ["batching=item", "batching.batch_size=1"]  # whole prompts, one per batch, no cache
 MODES: dict[str, list[str]] = {
     "item": ["batching=item", "batching.batch_size=6"],
-    "token-cache": ["batching=token"],
+    # prefix groups kept apart, so that each layout runs whatever the input's geometry ...
+    "token-cache": ["batching=token", "batching.merge_groups=false"],
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
-    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
+    "token-packed": [
+        "batching=token",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=64",
+        "batching.merge_groups=false",
+    ],
+    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03", "batching.merge_groups=false"],
+    # ... and merged into tree rows: a step costs so much that every small prefix group merges
+    "token-merged": ["batching=token", "batching.batch_overhead_tokens=100000"],
 }
 # small steps, so that a few rows make several batches of several items
 SMALL_LIMITS = [

@@ -40,6 +40,7 @@ TOKEN_KEYS = (
     "padded_slots",
     "prefix",
     "cache_hit",
+    "prefix_shared",
 )
 
 
@@ -170,6 +171,7 @@ def forge_batch_completed(run, batch, device, stats):
     led.tokens["padded_slots"] += stats.padded_slots
     led.tokens["prefix"] += batch.prefix_tokens
     led.tokens["cache_hit"] += stats.cache_hit_tokens
+    led.tokens["prefix_shared"] += stats.shared_tokens
 
 
 @hookimpl
@@ -223,6 +225,9 @@ def forge_run_end(run, report):
     report["failure_reasons"] = dict(Counter(f["reason"] for f in led.failures).most_common(MAX_FAILURES_IN_REPORT))
     report["padding_waste"] = round(t["padding"] / t["padded_slots"], 6) if t["padded_slots"] else 0.0
     report["cache_hit_rate"] = round(t["cache_hit"] / t["prefix"], 6) if t["prefix"] else None
+    # prefix tokens not run again: served by the cache, or run once in a tree row for several items
+    reused = t["cache_hit"] + t["prefix_shared"]
+    report["prefix_reuse_rate"] = round(reused / t["prefix"], 6) if t["prefix"] else None
     report["balanced"] = not problems
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]

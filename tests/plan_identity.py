@@ -96,6 +96,8 @@ def canonical(seen: list[tuple[str, Any]], report: dict[str, Any]) -> str:
         for k in ("batches", "tokens", "status", "end_splits", "attempts", "effective_limits")
         if k in report
     }
+    # a ledger count added after a case was recorded appears only where it is not zero
+    figures["tokens"] = {k: v for k, v in figures.get("tokens", {}).items() if k != "prefix_shared" or v}
     figures["virtual_time"] = report.get("virtual_time")
     figures["devices"] = [
         {k: d.get(k) for k in ("name", "batches", "tokens", "cache_misses", "virtual_busy", "virtual_finish", "oom")}

@@ -84,10 +84,15 @@ FAMILIES = {
 
 MODES = {
     "item": ["batching=item", "batching.batch_size=6"],
-    "token-cache": ["batching=token"],
+    "token-cache": ["batching=token", "batching.merge_groups=false"],
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
-    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03"],
+    "token-packed": [
+        "batching=token",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=64",
+        "batching.merge_groups=false",
+    ],
+    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03", "batching.merge_groups=false"],
     # small prefix groups (a window of 4 items) merged into tree rows: a step costs so much that all merge
     "token-merged": ["batching=token", "batching.window=4", "batching.batch_overhead_tokens=100000"],
 }

@@ -118,7 +118,9 @@ def test_max_rows_counts_the_prefix_once():
 def test_memory_plan_reports_each_devices_largest_predicted_peak_within_its_budget():
     from conftest import plan_forge
 
-    report = plan_forge("devices=sim_16g_32g", "batching=memory", "input.limit=300", "layers=[1]")
+    report = plan_forge(
+        "devices=sim_16g_32g", "batching=memory", "batching.merge_groups=false", "input.limit=300", "layers=[1]"
+    )
     assert report["status"] == "finished"
     peaks = {d["name"]: (d["predicted_peak_bytes"], d["memory_budget_bytes"]) for d in report["devices"]}
     assert set(peaks) == {"card16", "card32"}

@@ -96,11 +96,13 @@ def test_their_function_is_exact_in_every_mode(tmp_path):
             "budget.tokens_per_step=512",
         ],
     )
-    assert set(check.results) == {"item", "token-cache", "token-nocache", "token-packed", "memory"}
+    assert set(check.results) == {"item", "token-cache", "token-nocache", "token-packed", "memory", "token-merged"}
     # it uses the prefix cache: in token mode the rows sharing a prefix take it from the cache
     from forge.testing import run_function
 
-    report = run_function("token_norms", tmp_path / "rows.jsonl", tmp_path / "cached", ["batching=token"])
+    report = run_function(
+        "token_norms", tmp_path / "rows.jsonl", tmp_path / "cached", ["batching=token", "batching.merge_groups=false"]
+    )
     assert report["tokens"]["cache_hit"] > 0 and report["items"]["completed"] == len(rows)
 
 

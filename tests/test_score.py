@@ -43,18 +43,20 @@ FAMILIES = {
     "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
     "bloom": ("BloomConfig", dict(n_layer=2, n_head=4)),
 }
+APART = "batching.merge_groups=false"  # prefix groups kept apart: the split-prefix and cache paths run
 MODES = {
     "item": ["batching=item", "batching.batch_size=5"],
-    "token-cache": ["batching=token"],
+    "token-cache": ["batching=token", "batching.merge_groups=false"],
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64"],
+    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=64", APART],
     "token-packed-nocache": [
         "batching=token",
         "batching.packing=packed",
         "batching.packed_row_tokens=96",
         "batching.prefix_cache=false",
     ],
-    "memory": ["batching=memory", "devices.cpu_memory_gb=0.05"],
+    "memory": ["batching=memory", "devices.cpu_memory_gb=0.05", APART],
+    "token-merged": ["batching=token"],  # the default: questions merged into tree rows
 }
 SMALL = [
     "devices=auto",
@@ -359,7 +361,7 @@ def test_resume_commits_each_item_once(tmp_path, data):
     """A run cut after its first shard, resumed, gives the full run's table, each id once."""
     _, rows_path, rows = data
     full = tmp_path / "full"
-    args = ("function=score", f"input.path={rows_path}", "shard_size=8", "batching=token")
+    args = ("function=score", f"input.path={rows_path}", "shard_size=8", "batching=token", APART)
     report = run_forge(full, *args)
     n = report["items"]["completed"]
     journal = (full / "commits.jsonl").read_text().splitlines()
@@ -385,7 +387,7 @@ def test_embedded_default_plan_and_refusals(tmp_path):
     report = plan_forge("function=score", "input.limit=40")
     assert report["function"] == "score" and report["balanced"]
     assert report["items"]["received"] == 160  # 40 questions x 4 choices
-    assert report["cache_hit_rate"] > 0.5  # each question's context computed once for its 4 choices
+    assert report["prefix_reuse_rate"] > 0.5  # each question's context computed once for its 4 choices
     with pytest.raises(ForgeError, match="too_long=truncate"):
         plan_forge("function=score", "too_long=truncate")
     # a mode the model cannot run exactly is refused before work, with probe_gen's reason

@@ -21,9 +21,14 @@ TESTS = Path(__file__).resolve().parent
 LAYERS = [0, 2, 4]
 MODES = {
     "item": ["batching=item", "batching.batch_size=5"],
-    "token-cache": ["batching=token"],
+    "token-cache": ["batching=token", "batching.merge_groups=false"],
     "token-nocache": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": ["batching=token", "batching.packing=packed", "batching.packed_row_tokens=96"],
+    "token-packed": [
+        "batching=token",
+        "batching.packing=packed",
+        "batching.packed_row_tokens=96",
+        "batching.merge_groups=false",
+    ],
 }
 # small steps, so that 23 rows make several batches of several items (prefixes of 45, 97 and 119 tokens)
 SMALL_LIMITS = [

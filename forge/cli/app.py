@@ -93,8 +93,14 @@ def _warm_up_early(args: list[str]) -> None:
     and the causal-LM runtime on the second core while this process composes the config and
     sets up the function (`forge.executors.process.warm_up`). A sweep, a config print or
     another executor skips it; `_warm_up_workers` then decides once the config is known."""
-    if any(a.startswith(("runtime=", "runtime.executor=")) or a in ("-m", "--multirun", "--cfg", "-c") for a in args):
-        return
+    for a in args:
+        key, _, value = a.partition("=")
+        if (
+            a in ("-m", "--multirun", "--cfg", "-c")
+            or (key, value) in (("runtime", "ray"),)
+            or (key == "runtime.executor" and value != "process")
+        ):
+            return
     from forge.executors.process import warm_up
 
     warm_up(("forge.api", "forge.runtime.causal_lm", "forge.runtime.views"))

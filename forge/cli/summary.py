@@ -53,12 +53,25 @@ def _run_table(report: dict[str, Any]) -> Table:
         "tokens",
         "  ".join(
             f"{k} {tokens.get(k, 0):,}"
-            for k in ("received", "routed", "completed", "failed", "skipped", "padding", "prefix", "cache_hit")
+            for k in (
+                "received",
+                "routed",
+                "completed",
+                "failed",
+                "skipped",
+                "padding",
+                "prefix",
+                "cache_hit",
+                "prefix_shared",
+            )
         ),
     )
     table.add_row("batches", f"{report.get('batches', 0):,}")
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
     table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
+    reuse = report.get("prefix_reuse_rate")
+    if reuse is not None and reuse != hit:  # tree rows shared prefixes besides the cache
+        table.add_row("prefix reuse", f"{100 * reuse:.2f}% (cache, and prefixes shared in tree rows)")
     if report.get("path"):
         table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")

@@ -38,8 +38,9 @@ class BatchStats:
 
     seconds: float  # wall time on the device (simulated for a plan)
     prefix_computed_tokens: int  # prefix tokens actually run this step (0 on a cache hit)
-    cache_hit_tokens: int  # prefix tokens the items needed but did not run
+    cache_hit_tokens: int  # prefix tokens the items needed but did not run: the cache held them
     padded_slots: int  # row slots run plus prefix tokens run
+    shared_tokens: int = 0  # prefix tokens the items needed that a tree row ran once for several of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,11 @@ class FailureWindow:
 
 def batch_stats(batch, seconds: float, prefix_computed_tokens: int) -> BatchStats:
     """Stats of a batch from what its prefix cost. Rows that hold whole sequences run
-    their own prefix, so nothing is served from cache."""
+    their own prefix, so nothing is served from cache; tree rows run each prefix group's
+    prefix once in the row (shared, not cached)."""
+    if batch.tree:
+        computed = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans
+        return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed)
     if batch.split_prefix:
         hit = batch.prefix_tokens - prefix_computed_tokens
     else:
