@@ -74,6 +74,7 @@ def test_surprisal_equals_transformers_one_row_at_a_time_in_every_mode(tmp_path)
         "token-nocache",
         "token-packed",
         "memory",
+        "token-merged",
     }
     for mode, res in [("one-at-a-time", check.reference), *check.results.items()]:
         assert res.ids == [r["id"] for r in rows], mode
