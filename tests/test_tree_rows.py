@@ -85,7 +85,7 @@ def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheape
     """A long prefix that ran in a batch of its own (so the device's cache holds it) costs only its
     suffixes there; merging would compute it again. The same geometry never run merges."""
     dev = Device("d0", LIMITS)
-    packer = TokenPacker(batch_overhead_tokens=64)
+    packer = TokenPacker(batch_overhead_tokens=64, packed_row_tokens=1024)  # tree rows up to 1,024 tokens
     first = [Item(f"a{i}", 600 + i % 20, "long", 590) for i in range(40)]  # too long to merge: runs apart
     later = [Item(f"z{i}", 600 + i, "long", 590) for i in range(2)] + [
         Item(f"o{i}", 600 + i, "other", 590) for i in range(2)

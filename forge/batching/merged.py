@@ -9,7 +9,9 @@ carries many prefixes, each computed once, and masks keep every suffix to its ow
 and itself (`forge.runtime.masks`). A 4D mask makes attention compute every pair of a row,
 so a tree batch's rows are as long as its longest unit, and no shorter than max_rows rows
 need to fill the step (`tree_row_len`); shorter units share rows. A unit may be at most
-`tree_row_cap` (max_seq_len, or `packed_row_tokens`) long.
+`tree_row_cap` long: `packed_row_tokens`, else `TREE_ROW_CAP`, within max_seq_len. The cap
+is what keeps that quadratic term small: a group longer than it (a long prefix with many
+suffixes) already fills a batch of its own, and runs there behind its prefix's cached KV.
 
 When a group merges is decided from geometry alone (`MergedPlanning._merges`). With O the
 per-step overhead in token slots, B the step's token slots, P the prefix, T the group's row
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from forge.batching.token import _Group
 
 MERGED = -2  # the group key of the pool of merged prefix groups (never a prefix code)
+TREE_ROW_CAP = 512  # the longest tree row (and merged group) unless batching.packed_row_tokens says otherwise
 
 
 class _Unit:
@@ -71,9 +74,9 @@ class MergedPlanning:
         self._ran = bytearray()  # per prefix code: a batch has run it split off, so a device's cache may hold it
 
     def tree_row_cap(self, device: Device) -> int:
-        """The longest tree row on `device` (the longest unit that may merge): max_seq_len, or `packed_row_tokens`."""
-        lim = device.limits
-        return min(lim.max_seq_len, self.packed_row_tokens or lim.max_seq_len)
+        """The longest tree row on `device` (the longest unit that may merge): `packed_row_tokens`,
+        else `TREE_ROW_CAP`, within max_seq_len."""
+        return min(device.limits.max_seq_len, self.packed_row_tokens or TREE_ROW_CAP)
 
     def tree_row_len(self, longest: int, device: Device) -> int:
         """Slots of a tree row whose longest unit is `longest`: that, padded, and no fewer than
