@@ -153,10 +153,10 @@ class Score(CausalLMFunction):
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         if self._encoder is None:
             self._encoder = _Encoder(self.tokenizer, self.add_special_tokens)
-        return [self._tokens(p) for p in prompts]
+        pairs = self._encoder.pairs([(p.prefix, p.text) for p in prompts])
+        return [self._tokens(p, ctx, cont) for p, (ctx, cont) in zip(prompts, pairs)]
 
-    def _tokens(self, p: Prompt) -> Tokens | str:
-        ctx, cont = self._encoder.pair(p.prefix, p.text)
+    def _tokens(self, p: Prompt, ctx: list[int], cont: list[int]) -> Tokens | str:
         if not cont:
             return f"continuation {p.text!r} has no tokens of its own after the context"
         if len(cont) > self.max_length:

@@ -269,6 +269,20 @@ def test_boundary_tokenization_follows_lm_eval():
         assert enc.pair(context, continuation) == tuple(lm_eval_pair(tok, context, continuation, True))
     plain = _Encoder(tok, add_special_tokens=False)
     assert plain.pair("Answer: ", "Paris") == ([394, 1807, 29], [964, 373])  # no BOS
+    # the batched form (what the run uses) gives each pair exactly what `pair` gives
+    cases = [
+        ("Answer: ", "Paris"),
+        ("Answer:", " Paris"),
+        ("two spaces  ", "x"),
+        ("tab\t", "y"),
+        ("", "Hello"),
+        ("   ", "x"),
+        ("Zürich ", "liegt"),
+        ("Answer:", " Rome"),
+    ]
+    for encoder in (enc, plain):
+        assert encoder.pairs(cases) == [encoder.pair(c, t) for c, t in cases]
+    assert enc.pairs([]) == []
 
 
 def test_acc_and_acc_norm_by_hand():

@@ -91,6 +91,30 @@ class PairEncoder:
     def enc(self, text: str) -> list[int]:
         return self.start + list(self.tok(text, add_special_tokens=False)["input_ids"])
 
+    def pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+        """`pair` of each (context, continuation), in two tokenizer calls over the whole list (a
+        fast tokenizer encodes a list in parallel) and each distinct context encoded once."""
+        moved = []
+        for context, continuation in pairs:
+            spaces = len(context) - len(context.rstrip())
+            moved.append((context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation))
+        contexts = list(dict.fromkeys(c for c, _ in moved if c))
+        ids = self._encode(contexts)
+        ctx_ids = {c: self.start + i for c, i in zip(contexts, ids)}
+        wholes = iter(self._encode([c + t for c, t in moved if ctx_ids.get(c)]))
+        empty = iter(self._encode([t for c, t in moved if not ctx_ids.get(c)]))
+        out = []
+        for c, t in moved:
+            ctx = ctx_ids.get(c)
+            if not ctx:  # nothing to predict the first token from: the BOS (or EOS) stands in
+                out.append((list(self.empty_context), next(empty)))
+            else:
+                out.append((ctx, (self.start + next(wholes))[len(ctx) :]))
+        return out
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [list(i) for i in self.tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
     def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         spaces = len(context) - len(context.rstrip())
         if spaces:
