@@ -104,7 +104,7 @@ class PairEncoder:
         wholes = iter(self._encode([c + t for c, t in moved if ctx_ids.get(c)]))
         empty = iter(self._encode([t for c, t in moved if not ctx_ids.get(c)]))
         out = []
-        for c, t in moved:
+        for c, _ in moved:
             ctx = ctx_ids.get(c)
             if not ctx:  # nothing to predict the first token from: the BOS (or EOS) stands in
                 out.append((list(self.empty_context), next(empty)))
