@@ -197,3 +197,13 @@ def test_score_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch):
     assert len(seen) >= 2
     got, want = found.results["token"].columns, found.reference.columns
     assert list(got["greedy"]) == list(want["greedy"])
+
+
+def test_the_plot_draws_each_prefix_once_per_tree_row():
+    from forge.cli.plot import PREFIX, _rows
+
+    trees = [b for b in drain(TokenPacker(), questions(60)) if b.tree]
+    drawn = _rows(trees[:1])
+    for row, segs in zip(trees[0].rows, drawn):
+        assert sum(n for n, _ in segs) == trees[0].padded_len  # prefixes, suffixes and padding fill the row
+        assert sum(1 for _, colour in segs if colour == PREFIX) == len(runs(row))

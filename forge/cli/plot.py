@@ -36,6 +36,13 @@ def _rows(batches) -> list[list[tuple[int, tuple]]]:
         for row in b.rows:
             segs, used = [], 0
             for j, it in enumerate(row):
+                if b.tree:  # a tree row: each run of a prefix key draws its prefix once
+                    if it.prefix_len and (j == 0 or row[j - 1].prefix_key != it.prefix_key):
+                        segs.append((it.prefix_len, PREFIX))
+                        used += it.prefix_len
+                    segs.append((it.num_tokens - it.prefix_len, TOKEN if j % 2 == 0 else TOKEN2))
+                    used += it.num_tokens - it.prefix_len
+                    continue
                 if not b.split_prefix and it.prefix_len:
                     segs.append((it.prefix_len, PREFIX))
                     segs.append((it.num_tokens - it.prefix_len, TOKEN))
