@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import compose  # noqa: E402
 from forge import load_activations  # noqa: E402
 from forge.errors import ForgeError  # noqa: E402
+from forge.testing import MODES as TESTING_MODES  # noqa: E402
 
 LAYERS = [1, 2]
 TOL = 1e-4
@@ -82,18 +83,10 @@ FAMILIES = {
     ),
 }
 
+# forge.testing's modes (every layout), with small prefix groups merged into tree rows by a
+# window of 4 items (a step costs so much that all of them merge)
 MODES = {
-    "item": ["batching=item", "batching.batch_size=6"],
-    "token-cache": ["batching=token", "batching.merge_groups=false"],
-    "token-nocache": ["batching=token", "batching.prefix_cache=false"],
-    "token-packed": [
-        "batching=token",
-        "batching.packing=packed",
-        "batching.packed_row_tokens=64",
-        "batching.merge_groups=false",
-    ],
-    "memory": ["batching=memory", "devices.cpu_memory_gb=0.03", "batching.merge_groups=false"],
-    # small prefix groups (a window of 4 items) merged into tree rows: a step costs so much that all merge
+    **TESTING_MODES,
     "token-merged": ["batching=token", "batching.window=4", "batching.batch_overhead_tokens=100000"],
 }
 # (mode, pooling) pairs run for every family: every mode once, both poolings on the prefix paths
