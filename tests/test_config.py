@@ -302,3 +302,25 @@ def test_function_yaml_and_constructor_agree_with_the_config_schema(name):
     for key, p in inspect.signature(cls.__init__).parameters.items():
         if key in defaults and p.default is not inspect.Parameter.empty:
             assert p.default == defaults[key], f"{cls.__name__}({key}={p.default!r}), the schema says {defaults[key]!r}"
+
+
+def test_batching_yaml_restates_its_packers_defaults():
+    """A mode's options are written twice, by necessity: in its packer's constructor (the default
+    for code that builds one) and in its YAML (Hydra overrides only keys a YAML has). They agree."""
+    import inspect
+
+    import yaml
+
+    from forge.batching import ItemPacker, MemoryPacker, TokenPacker
+    from forge.config.build import conf_dir
+
+    packers = {"item": [ItemPacker], "token": [TokenPacker], "memory": [MemoryPacker, TokenPacker]}
+    for mode, classes in packers.items():
+        data = yaml.safe_load((conf_dir() / "batching" / f"{mode}.yaml").read_text())
+        params = {}
+        for cls in reversed(classes):  # the subclass's own defaults win
+            params.update({n: p.default for n, p in inspect.signature(cls).parameters.items()})
+        checked = [k for k in data if k in params and params[k] is not inspect.Parameter.empty]
+        assert "merge_groups" in checked or mode == "item"
+        for key in checked:
+            assert data[key] == params[key], f"{mode}.yaml: {key}={data[key]!r}, the constructor says {params[key]!r}"
