@@ -97,7 +97,9 @@ def _references(fn, model, poolings, normalize):
         if not hasattr(item, "tokens"):
             continue
         with torch.inference_mode():
-            h = model(input_ids=torch.as_tensor(np.asarray(item.tokens, dtype=np.int64))[None], use_cache=False).last_hidden_state[0]
+            h = model(
+                input_ids=torch.as_tensor(np.asarray(item.tokens, dtype=np.int64))[None], use_cache=False
+            ).last_hidden_state[0]
         pooled = {"mean": h.float().mean(0), "cls": h[0], "last": h[-1]}
         for p in poolings:
             out[p][item.id] = pool_and_normalize(pooled[p][None], normalize)[0].numpy()
