@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'
     python -m benchmarks.bench_peers score     [--model tiny|llama-1024] [--questions 200] [--rounds 2]
-    python -m benchmarks.bench_peers probe_gen [--model tiny|llama-1024] [--rows 1000]   [--rounds 2]
+    python -m benchmarks.bench_peers probe_gen [--model tiny|llama-1024] [--rows 1000] [--prefixes 40] [--rounds 2]
     python -m benchmarks.bench_peers embed     [--rows 400] [--rounds 2]
 
 Every variant is one subprocess, timed from its start to its exit (interpreter start, imports,
@@ -159,12 +159,32 @@ def score_workload(path: Path, n: int, model: str) -> dict:
     }
 
 
-def probe_workload(path: Path, n: int, model: str) -> dict:
+def regroup(rows: list[dict], groups: int) -> list[dict]:
+    """The rows with their few-shot prefixes spread over `groups` distinct ones (round robin over
+    the rows that have one): each embedded prefix (an instruction line, then example lines) and
+    the variants that drop its first 1, 2, ... examples, all real few-shot text."""
+    variants = []
+    for p in dict.fromkeys(r["prefix"] for r in rows if r.get("prefix")):
+        head, *shots = p.splitlines(keepends=True)
+        variants += [head + "".join(shots[j:]) for j in range(len(shots))]
+    variants = variants[:groups]
+    out, k = [], 0
+    for r in rows:
+        if r.get("prefix"):
+            r = {**r, "prefix": variants[k % len(variants)]}
+            k += 1
+        out.append(r)
+    return out
+
+
+def probe_workload(path: Path, n: int, model: str, groups: int | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from forge.functions.assets import embedded_dataset_path
 
     rows = [json.loads(line) for line in open(embedded_dataset_path())][:n]
+    if groups:
+        rows = regroup(rows, groups)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = AutoTokenizer.from_pretrained(model_path(model))
     prefixes, suffix, useful, spans, full = {}, 0, 0, [], []
@@ -270,6 +290,9 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="tiny (the embedded default) | llama-1024 | a local dir")
     ap.add_argument("--questions", type=int, default=200, help="score: multiple-choice questions (10-shot, 4 choices)")
     ap.add_argument("--rows", type=int, default=1000, help="probe_gen / embed: input rows")
+    ap.add_argument(
+        "--prefixes", type=int, default=None, help="probe_gen: spread the rows over this many few-shot prefixes"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated variant numbers to run (1-based)")
     ap.add_argument("--out", default=None, help="keep the run directories here (default: a temp dir, removed)")
@@ -302,7 +325,7 @@ def main() -> None:
         read_forge, read_peer, ext = forge_scores, peer_scores, ".json"
     elif a.function == "probe_gen":
         model = a.model
-        w = probe_workload(rows, a.rows, model)
+        w = probe_workload(rows, a.rows, model, a.prefixes)
         mp = model_path(model)
         fr += ["function=probe_gen", "batching=token", "layers=[1,2,4]", "pooling=last", *forge_model_args(model)]
         variants = {
