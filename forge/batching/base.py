@@ -122,6 +122,9 @@ class Packer(ABC):
     split_prefix: bool = False
     #: "rows" (one sequence per row) or "packed" (several sequences end to end per row)
     packing: str = "rows"
+    #: whether small prefix groups may share tree batches (`Batch.tree`); the run turns it off
+    #: where the function or its model cannot run them exactly
+    merge_groups: bool = False
     #: per-step cost in token slots, for devices that declare none (`overhead_tokens`)
     batch_overhead_tokens: int = 0
     #: the memory model the packer bounds batches with; None: it bounds none by memory

@@ -16,8 +16,8 @@ suffixes) already fills a batch of its own, and runs there behind its prefix's c
 When a group merges is decided from geometry alone (`MergedPlanning._merges`). With O the
 per-step overhead in token slots, B the step's token slots, P the prefix, T the group's row
 tokens and S the padded slots of its own batch, its own batch costs O + S, plus P unless a
-batch of its own has run that prefix already (then a device's cache is likely to hold it; a
-tree batch computes its prefixes in the rows and caches none); its share of
+batch of its own has run that prefix already with the prefix cache on (then a device's cache is
+likely to hold it; a tree batch computes its prefixes in the rows and caches none); its share of
 a tree batch costs (P + T)(1 + O / B). The group merges when the share is cheaper and the
 unit fits one tree row. Under `Urgency.ROOM` the pool cuts only full batches (a full batch's
 worth of units waits for company); under `DRAIN` it cuts everything.

@@ -230,9 +230,10 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         profile = None
         replan_tokens = self.replan_batches * device.limits.max_batch_tokens
         groups = self._groups
-        merged = False  # a group joined the pool during this walk
+        merged = pool_asked = False  # a group joined the pool during this walk; the pool was asked
         for key in keys:
             if key == MERGED:
+                pool_asked = True
                 cut = self._take_pool(device, urgency)
                 if cut is not None:
                     return cut
@@ -270,12 +271,14 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
             self._count -= n
             if not g.count:
                 del groups[key]
-            if cut.split_prefix and g.offset:
+            if cut.split_prefix and g.offset and self.prefix_cache:
                 self._note_ran(g.code)  # its prefix ran split off: the device's cache may hold it now
             return cut
-        # the pool, when a group joined it on this walk, or when everything is cut (its key may
-        # not have been among those asked: groups join it as they are planned)
-        return self._take_pool(device, urgency) if merged or urgency == Urgency.DRAIN else None
+        # the pool, when a group joined it on this walk, or when everything is cut and its key was
+        # not among those asked (groups join it as they are planned)
+        if merged or (urgency == Urgency.DRAIN and not pool_asked):
+            return self._take_pool(device, urgency)
+        return None
 
     def _take_pool(self, device: Device, urgency: Urgency) -> Cut | None:
         cut = self._pool_cut(device, urgency)

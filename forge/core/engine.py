@@ -114,7 +114,7 @@ def prepare(
     splits = packer.split_prefix
     packed = packer.packing == "packed"
     # refuse, before any work, a layout the function cannot run exactly
-    if getattr(packer, "merge_groups", False):
+    if packer.merge_groups:
         # merged prefix groups run as tree rows (packed): only for a function whose workers run
         # them, and a model whose packed rows are exact; otherwise groups stay apart
         try:
