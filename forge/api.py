@@ -293,12 +293,12 @@ class CausalLMFunction(ModelFunction):
 
     def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
         super().__init__(model, input, shard_size, too_long)
-        from forge.runtime.capabilities import causal_lm_capabilities, causal_lm_class
+        from forge.runtime.capabilities import causal_lm_capabilities
         from forge.runtime.hf_compat import num_layers
 
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
-        self.caps = causal_lm_capabilities(self.config, causal_lm_class(self.config), self.model, self.hf.source)
+        self.caps = causal_lm_capabilities(self.config, self.model, self.hf.source)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
@@ -312,10 +312,8 @@ class CausalLMFunction(ModelFunction):
         return self.caps.path(*self._mode)
 
     def worker_modules(self) -> list[str]:
-        from forge.runtime.capabilities import causal_lm_class
-
-        cls = causal_lm_class(self.config)
-        own = ["forge.runtime.causal_lm", "forge.runtime.views", *([cls.__module__] if cls else [])]
+        module = self.caps.model_module
+        own = ["forge.runtime.causal_lm", "forge.runtime.views", *([module] if module else [])]
         return [*super().worker_modules(), *own]
 
     # -- memory -------------------------------------------------------------------------

@@ -79,6 +79,7 @@ def test_run_writes_report_and_activations(cli, tmp_path):
     assert set(phases) == {
         "start_s",
         "open_s",
+        "worker_start_s",
         "worker_load_s",
         "worker_ready_s",
         "first_batch_s",

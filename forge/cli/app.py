@@ -364,7 +364,13 @@ def _ref_name(ref: object) -> str:
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    """The `forge` command: the app, then `quick_exit` with its exit code."""
+    from forge.cli.exit import quick_exit
+
+    try:
+        app()
+    except SystemExit as exc:  # typer always ends this way, with the command's exit code
+        quick_exit(exc.code)
 
 
 if __name__ == "__main__":  # pragma: no cover

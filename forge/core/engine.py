@@ -260,6 +260,9 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
 
     - start_s: to `execute` (imports, config composition, the function's set-up);
     - open_s: the run directory (lock, fingerprint), the packer and the sink, to the loop's start;
+    - worker_start_s: the slowest device's worker start, from its process being asked for
+      to its model load's start (the process executor's fork server finishing its imports
+      of torch, transformers and the function's modules, the fork, the worker's own imports);
     - worker_load_s: the slowest device's model load, as its worker measured it;
     - worker_ready_s: until every device's worker was ready;
     - first_batch_s: until the first batch's result was committed;
@@ -272,6 +275,7 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
     return {
         "start_s": round(began - t0, 3),
         "open_s": round(timings.get("loop_at", end) - began, 3),
+        "worker_start_s": max(executor.start_s.values(), default=None),
         "worker_load_s": max(executor.load_s.values(), default=None),
         "worker_ready_s": round(max(executor.ready_at.values()) - t0, 3) if executor.ready_at else None,
         "first_batch_s": at("first_batch_at"),

@@ -66,6 +66,9 @@ class Executor(ABC):
         self.retired: dict[str, str] = {}  # device -> why it runs no more work
         self.load_s: dict[str, float] = {}  # device -> seconds its first worker took to load the model
         self.ready_at: dict[str, float] = {}  # device -> time.time() its first worker was ready
+        #: device -> seconds from its first worker's start to its model load's start (the process
+        #: starting, waiting for its imports: torch, transformers, the function's modules)
+        self.start_s: dict[str, float] = {}
 
     @abstractmethod
     def start(self, devices: list[Device]) -> None: ...
@@ -166,7 +169,9 @@ class SlotExecutor(Executor, Generic[SlotT]):
         name = slot.device.name
         if name not in self.ready_at:
             self.ready_at[name] = time.time()
-            self.load_s[name] = round(time.monotonic() - slot.started if load_s is None else load_s, 3)
+            took = time.monotonic() - slot.started
+            self.load_s[name] = round(took if load_s is None else load_s, 3)
+            self.start_s[name] = round(max(0.0, took - self.load_s[name]), 3)
 
     @staticmethod
     def _answered(slot: Slot) -> None:

@@ -30,8 +30,9 @@ from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_e
 # replacement starts in well under a second; fork from the driver would copy its threads and
 # CUDA state.
 _ctx = mp.get_context("forkserver")
-#: what every worker needs, preloaded by the fork server whatever the function
-COMMON_MODULES = ("torch", "transformers", "transformers.modeling_utils")
+#: what every worker needs, preloaded by the fork server whatever the function (the first, only
+#: the fork server imports: its exit skips the interpreter's teardown of torch and transformers)
+COMMON_MODULES = ("forge.executors.fork_server_exit", "torch", "transformers", "transformers.modeling_utils")
 
 
 def warm_up(modules: tuple[str, ...] = ()) -> None:
@@ -107,9 +108,10 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             daemon=True,
             args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads, dict(os.environ)),
         )
+        asked = time.monotonic()  # start() waits for the fork server to finish its imports
         process.start()
         child.close()
-        self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=time.monotonic())
+        self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=asked)
 
     @staticmethod
     def _kill(slot: _Slot) -> None:

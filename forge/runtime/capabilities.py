@@ -15,22 +15,16 @@ every prefix key and masks, per layer type, the keys a full forward pass would n
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 from forge.errors import ForgeError
+from forge.runtime.class_facts import ClassFacts, class_facts, facts_of
 from forge.runtime.hf_compat import num_layers, text_config
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLS = ("sdpa", "eager")  # implementations that honour an explicit 4D mask
 ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-_SUPPORT_FLAGS = {
-    "sdpa": "_supports_sdpa",
-    "flash_attention_2": "_supports_flash_attn",
-    "flash_attention_3": "_supports_flash_attn",
-    "flex_attention": "_supports_flex_attn",
-}
 
 
 @dataclass(frozen=True)
@@ -47,6 +41,7 @@ class Capabilities:
     alibi: bool  # positions are ALiBi biases built from the 2D mask
     learned_positions: bool  # absolute position embeddings (GPT-2, OPT)
     softcap: float | None  # attention logit soft-capping
+    model_module: str | None = None  # where the class lives (its worker's fork server preloads it)
 
     @property
     def mixed_layers(self) -> bool:
@@ -106,14 +101,10 @@ class Capabilities:
         return "; ".join(parts) + ("" if not notes else " [" + "; ".join(notes) + "]")
 
 
-def causal_lm_class(config: Any) -> type | None:
-    """The class AutoModelForCausalLM loads for this config, or None (resolved without weights)."""
-    from transformers import AutoModelForCausalLM
-
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) in mapping:
-        return mapping[type(config)]
-    return None
+def causal_lm_facts(config: Any) -> ClassFacts:
+    """The facts about the class AutoModelForCausalLM loads for this config (no weights; kept
+    between runs, `forge.runtime.class_facts`)."""
+    return class_facts(config, "AutoModelForCausalLM")
 
 
 def _declares(config: Any, name: str) -> bool:
@@ -124,12 +115,12 @@ def _declares(config: Any, name: str) -> bool:
     )
 
 
-def _not_causal(config: Any, model_class: type | None) -> str:
+def _not_causal(config: Any, facts: ClassFacts) -> str:
     """Why this is not a causal decoder, or "" when it is (by architecture, not by probing)."""
     cfg = text_config(config)
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder"
-    if model_class is None:
+    if facts.name is None:
         return f"transformers has no causal LM class for model_type {getattr(config, 'model_type', '?')!r}"
     if getattr(cfg, "is_causal", True) is False or getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention"
@@ -155,70 +146,44 @@ def _layer_types(cfg: Any) -> tuple[list[str], list[int | None]]:
         return list(types), [window if t == SLIDING else None for t in types]
 
 
-def _takes_mask_mapping(model_class: type | None) -> bool:
-    """Whether the base model's forward accepts {layer type: mask} (transformers 5 hybrids)."""
-    if model_class is None:
-        return False
-    base = getattr(model_class, "base_model_prefix", "")
-    for cls in (model_class, *_base_classes(model_class, base)):
-        try:
-            if "causal_mask_mapping := attention_mask, dict" in inspect.getsource(cls.forward):
-                return True
-        except (OSError, TypeError):
-            pass
-    return False
-
-
-def _base_classes(model_class: type, prefix: str) -> list[type]:
-    """The base model class (e.g. MistralModel next to MistralForCausalLM), found in its module."""
-    import sys
-
-    module = sys.modules.get(model_class.__module__)
-    stem = model_class.__name__
-    for tail in ("ForCausalLM", "LMHeadModel"):
-        stem = stem.removesuffix(tail)
-    cls = getattr(module, f"{stem}Model", None) or getattr(module, f"{stem}TextModel", None)
-    return [cls] if isinstance(cls, type) else []
-
-
-def choose_attn(family: str, model_class: type | None, requested: str | None) -> tuple[str, str]:
+def choose_attn(family: str, facts: ClassFacts, requested: str | None) -> tuple[str, str]:
     """(implementation, why): `auto` takes SDPA where the class supports it, else eager."""
     requested = requested or "auto"
     if requested not in ATTN_CHOICES:
         raise ForgeError(f"model.attn_implementation={requested!r}; choose one of {', '.join(ATTN_CHOICES)}")
-
-    def supports(impl: str) -> bool:
-        flag = _SUPPORT_FLAGS.get(impl)
-        return flag is None or bool(getattr(model_class, flag, False))
-
     if requested == "auto":
-        if model_class is None or supports("sdpa"):
+        if facts.name is None or facts.supports_attn("sdpa"):
             return "sdpa", "auto: SDPA supported"
         return "eager", "auto: no SDPA support"
-    if model_class is not None and not supports(requested):
+    if facts.name is not None and not facts.supports_attn(requested):
         raise ForgeError(f"model.attn_implementation={requested}: {family} does not support it; use auto or eager")
     return requested, "set by model.attn_implementation"
 
 
 def capabilities(
-    config: Any, model_class: type | None = None, attn_implementation: str | None = "auto"
+    config: Any, model_class: type | ClassFacts | None = None, attn_implementation: str | None = "auto"
 ) -> Capabilities:
-    """Capabilities of the causal LM `config` describes (no weights are loaded)."""
-    model_class = model_class or causal_lm_class(config)
+    """Capabilities of the causal LM `config` describes (no weights are loaded); `model_class`
+    (a class or its facts) defaults to the one AutoModelForCausalLM loads."""
+    if isinstance(model_class, ClassFacts):
+        facts = model_class
+    else:
+        facts = facts_of(model_class) if model_class is not None else causal_lm_facts(config)
     cfg = text_config(config)
     family = str(getattr(cfg, "model_type", None) or getattr(config, "model_type", "model"))
-    attn, note = choose_attn(family, model_class, attn_implementation)
+    attn, note = choose_attn(family, facts, attn_implementation)
     types, wins = _layer_types(cfg)
     return Capabilities(
         family=family,
-        model_class=model_class.__name__ if model_class else "?",
-        causal=not _not_causal(config, model_class),
-        not_causal=_not_causal(config, model_class),
+        model_class=facts.name or "?",
+        model_module=facts.module,
+        causal=not _not_causal(config, facts),
+        not_causal=_not_causal(config, facts),
         attn=attn,
         attn_note=note,
         layer_types=tuple(types),
         windows=tuple(sorted({int(w) for w in wins if w})),
-        mask_mapping=_takes_mask_mapping(model_class),
+        mask_mapping=facts.mask_mapping,
         alibi=bool(
             getattr(cfg, "alibi", False)
             or family in ("bloom", "mpt")
@@ -229,12 +194,13 @@ def capabilities(
     )
 
 
-def causal_lm_capabilities(config: Any, cls: Any, model: Any, source: str) -> Capabilities:
+def causal_lm_capabilities(config: Any, model: Any, source: str) -> Capabilities:
     """`capabilities` of a causal LM, its class from the model's own code (`auto_map`) when
     transformers has none and the config trusts remote code (`model`: the `ModelSpec`)."""
+    facts = causal_lm_facts(config)
     auto_map = getattr(config, "auto_map", None) or {}
-    if cls is None and "AutoModelForCausalLM" in auto_map and model.trust_remote_code:
+    if facts.name is None and "AutoModelForCausalLM" in auto_map and model.trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], source, **model.hub_kwargs())
-    return capabilities(config, cls, model.attn_implementation)
+        facts = facts_of(get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], source, **model.hub_kwargs()))
+    return capabilities(config, facts, model.attn_implementation)

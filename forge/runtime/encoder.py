@@ -30,6 +30,7 @@ import torch
 from forge.core.geometry import Batch
 from forge.errors import ForgeError
 from forge.runtime.capabilities import MASK_IMPLS, choose_attn
+from forge.runtime.class_facts import ClassFacts, class_facts
 from forge.runtime.hf_compat import text_config
 
 POOLINGS = ("mean", "cls", "last")
@@ -91,25 +92,22 @@ class EncoderCaps:
         return f"{self.family}: encoder, {self.attn} attention ({self.attn_note}); no prefix cache; {rows}"
 
 
-def encoder_class(config: Any) -> type | None:
-    """The class AutoModel loads for this config (resolved without weights)."""
-    from transformers import AutoModel
-
-    mapping = AutoModel._model_mapping
-    return mapping[type(config)] if type(config) in mapping else None
+def encoder_facts(config: Any) -> ClassFacts:
+    """The facts about the class AutoModel loads for this config (no weights; kept between runs)."""
+    return class_facts(config, "AutoModel")
 
 
 def encoder_capabilities(config: Any, attn_implementation: str | None = "auto") -> EncoderCaps:
-    cls = encoder_class(config)
+    facts = encoder_facts(config)
     family = str(getattr(config, "model_type", "model"))
-    attn, note = choose_attn(family, cls, attn_implementation)
+    attn, note = choose_attn(family, facts, attn_implementation)
     kind = PACKED_POSITIONS.get(family)
     first = None
     if kind == "zero":
         first = 0
     elif kind == "pad+1" and getattr(config, "pad_token_id", None) is not None:
         first = int(config.pad_token_id) + 1
-    return EncoderCaps(family, cls.__name__ if cls else "?", attn, note, first)
+    return EncoderCaps(family, facts.name or "?", attn, note, first)
 
 
 def pool_and_normalize(vectors: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -336,7 +334,7 @@ def check_encoder(config: Any, forward: Any, name: str, model_name: str) -> None
     LM head), a model_type without an AutoModel class."""
     if forward.targets:
         raise ForgeError(f"{name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
-    if encoder_class(config) is None:
+    if encoder_facts(config).name is None:
         raise ForgeError(
             f"model.name={model_name}: transformers has no encoder (AutoModel) class for "
             f"model_type {getattr(config, 'model_type', '?')!r}"

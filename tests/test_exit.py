@@ -1,0 +1,63 @@
+"""`forge` and its fork server leave without the interpreter's teardown of torch and
+transformers, but only after what Python runs at exit (forge.cli.exit.quick_exit,
+forge.executors.fork_server_exit)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# an object torn down with its module: its __del__ prints only if the interpreter tears down
+MARK = "class Mark:\n    def __del__(self):\n        print('torn down', flush=True)\nmark = Mark()\n"
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_quick_exit_joins_threads_runs_atexit_flushes_and_keeps_the_exit_code():
+    code = MARK + textwrap.dedent(
+        """
+        import atexit, threading, time
+        from forge.cli.exit import quick_exit
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        atexit.register(lambda: print("atexit ran\\nunflushed", end=""))  # left in the buffer
+        quick_exit(5)
+        """
+    )
+    out = run(code)
+    assert out.returncode == 5, out.stderr
+    assert out.stdout.splitlines() == ["thread done", "atexit ran", "unflushed"]  # never "torn down"
+
+
+def test_quick_exit_with_a_message_prints_it_and_exits_1_as_python_does():
+    out = run("from forge.cli.exit import quick_exit\nquick_exit('error: the reason')")
+    assert (out.returncode, out.stderr.strip()) == (1, "error: the reason")
+    assert run("from forge.cli.exit import quick_exit\nquick_exit(None)").returncode == 0
+
+
+def test_the_fork_server_exit_runs_the_other_atexit_handlers_then_skips_the_teardown():
+    without = run(MARK + "import atexit\natexit.register(lambda: print('atexit ran', flush=True))\nraise SystemExit(3)")
+    assert (without.returncode, without.stdout.split()) == (3, ["atexit", "ran", "torn", "down"])
+    code = MARK + textwrap.dedent(
+        """
+        import atexit
+        import forge.executors.fork_server_exit
+        atexit.register(lambda: print("atexit ran", flush=True))
+        raise SystemExit(3)
+        """
+    )
+    out = run(code)
+    assert (out.returncode, out.stdout.splitlines()) == (0, ["atexit ran"]), out.stderr
+
+
+def test_the_forge_command_exits_with_its_code_through_quick_exit(tmp_path):
+    bad = subprocess.run(
+        [sys.executable, "-m", "forge.cli.app", "run", "batching=nope", f"output_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "batching" in bad.stderr + bad.stdout
+    assert not (tmp_path / "run").exists()
