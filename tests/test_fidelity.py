@@ -233,6 +233,60 @@ def test_fidelity_float32(tmp_path, data, name, mode, pooling):
         assert diff < TOL, (name, mode, pooling, layer, diff, report["path"])
 
 
+# the prefix cache path with rows attending to one copy of the prefix's keys (forge.runtime.
+# shared_prefix) at every shape; families whose layout it cannot take exactly keep the cache path
+NOT_SHARED = {"bloom", "falcon-alibi", "mistral-window", "gemma2", "gemma3"}  # by their capabilities
+# their attention does not reach the registered function (falcon calls sdpa itself; stablelm's
+# decoder layer does not hand its keyword arguments on): found at the first batch, never asked again
+FALLS_BACK = {"falcon", "stablelm"}
+
+
+def _run_shared(monkeypatch, tmp_path, path, rows, pooling, *extra) -> tuple[dict, list[bool]]:
+    """token-cache with the shared-prefix attention asked at every shape: (report, per ask
+    whether it ran)."""
+    from forge.runtime import shared_prefix
+
+    ran = []
+    forward = shared_prefix.forward
+    monkeypatch.setattr(shared_prefix, "worth_sharing", lambda *a: True)
+    monkeypatch.setattr(shared_prefix, "forward", lambda *a, **k: ran.append(forward(*a, **k)) or ran[-1])
+    report = _run(tmp_path, path, rows, "token-cache", pooling, *extra)
+    return report, [out is not None for out in ran]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fidelity_shared_prefix_attention(tmp_path, data, name, pooling, monkeypatch):
+    path, refs = family(name, data)
+    report, took = _run_shared(monkeypatch, tmp_path, path, data[1], pooling)
+    assert report["items"]["completed"] == len(refs) and report["balanced"]
+    if name in NOT_SHARED:
+        assert took == [], took  # refused by its capabilities before any forward
+    elif name in FALLS_BACK:
+        assert took == [False], took
+    else:
+        assert took and all(took), took  # every cached-prefix batch ran through it
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([refs[i][pooling][layer] for i in ids])
+        diff = (layers[layer] - want).abs().max().item()
+        assert diff < TOL, (name, pooling, layer, diff)
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", "bfloat16"), ("qwen2", "float16")])
+def test_shared_prefix_attention_in_reduced_precision(tmp_path, data, name, dtype, monkeypatch):
+    path, refs = family(name, data, dtype)
+    report, took = _run_shared(monkeypatch, tmp_path, path, data[1], "mean", f"model.torch_dtype={dtype}")
+    assert report["items"]["completed"] == len(refs) and took and all(took)
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([refs[i]["mean"][layer] for i in ids])
+        got = layers[layer].float()
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        rel = ((got - want).abs().max(dim=-1).values / want.norm(dim=-1)).max().item()
+        assert cos >= COS_MIN and rel <= REL_MAX, (name, dtype, layer, cos, rel)
+
+
 def _family_type(path: Path) -> str:
     return json.loads((path / "config.json").read_text())["model_type"]
 

@@ -5,9 +5,10 @@ Three row layouts (see `Batch`):
 a. ``split_prefix=False, packed=False``: one item per row, whole sequence, right padded,
    2D attention mask, positions 0..len-1 (transformers applies any sliding window itself).
 b. ``split_prefix=True, packed=False``: the shared prefix runs once (1 row) or comes from
-   the per-device `PrefixCache`; rows hold suffixes, on a fresh KV cache expanded to B rows;
-   positions P..P+len-1; a 2D mask over prefix + suffix, or, for models with sliding
-   windows, 4D masks per layer type (`forge.runtime.masks`).
+   the per-device `PrefixCache`; rows hold suffixes, positions P..P+len-1. Where it is exact
+   and pays, the rows attend to one copy of the prefix's keys (`forge.runtime.shared_prefix`);
+   otherwise they run on a fresh KV cache expanded to B rows, with a 2D mask over prefix +
+   suffix, or, for models with sliding windows, 4D masks per layer type (`forge.runtime.masks`).
 c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``): several
    suffixes end to end in a row; 4D additive masks (each token sees the prefix and earlier
    tokens of its own item, within its layer's window; padding sees the prefix and earlier
@@ -39,9 +40,10 @@ from typing import Any
 import torch
 
 from forge.core.geometry import Batch, Item
+from forge.runtime import shared_prefix
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
-from forge.runtime.items import resolve_layers, token_tensor
+from forge.runtime.items import check_batch_items, resolve_layers, token_tensor
 from forge.runtime.masks import additive_masks
 from forge.runtime.outputs import PooledOutput, RowStates
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
@@ -97,6 +99,7 @@ class CausalLMRunner:
             caps = replace(caps, attn=self.attn_implementation, attn_note="as loaded")  # what runs decides
         self.caps = caps
         self.causal = caps.causal and self._is_causal()  # the architecture says so; a probe confirms
+        self._share_prefix = True  # rows after a cached prefix attend to one copy of its keys
 
     # -- construction helpers
 
@@ -152,27 +155,7 @@ class CausalLMRunner:
         if reason is not None:
             what = "packed rows" if batch.packed else "split_prefix"
             raise ValueError(f"{what} are not exact for {self.caps.family}: {reason}")
-        if not batch.packed:
-            for r, row in enumerate(batch.rows):
-                if len(row) > 1:
-                    raise ValueError(f"row {r} holds {len(row)} items but batch.packed is False")
-        if batch.split_prefix:
-            P = batch.prefix_len
-            first = seqs[0][:P]
-            for item, seq in zip(items, seqs):
-                if item.prefix_len != P:
-                    raise ValueError(f"item {item.id!r} has prefix_len={item.prefix_len}, batch has {P}")
-                if batch.prefix_key is not None and item.prefix_key != batch.prefix_key:
-                    raise ValueError(
-                        f"item {item.id!r} has prefix_key={item.prefix_key!r}, batch has {batch.prefix_key!r}"
-                    )
-                if not torch.equal(seq[:P], first):
-                    raise ValueError(f"item {item.id!r}: its first {P} tokens differ from the batch's shared prefix")
-        for item, seq in zip(items, seqs):
-            if item.prefix_len < 0 or item.prefix_len > seq.numel():
-                raise ValueError(f"item {item.id!r}: prefix_len={item.prefix_len} is out of range")
-            if self.pooling == "mean" and item.prefix_len >= seq.numel():
-                raise ValueError(f"item {item.id!r} has no tokens after its prefix; mean pooling needs at least one")
+        check_batch_items(batch, seqs, items, self.pooling)
 
     def _prefix_entry(self, batch: Batch, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
         """The prefix's KV (from the cache, or computed now) and whether it was a hit."""
@@ -332,6 +315,13 @@ class CausalLMRunner:
             suffix = (torch.arange(S)[None, :] < used_t[:, None]).long()
             mask = torch.cat([torch.ones(B, P, dtype=torch.long), suffix], dim=1).to(dev)
 
+        out = self._shared(entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev))
+        if out is not None:
+            return (
+                {i: out.hidden_states[i] for i in self._hs_select},
+                (tok_item, tok_within, tok_row, tok_col),
+                out.last_hidden_state,
+            )
         kwargs: dict[str, Any] = {}
         if entry is not None:
             # A NEW cache each call, built from the stored tensors: the forward pass grows the
@@ -350,6 +340,22 @@ class CausalLMRunner:
         )
         hidden = {i: out.hidden_states[i] for i in self._hs_select}
         return hidden, (tok_item, tok_within, tok_row, tok_col), out.last_hidden_state
+
+    def _shared(self, entry: PrefixEntry | None, packed: bool, used: list[int], input_ids, position_ids):
+        """Rows after a cached prefix, through `forge.runtime.shared_prefix` where that is exact
+        and pays (no per-row copy of the prefix's keys); None: run the cache path."""
+        caps = self.caps
+        if entry is None or packed or not self._share_prefix or caps.windows or caps.alibi or caps.softcap:
+            return None
+        heads = int(getattr(text_config(self.config), "num_attention_heads", 0) or 0)
+        if not shared_prefix.worth_sharing(input_ids.shape[1], heads, entry.key_values):
+            return None
+        hs = self._hs_select or False
+        out = shared_prefix.forward(
+            self.base, entry.key_values, used, input_ids=input_ids, position_ids=position_ids, output_hidden_states=hs
+        )
+        self._share_prefix = out is not None  # a family that cannot take it is not asked again
+        return out
 
     def _pool(self, states: RowStates, n: int) -> dict[int, torch.Tensor]:
         hidden, tok, lens, starts = states.hidden, states.tok, states.lens, states.starts

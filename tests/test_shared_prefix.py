@@ -1,0 +1,75 @@
+"""Rows after a cached prefix attend to one copy of its keys (forge.runtime.shared_prefix): the
+same numbers as attention over the keys concatenated per row, in chunks or not, with grouped
+heads, and only where the rule says it pays (the whole-model checks are in test_fidelity)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from forge.runtime import shared_prefix as sp
+
+
+def concatenated(q, k, v, k_p, v_p, mask, scale):
+    """Attention over [prefix keys; row keys] copied to every row, as the cache path computes it."""
+    B, H, S, _ = q.shape
+    g = H // k.shape[1]
+    keys = torch.cat([k_p.expand(B, -1, -1, -1), k], dim=2).repeat_interleave(g, dim=1)
+    values = torch.cat([v_p.expand(B, -1, -1, -1), v], dim=2).repeat_interleave(g, dim=1)
+    bias = torch.cat([torch.zeros(B, 1, S, k_p.shape[2]), mask], dim=-1)
+    w = torch.softmax(q @ keys.transpose(-1, -2) * scale + bias, dim=-1)
+    return (w @ values).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("chunk", [sp.CHUNK_SCORES, 1])  # 1: every row its own chunk
+def test_equals_attention_over_concatenated_keys(heads, kv_heads, chunk, monkeypatch):
+    monkeypatch.setattr(sp, "CHUNK_SCORES", chunk)
+    torch.manual_seed(0)
+    B, S, P, d = 5, 7, 11, 8
+    q = torch.randn(B, heads, S, d)
+    k, v = torch.randn(B, kv_heads, S, d), torch.randn(B, kv_heads, S, d)
+    k_p, v_p = torch.randn(1, kv_heads, P, d), torch.randn(1, kv_heads, P, d)
+    used = [7, 1, 4, 7, 2]
+    mask = sp.row_masks(used, S, torch.float32, torch.device("cpu"))
+    prefix = sp.SharedPrefix([(k_p, v_p)])
+    module = types.SimpleNamespace(layer_idx=0)
+    got, weights = sp.shared_prefix_attention(module, q, k, v, mask, scaling=0.3, forge_prefix=prefix)
+    want = concatenated(q, k, v, k_p, v_p, mask, 0.3)
+    assert weights is None and prefix.calls == 1 and got.shape == (B, S, heads, d)
+    for row, n in enumerate(used):  # padding queries are never read
+        assert torch.allclose(got[row, :n], want[row, :n], atol=1e-5), row
+    bool_mask = mask == 0  # a boolean mask (True: seen) gives the same
+    again, _ = sp.shared_prefix_attention(
+        module, q, k, v, bool_mask, scaling=0.3, forge_prefix=sp.SharedPrefix([(k_p, v_p)])
+    )
+    assert torch.allclose(again, got, atol=1e-6)
+
+
+def test_row_masks_are_causal_within_a_row_and_hide_its_padding():
+    mask = sp.row_masks([3, 1], 3, torch.float32, torch.device("cpu"))
+    seen = (mask == 0)[:, 0]
+    assert seen[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert seen[1].tolist() == [[True, False, False]] * 3  # padding queries see the real token only
+
+
+def test_refuses_what_it_cannot_compute_exactly():
+    q = torch.randn(1, 2, 3, 4)
+    kv = [(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))]
+    mask = sp.row_masks([3], 3, torch.float32, torch.device("cpu"))
+    module = types.SimpleNamespace(layer_idx=0)
+    for extra in ({"softcap": 30.0}, {"sliding_window": 4}, {"s_aux": torch.zeros(2)}, {"dropout": 0.1}):
+        with pytest.raises(sp.NotShareable):
+            sp.shared_prefix_attention(module, q, q, q, mask, forge_prefix=sp.SharedPrefix(kv), **extra)
+    with pytest.raises(sp.NotShareable, match="no shared prefix"):
+        sp.shared_prefix_attention(module, q, q, q, mask)
+    with pytest.raises(sp.NotShareable, match="layer_idx"):
+        sp.shared_prefix_attention(object(), q, q, q, mask, forge_prefix=sp.SharedPrefix(kv))
+
+
+def test_it_is_taken_where_its_scores_are_smaller_than_the_copy_it_saves():
+    kv = [(torch.zeros(1, 8, 100, 64), torch.zeros(1, 8, 100, 64))]  # 8 kv heads of 64: 512 values a key
+    assert sp.worth_sharing(row_len=16, heads=32, key_values=kv)  # 512 scores a token
+    assert not sp.worth_sharing(row_len=17, heads=32, key_values=kv)
