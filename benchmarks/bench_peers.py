@@ -182,7 +182,13 @@ def probe_workload(path: Path, n: int, model: str, groups: int | None = None) ->
 
     from forge.functions.assets import embedded_dataset_path
 
-    rows = [json.loads(line) for line in open(embedded_dataset_path())][:n]
+    statements = [json.loads(line) for line in open(embedded_dataset_path())]
+    # past the embedded statements, they come round again under new ids (with --prefixes, each
+    # time after another few-shot prefix, so the prompts differ)
+    rows = [
+        {**r, "id": f"{r['id']}-{k // len(statements)}"} if k >= len(statements) else r
+        for k, r in ((k, statements[k % len(statements)]) for k in range(n))
+    ]
     if groups:
         rows = regroup(rows, groups)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -47,6 +47,7 @@ class Strategy:
     cache_tokens: int = 0
     limits: Limits = LIMITS
     executor: str = "process"
+    shared_prefix: bool = True  # False: rows after a cached prefix copy its keys per row (the cache path)
 
 
 STRATEGIES = [
@@ -56,6 +57,8 @@ STRATEGIES = [
     Strategy("token, prefix cache", "token", {}, cache_tokens=32768),
     Strategy("token packed rows <= 256, cache", "token", {"packing": "packed", "packed_row_tokens": 256}, 32768),
     Strategy("token packed rows (default length), cache", "token", {"packing": "packed"}, 32768),
+    # the cache path before forge.runtime.shared_prefix (in-process only: it is switched off here)
+    Strategy("token, prefix cache, prefix keys copied per row", "token", {}, 32768, shared_prefix=False),
 ]
 
 
@@ -142,7 +145,17 @@ def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, exec
         run_dir=run_dir,
         runtime=Runtime(executor=executor),
     )
-    report = execute(spec, make_plugin_manager())
+    if s.shared_prefix:
+        report = execute(spec, make_plugin_manager())
+    else:
+        if executor != "inprocess":
+            raise SystemExit(f"{s.name}: needs --executors inprocess (the switch is made in this process)")
+        from unittest import mock
+
+        from forge.runtime import shared_prefix
+
+        with mock.patch.object(shared_prefix, "worth_sharing", lambda *a: False):
+            report = execute(spec, make_plugin_manager())
     assert report["balanced"] and report["status"] == "finished", report["imbalance"]
     return report
 
@@ -190,7 +203,15 @@ def main() -> None:
     chosen = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
     executors = args.executors.split(",")
     strategies = [
-        Strategy(f"{s.name} [{ex}]" if len(executors) > 1 else s.name, s.mode, s.options, s.cache_tokens, s.limits, ex)
+        Strategy(
+            f"{s.name} [{ex}]" if len(executors) > 1 else s.name,
+            s.mode,
+            s.options,
+            s.cache_tokens,
+            s.limits,
+            ex,
+            s.shared_prefix,
+        )
         for s in chosen
         for ex in executors
     ]
