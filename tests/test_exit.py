@@ -61,3 +61,12 @@ def test_the_forge_command_exits_with_its_code_through_quick_exit(tmp_path):
     )
     assert bad.returncode == 2 and "batching" in bad.stderr + bad.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_the_installed_forge_script_is_the_quick_exit_entry_point():
+    from importlib.metadata import entry_points
+
+    from forge.cli.app import main
+
+    (script,) = entry_points(group="console_scripts", name="forge")
+    assert script.load() is main
