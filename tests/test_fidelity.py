@@ -265,7 +265,7 @@ def test_fidelity_shared_prefix_attention(tmp_path, data, name, pooling, monkeyp
     elif name in FALLS_BACK:
         assert took == [False], took
     else:
-        assert took and all(took), took  # every cached-prefix batch ran through it
+        assert took and all(took), took  # every cached-prefix batch ran through it (transformers 5)
     ids, _, layers = load_activations(tmp_path)
     for layer in LAYERS:
         want = torch.stack([refs[i][pooling][layer] for i in ids])

@@ -75,3 +75,13 @@ def test_it_is_taken_where_its_scores_are_smaller_than_the_copy_it_saves():
     assert not sp.worth_sharing(row_len=17, heads=32, key_values=kv)
     on_meta = [(torch.zeros(1, 8, 100, 64, device="meta"),) * 2]  # not a CPU: not measured there yet
     assert not sp.worth_sharing(row_len=16, heads=32, key_values=on_meta)
+
+
+def test_a_transformers_without_the_interfaces_keeps_the_cache_path(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sp, "_registered", False)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # as before transformers 4.53
+    assert sp.register() is False
+    base = types.SimpleNamespace(config=types.SimpleNamespace(sub_configs={}))
+    assert sp.forward(base, [], [1], input_ids=torch.zeros(1, 1, dtype=torch.long)) is None

@@ -48,17 +48,20 @@ class NotShareable(Exception):
     """This attention call cannot use the shared prefix exactly (the caller falls back)."""
 
 
-def register() -> None:
-    """Register the attention function (and sdpa's mask builder under its name) once."""
+def register() -> bool:
+    """Register the attention function (and sdpa's mask builder under its name) once; False on a
+    transformers without these interfaces (before 4.53), which keeps the cache path."""
     global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(NAME, shared_prefix_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
+    if not _registered:
+        try:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        except ImportError:
+            return False
+        AttentionInterface.register(NAME, shared_prefix_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        _registered = True
+    return True
 
 
 def shared_prefix_attention(
@@ -152,9 +155,8 @@ def forward(base: Any, key_values: list[tuple[torch.Tensor, torch.Tensor]], used
     attention; None when the family cannot take it (its attention did not dispatch here for
     every layer, or refused): the caller runs the cache path instead, and should not ask again."""
     config = base.config
-    if getattr(config, "sub_configs", None):
-        return None  # setting the implementation would reach configs this forward does not run
-    register()
+    if getattr(config, "sub_configs", None) or not register():
+        return None  # sub-configs: setting the implementation would reach configs this forward does not run
     prefix = SharedPrefix(key_values)
     before = config._attn_implementation
     ids = inputs["input_ids"]
