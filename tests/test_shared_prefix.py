@@ -81,7 +81,7 @@ def test_a_transformers_without_the_interfaces_keeps_the_cache_path(monkeypatch)
     import sys
 
     monkeypatch.setattr(sp, "_registered", False)
-    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # as before transformers 4.53
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # as on an older transformers
     assert sp.register() is False
     base = types.SimpleNamespace(config=types.SimpleNamespace(sub_configs={}))
     assert sp.forward(base, [], [1], input_ids=torch.zeros(1, 1, dtype=torch.long)) is None

@@ -50,7 +50,7 @@ class NotShareable(Exception):
 
 def register() -> bool:
     """Register the attention function (and sdpa's mask builder under its name) once; False on a
-    transformers without these interfaces (before 4.53), which keeps the cache path."""
+    transformers without these interfaces (older 4.x releases), which keeps the cache path."""
     global _registered
     if not _registered:
         try:
