@@ -73,6 +73,7 @@ def test_it_is_taken_where_its_scores_are_smaller_than_the_copy_it_saves():
     kv = [(torch.zeros(1, 8, 100, 64), torch.zeros(1, 8, 100, 64))]  # 8 kv heads of 64: 512 values a key
     assert sp.worth_sharing(row_len=16, heads=32, key_values=kv)  # 512 scores a token
     assert not sp.worth_sharing(row_len=17, heads=32, key_values=kv)
+    assert not sp.worth_sharing(row_len=16, heads=0, key_values=kv)  # heads unknown: not taken
     on_meta = [(torch.zeros(1, 8, 100, 64, device="meta"),) * 2]  # not a CPU: not measured there yet
     assert not sp.worth_sharing(row_len=16, heads=32, key_values=on_meta)
 

@@ -275,7 +275,7 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
     return {
         "start_s": round(began - t0, 3),
         "open_s": round(timings.get("loop_at", end) - began, 3),
-        "worker_start_s": max(executor.start_s.values(), default=None),
+        "worker_start_s": max(executor.worker_start_s.values(), default=None),
         "worker_load_s": max(executor.load_s.values(), default=None),
         "worker_ready_s": round(max(executor.ready_at.values()) - t0, 3) if executor.ready_at else None,
         "first_batch_s": at("first_batch_at"),

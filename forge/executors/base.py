@@ -68,7 +68,7 @@ class Executor(ABC):
         self.ready_at: dict[str, float] = {}  # device -> time.time() its first worker was ready
         #: device -> seconds from its first worker's start to its model load's start (the process
         #: starting, waiting for its imports: torch, transformers, the function's modules)
-        self.start_s: dict[str, float] = {}
+        self.worker_start_s: dict[str, float] = {}
 
     @abstractmethod
     def start(self, devices: list[Device]) -> None: ...
@@ -171,7 +171,7 @@ class SlotExecutor(Executor, Generic[SlotT]):
             self.ready_at[name] = time.time()
             took = time.monotonic() - slot.started
             self.load_s[name] = round(took if load_s is None else load_s, 3)
-            self.start_s[name] = round(max(0.0, took - self.load_s[name]), 3)
+            self.worker_start_s[name] = round(max(0.0, took - self.load_s[name]), 3)
 
     @staticmethod
     def _answered(slot: Slot) -> None:

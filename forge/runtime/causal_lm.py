@@ -297,6 +297,10 @@ class CausalLMRunner:
         if packed:
             position_ids[tok_row, tok_col] = item_off[tok_item] + tok_within
         P = entry.length if entry is not None else 0
+        tok = (tok_item, tok_within, tok_row, tok_col)
+        out = self._shared(entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev))
+        if out is not None:  # it builds its own masks
+            return {i: out.hidden_states[i] for i in self._hs_select}, tok, out.last_hidden_state
 
         if packed or (P and self.caps.windows):
             # Per-item 4D masks: packed rows keep items apart; sliding windows cut off far prefix keys.
@@ -315,13 +319,6 @@ class CausalLMRunner:
             suffix = (torch.arange(S)[None, :] < used_t[:, None]).long()
             mask = torch.cat([torch.ones(B, P, dtype=torch.long), suffix], dim=1).to(dev)
 
-        out = self._shared(entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev))
-        if out is not None:
-            return (
-                {i: out.hidden_states[i] for i in self._hs_select},
-                (tok_item, tok_within, tok_row, tok_col),
-                out.last_hidden_state,
-            )
         kwargs: dict[str, Any] = {}
         if entry is not None:
             # A NEW cache each call, built from the stored tensors: the forward pass grows the
@@ -339,7 +336,7 @@ class CausalLMRunner:
             **kwargs,
         )
         hidden = {i: out.hidden_states[i] for i in self._hs_select}
-        return hidden, (tok_item, tok_within, tok_row, tok_col), out.last_hidden_state
+        return hidden, tok, out.last_hidden_state
 
     def _shared(self, entry: PrefixEntry | None, packed: bool, used: list[int], input_ids, position_ids):
         """Rows after a cached prefix, through `forge.runtime.shared_prefix` where that is exact

@@ -70,7 +70,7 @@ def class_facts(config: Any, loader: str) -> ClassFacts:
         entry = kept[key]
         return ClassFacts(entry["name"], entry["module"], tuple(entry["supports"]), bool(entry["mask_mapping"]))
     facts = facts_of(_resolve(config, loader))
-    _write(path, {**_read(path), key: asdict(facts)})
+    _write(path, {**kept, key: asdict(facts)})
     return facts
 
 

@@ -138,7 +138,7 @@ def worth_sharing(row_len: int, heads: int, key_values: list[tuple[torch.Tensor,
     16 rows of 100 after P=1000, where the rule says no. On CUDA devices the cache path's
     fused attention kernels are not yet measured against it, so they keep the cache path."""
     k = key_values[0][0]
-    return k.device.type == "cpu" and row_len * heads <= k.shape[1] * k.shape[-1]
+    return k.device.type == "cpu" and 0 < row_len * heads <= k.shape[1] * k.shape[-1]
 
 
 def row_masks(used: list[int], row_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
