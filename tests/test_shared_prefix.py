@@ -86,3 +86,44 @@ def test_a_transformers_without_the_interfaces_keeps_the_cache_path(monkeypatch)
     assert sp.register() is False
     base = types.SimpleNamespace(config=types.SimpleNamespace(sub_configs={}))
     assert sp.forward(base, [], [1], input_ids=torch.zeros(1, 1, dtype=torch.long)) is None
+
+
+class _Base(torch.nn.Module):
+    """A stand-in base model: `forward` as given, on a config with an attention implementation."""
+
+    def __init__(self, forward):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = types.SimpleNamespace(sub_configs={}, _attn_implementation="sdpa")
+        self._forward = forward
+
+    def forward(self, **kwargs):
+        return self._forward(**kwargs)
+
+
+def test_a_forward_that_refuses_the_prefix_keyword_keeps_the_cache_path_and_a_bug_is_raised():
+    kv = [(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))]
+    ids = torch.zeros(1, 1, dtype=torch.long)
+
+    def no_extra_kwargs(input_ids, attention_mask, use_cache):
+        raise AssertionError("not reached")
+
+    def refuses(**kwargs):
+        return no_extra_kwargs(**kwargs)  # TypeError: an unexpected keyword argument 'forge_prefix'
+
+    base = _Base(refuses)
+    assert sp.forward(base, kv, [1], input_ids=ids) is None
+    assert base.config._attn_implementation == "sdpa"  # restored
+
+    def buggy(**kwargs):
+        kwargs["forge_prefix"].layer(0)
+        raise TypeError("unsupported operand type(s)")  # inside the attention, after it took the prefix
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        sp.forward(_Base(buggy), kv, [1], input_ids=ids)
+
+    def buggy_early(**kwargs):
+        raise TypeError("unsupported operand type(s)")  # before taking the prefix, not about the keyword
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        sp.forward(_Base(buggy_early), kv, [1], input_ids=ids)

@@ -164,7 +164,11 @@ def forward(base: Any, key_values: list[tuple[torch.Tensor, torch.Tensor]], used
     config._attn_implementation = NAME
     try:
         out = base(**inputs, attention_mask=mask, use_cache=False, forge_prefix=prefix)
-    except (NotShareable, TypeError):
+    except NotShareable:
+        return None
+    except TypeError as exc:  # a forward that takes no extra keyword arguments refuses ours
+        if prefix.calls or "forge_prefix" not in str(exc):
+            raise  # anything else is a bug, and must fail the batch visibly, not slow it silently
         return None
     finally:
         config._attn_implementation = before
