@@ -264,7 +264,8 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
       to its model load's start (the process executor's fork server finishing its imports
       of torch, transformers and the function's modules, the fork, the worker's own imports);
     - worker_load_s: the slowest device's model load, as its worker measured it;
-    - worker_ready_s: until every device's worker was ready;
+    - worker_ready_s: until every device's worker was ready (by the worker's own clock where it
+      runs on this machine, not when the driver, perhaps still reading input, heard of it);
     - first_batch_s: until the first batch's result was committed;
     - drain_s: from the last batch routed to the end;
     - read_tokenize_s and commit_s: totals of reading and tokenizing input, and of committing

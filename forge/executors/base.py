@@ -162,14 +162,18 @@ class SlotExecutor(Executor, Generic[SlotT]):
             slot.head_since = time.monotonic()
         slot.queue.append((ticket, timeout_s, handle))
 
-    def _ready(self, slot: SlotT, load_s: float | None = None) -> None:
-        """The slot's worker has loaded its model (`load_s`: the worker's own measure of that)."""
+    def _ready(self, slot: SlotT, load_s: float | None = None, at: float | None = None) -> None:
+        """The slot's worker has loaded its model (`load_s`: the worker's own measure of that;
+        `at`: the time.time() it was ready, from a worker on this machine, else now). A driver
+        busy reading its input hears of it late; `at` keeps the phases true to the worker."""
         slot.ready = True
         slot.head_since = time.monotonic() if slot.queue else None
         name = slot.device.name
         if name not in self.ready_at:
-            self.ready_at[name] = time.time()
-            took = time.monotonic() - slot.started
+            now = time.time()
+            at = now if at is None else min(at, now)
+            self.ready_at[name] = at
+            took = time.monotonic() - slot.started - (now - at)
             self.load_s[name] = round(took if load_s is None else load_s, 3)
             self.worker_start_s[name] = round(max(0.0, took - self.load_s[name]), 3)
 

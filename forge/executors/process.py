@@ -170,7 +170,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             while slot.conn.poll():
                 msg = slot.conn.recv()
                 if msg[0] == "ready":
-                    self._ready(slot, msg[1])
+                    self._ready(slot, msg[1], msg[2])
                     continue
                 if msg[0] == "load_failed":
                     slot.load_error = msg[1]
@@ -229,7 +229,7 @@ def worker_main(
     except Exception as exc:  # noqa: BLE001 - the driver says why the device cannot run
         conn.send(("load_failed", one_line(exc)))
         return
-    conn.send(("ready", time.perf_counter() - t0))
+    conn.send(("ready", time.perf_counter() - t0, time.time()))
     while True:
         msg = inbox.get()
         if msg is None:

@@ -1,0 +1,42 @@
+"""A worker's start-up phases are the worker's own: a driver busy reading its input hears that
+the worker is ready late, and the phases must not count that wait as the worker's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from forge.core.geometry import Device, Limits
+from forge.executors.base import Slot
+from forge.executors.process import ProcessExecutor
+
+CPU = Device("cpu", Limits(max_batch_tokens=64, max_rows=4, max_seq_len=64))
+
+
+def _executor() -> ProcessExecutor:
+    return ProcessExecutor(
+        None, 0, plugins=(), max_in_flight=2, max_restarts=0, startup_timeout_s=60.0, kill_grace_s=1.0
+    )
+
+
+def test_ready_is_when_the_worker_said_so_not_when_the_driver_read_it():
+    ex = _executor()
+    slot = Slot(device=CPU, started=time.monotonic() - 5.0)  # asked for 5 s ago
+    said = time.time() - 3.0  # the worker was ready 3 s ago; the driver reads it only now
+    ex._ready(slot, 0.5, said)
+    assert slot.ready and ex.ready_at["cpu"] == said
+    assert ex.load_s["cpu"] == 0.5
+    assert ex.worker_start_s["cpu"] == pytest.approx(5.0 - 3.0 - 0.5, abs=0.05)
+
+
+def test_without_the_workers_time_ready_is_when_heard_and_a_later_clock_is_capped_at_now():
+    ex = _executor()
+    slot = Slot(device=CPU, started=time.monotonic() - 2.0)
+    before = time.time()
+    ex._ready(slot, 0.5)  # an executor whose workers do not say when (Ray's actors)
+    assert before <= ex.ready_at["cpu"] <= time.time()
+    assert ex.worker_start_s["cpu"] == pytest.approx(1.5, abs=0.05)
+    later = _executor()
+    later._ready(Slot(device=CPU, started=time.monotonic() - 2.0), 0.5, time.time() + 60)
+    assert later.ready_at["cpu"] <= time.time()  # a worker's clock ahead of ours: never in the future
