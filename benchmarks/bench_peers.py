@@ -18,7 +18,7 @@ best rate the machine reaches for its shape (dense forwards of the model without
 rows x length: quantiles of the workload's own segment lengths, and 64-512-token rows that short
 segments could be packed into). `floor / wall` is the floor's seconds over the variant's median
 wall time (1.0 would be a run that pays nothing but that compute); the last column prices every
-token at the best rate of any shape, the looser floor of the tables before 2026-12-01 17:00 UTC.
+token at the best rate of any shape, the looser floor of the tables before 2026-12-01 16:44 UTC.
 
 `--model llama-1024` is benchmarks/realistic.py's model (hidden 1,024, GQA, 4 layers, random
 weights, built once and cached); the table header states attention's share of its FLOPs on

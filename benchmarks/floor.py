@@ -14,7 +14,7 @@ Two floors, from the same measurements:
   measured row length from L to `PACK_MAX` if faster, as if packed with other short segments into
   such rows. A suffix's attention to its prefix is not counted, so this stays a lower bound.
 * **any shape**: every token at the best rate over all shapes measured. This is what the tables
-  before 2026-12-01 17:00 UTC called the floor; it prices a 448-token context at the rate of
+  before 2026-12-01 16:44 UTC called the floor; it prices a 448-token context at the rate of
   128-token rows, which no forward of that context reaches, so it is a looser bound.
 """
 
