@@ -85,6 +85,7 @@ def test_run_writes_report_and_activations(cli, tmp_path):
         "first_batch_s",
         "drain_s",
         "read_tokenize_s",
+        "read_wait_s",
         "commit_s",
         "total_s",
     }

@@ -87,6 +87,9 @@ class Feed(Protocol):
     def waiting(self) -> list[Item]:
         """Every item admitted and not yet in a batch, as Items (to account for them when a run stops)."""
 
+    def close(self) -> None:
+        """The run is over: stop reading the input (a reading thread, open files)."""
+
 
 class Urgency(IntEnum):
     """How much the scheduler needs a batch now; `Packer.cut` cuts more the higher it is."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from forge.core.geometry import Item
+from forge.core.read_ahead import ReadAhead
 from forge.core.run import Rejected, RunContext, Skipped, reason_kind
 from forge.errors import ForgeError
 
@@ -60,8 +61,11 @@ class Admission:
         rules: AdmissionRules,
         committed: set[int] | frozenset = frozenset(),
         chunk: int = 512,
+        read_ahead: bool = False,
     ):
-        self.records = iter(records)
+        # read_ahead: the records are read and tokenized on a thread (forge.core.read_ahead)
+        self._ahead = ReadAhead(records) if read_ahead else None
+        self.records = self._ahead if self._ahead is not None else iter(records)
         self.run, self.hook, self.rules, self.committed, self.chunk = run, hook, rules, committed, chunk
         self.pending: deque[Item] = deque()
         self.state = {"received_tokens": 0, "ordinal": 0}
@@ -82,8 +86,18 @@ class Admission:
         try:
             self._read_records()
         finally:
-            timings = self.run.timings
-            timings["read_tokenize_s"] = timings.get("read_tokenize_s", 0.0) + time.perf_counter() - t0
+            timings, took = self.run.timings, time.perf_counter() - t0
+            timings["read_wait_s"] = timings.get("read_wait_s", 0.0) + took  # the run waiting on its input
+            timings["read_tokenize_s"] = (
+                self._ahead.busy_s if self._ahead is not None else timings.get("read_tokenize_s", 0.0) + took
+            )
+
+    def close(self) -> None:
+        """Read no further (a run that ends early stops its reading thread here)."""
+        self.exhausted = True
+        if self._ahead is not None:
+            self._ahead.close()
+            self.run.timings["read_tokenize_s"] = self._ahead.busy_s
 
     def _read_records(self) -> None:
         hook, run, rules, state = self.hook, self.run, self.rules, self.state
@@ -139,9 +153,11 @@ def admit(
     rules: AdmissionRules,
     committed: set[int] | frozenset = frozenset(),
     chunk: int = 512,
+    read_ahead: bool = False,
 ) -> Admission:
-    """The items that may run, as an iterator; every record is reported to the hooks."""
-    return Admission(records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk)
+    """The items that may run, as an iterator; every record is reported to the hooks. With
+    `read_ahead`, records are read on a thread; `close()` it when the run ends."""
+    return Admission(records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk, read_ahead=read_ahead)
 
 
 def _fail_record(hook, run, rules: AdmissionRules, record_id: str, reason: str) -> None:

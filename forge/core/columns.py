@@ -60,6 +60,12 @@ class ItemFeed:
         held = [it for it in self._slots.tolist() if it is not None]
         return held + list(getattr(self._items, "pending", ()))
 
+    def close(self) -> None:
+        """Close the source when it can be closed (an `Admission` reading ahead, a generator)."""
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
+
     def admit(self, n: int) -> Chunk:
         """Up to `n` more items (fewer only when the input ends), stored under free ids."""
         items = list(islice(self._items, n))
@@ -184,6 +190,9 @@ class GeometryFeed:
         """No Items: bare geometry has none to account for."""
         return []
 
+    def close(self) -> None:
+        """Nothing to close: the geometry is in memory."""
+
     def admit(self, n: int) -> Chunk:
         a = self._next
         b = self._next = min(len(self.num_tokens), a + n)
@@ -290,6 +299,9 @@ class ColumnFeed:
             columns=cols,
             totals=(num_tokens, cut.row_tokens, prefix_tokens),
         )
+
+    def close(self) -> None:
+        """Nothing to close: the chunks' source is the caller's."""
 
     def waiting(self) -> list[Item]:
         """Every item held (admitted, not yet in a batch), as Items."""

@@ -138,7 +138,8 @@ def prepare(
         fail_fast=spec.fail_fast,
         placeable=placeable(packer, spec.devices, spec.mode),
     )
-    items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed)
+    # read ahead: reading and tokenizing the input overlap the worker's start and the batches in flight
+    items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed, read_ahead=True)
     scheduler = Scheduler(
         packer,
         items,
@@ -188,6 +189,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         resume=spec.resume,
         fault=lambda point: pm.hook.forge_fault(point=point, device=None, batch=None),
     )
+    scheduler = None
     try:
         if spec.check_disk and local_path(spec.run_dir) is not None:
             expected = spec.function.expected_items()
@@ -198,6 +200,8 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         sink = spec.function.open_sink(store)
         store.add_missing(spec.files)
     except BaseException:  # a refusal, or Ctrl-C / SIGTERM during start-up
+        if scheduler is not None:
+            scheduler.close()
         store.abandon()
         raise
     status = "interrupted"  # what run.json says if anything below escapes
@@ -231,6 +235,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
             },
         )
     finally:
+        scheduler.close()
         store.close(status)  # after the report: the directory stays ours until it is written
 
 
@@ -268,8 +273,9 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
       runs on this machine, not when the driver, perhaps still reading input, heard of it);
     - first_batch_s: until the first batch's result was committed;
     - drain_s: from the last batch routed to the end;
-    - read_tokenize_s and commit_s: totals of reading and tokenizing input, and of committing
-      results (both overlap the other phases).
+    - read_tokenize_s and commit_s: totals of reading and tokenizing input (on its own thread,
+      `forge.core.read_ahead`), and of committing results (both overlap the other phases);
+    - read_wait_s: the total the run waited for its input (what reading ahead did not hide).
     """
     end = time.time()
     at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
@@ -282,6 +288,7 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
         "first_batch_s": at("first_batch_at"),
         "drain_s": round(end - timings["last_routed_at"], 3) if "last_routed_at" in timings else None,
         "read_tokenize_s": round(timings.get("read_tokenize_s", 0.0), 3),
+        "read_wait_s": round(timings.get("read_wait_s", 0.0), 3),
         "commit_s": round(timings.get("commit_s", 0.0), 3),
         "total_s": round(end - t0, 3),
     }

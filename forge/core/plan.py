@@ -75,6 +75,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
         status, error = stop.status, str(stop)
     finally:
         pm.unregister(stored)
+        scheduler.close()
     report = finish_report(
         run=run,
         pm=pm,

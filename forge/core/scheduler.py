@@ -125,6 +125,10 @@ class Scheduler:
         """Every item waiting (window and retries), e.g. to account for them when a run stops."""
         return self.retries.items() + self.feed.waiting()
 
+    def close(self) -> None:
+        """The run is over: the feed stops reading its input."""
+        self.feed.close()
+
     # -- scheduling -------------------------------------------------------------
     def schedule(self, device: Device) -> Batch | None:
         """The next batch for `device`, or None when nothing waiting fits it now."""
