@@ -30,6 +30,10 @@ class InProcessExecutor(Executor):
         return cls(function, cache_tokens, hook)
 
     def start(self, devices: list[Device]) -> None:
+        if any(d.torch_device == "cpu" for d in devices):
+            from forge.executors.cpu_process import keep_freed_memory
+
+            keep_freed_memory()  # this process runs the CPU forwards (its threads stay torch's)
         for device in devices:
             t0 = time.perf_counter()
             self.workers[device.name] = self.function.open_worker(device, self.cache_tokens)

@@ -217,9 +217,9 @@ def worker_main(
     from forge.pluginmanager import make_plugin_manager
 
     if device.torch_device == "cpu":
-        import torch
+        from forge.executors.cpu_process import run_cpu_device
 
-        torch.set_num_threads(threads)
+        run_cpu_device(threads)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # filled from the start: the driver may send while we load
     threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
     t0 = time.perf_counter()

@@ -242,9 +242,9 @@ class DeviceActor:
         from forge.pluginmanager import make_plugin_manager
 
         if self.device.torch_device == "cpu":
-            import torch
+            from forge.executors.cpu_process import run_cpu_device
 
-            torch.set_num_threads(self.threads)
+            run_cpu_device(self.threads)
         self.hook = make_plugin_manager(load_entry_points=False, modules=self.plugins).hook
         self.worker = self.function.open_worker(self.device, self.cache_tokens)
         return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,58 @@
+"""A process that runs a CPU device: its torch threads, and an allocator that keeps what it frees.
+
+Model: a forward on a CPU allocates its activations afresh at every step, and in a batch
+run every step has another shape. glibc's malloc serves blocks above its mmap threshold with
+mmap and hands them back with munmap. That threshold starts at 128 KiB and rises, up to
+32 MiB, only as blocks that size are freed. It also trims the top of its heap back to the
+system. So the next step's tensors fault their pages in again, each zeroed by the kernel.
+
+`keep_freed_memory()` sets, through glibc's `mallopt`:
+- the mmap threshold to its 64-bit maximum (32 MiB);
+- the trim threshold to 2 GiB;
+- the top pad to 256 MiB.
+
+Freed blocks are then reused from the heap. Measured on the embedded model with 2 threads, over
+32 forwards of the shapes a run makes (16 x 400-490 and 20-300 x 7-12): 24,400-25,800 slots/s
+before and 29,200-29,400 after. End to end (`forge run`, embedded model, interleaved, 2 rounds),
+the worker's busy time fell from 4.20-4.42 to 3.39 s on 200 `score` questions and from
+1.68-1.86 to 1.36-1.38 s on 3,000 `probe_gen` rows.
+
+The cost: the worker's resident memory stays near its peak instead of falling between steps.
+On a C library without `mallopt` (macOS, musl) nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
+SETTINGS = ((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 * 2**20))
+#: the same settings as glibc reads them from the environment at a process's start (for another tool)
+ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_TOP_PAD_": str(256 * 2**20),
+}
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed blocks in this process's heap (glibc); False where the C library has no
+    `mallopt` or refuses a setting."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+
+
+def run_cpu_device(threads: int) -> None:
+    """Set this process up to run a CPU device: `threads` torch threads, and the allocator above."""
+    import torch
+
+    torch.set_num_threads(threads)
+    keep_freed_memory()
