@@ -265,3 +265,27 @@ def test_plan_states_what_a_per_token_run_will_write(cli):
     assert sized["per_stored_token"] == pytest.approx(sized["total"] / sized["stored_tokens"])
     human = cli.invoke(app, args)
     assert human.exit_code == 0 and "will write" in human.output and "per stored token" in human.output
+
+
+def test_reading_ahead_or_not_gives_the_same_run_and_leaves_no_reading_thread(cli, tmp_path):
+    import threading
+
+    import numpy as np
+
+    from forge import load_activations
+
+    got = {}
+    for ahead in ("true", "false"):
+        out = tmp_path / ahead
+        args = ["run", f"output_dir={out}", "input.limit=40", "runtime.executor=inprocess", *SMALL]
+        result = cli.invoke(app, [*args, f"runtime.read_ahead={ahead}"])
+        assert result.exit_code == 0, result.output
+        report = json.loads((out / "report.json").read_text())
+        assert report["balanced"] and report["items"]["completed"] == 40
+        assert report["phases"]["read_tokenize_s"] > 0 and report["phases"]["read_wait_s"] >= 0
+        got[ahead] = (report["batches"], load_activations(out))
+    assert not any(t.name == "forge-read-ahead" for t in threading.enumerate())
+    (batches_a, (ids_a, _, layers_a)), (batches_b, (ids_b, _, layers_b)) = got["true"], got["false"]
+    assert batches_a == batches_b and list(ids_a) == list(ids_b)  # the same plan, the same items
+    for layer in layers_a:
+        assert np.array_equal(np.asarray(layers_a[layer]), np.asarray(layers_b[layer])), layer

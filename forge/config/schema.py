@@ -96,6 +96,9 @@ class Runtime:
     max_failure_share: float = share(0.5)  # stop once one reason holds this share of the window
     # on a stop (Ctrl-C, a recurring failure), how long batches in flight may finish
     drain_s: float = non_negative(10.0)
+    # read and tokenize the input on a thread, ahead of the run (forge.core.read_ahead); false: on
+    # the run's own thread, for a function whose rows() or prompts() must run there
+    read_ahead: bool = True
 
 
 @dataclass

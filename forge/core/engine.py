@@ -139,7 +139,8 @@ def prepare(
         placeable=placeable(packer, spec.devices, spec.mode),
     )
     # read ahead: reading and tokenizing the input overlap the worker's start and the batches in flight
-    items = admit(spec.function.records(), run=run, hook=pm.hook, rules=rules, committed=committed, read_ahead=True)
+    records = spec.function.records()
+    items = admit(records, run=run, hook=pm.hook, rules=rules, committed=committed, read_ahead=spec.runtime.read_ahead)
     scheduler = Scheduler(
         packer,
         items,

@@ -3,10 +3,13 @@
 Model: `ReadAhead(records)` iterates over the same records in the same order, but a thread
 advances `records` up to `ahead` records in front of the consumer, a chunk at a time. The
 records cross a bounded queue, so memory stays bounded however large the input is. Reading
-and tokenizing thus overlap the worker's start and model load, and later the batches in
-flight. A fast tokenizer releases the GIL while it encodes. Before this, the scheduler's first
-refill read the whole input (up to the window) while the device waited: 3.6 s at 8,000
-`score` requests, with the worker ready at 3.5 s and its first batch at 7.1 s.
+and tokenizing thus overlap the run's own set-up, the worker's start, and later the batches in
+flight. A fast tokenizer releases the GIL while it encodes. What it cannot hide is a refill
+that needs more than was read ahead: the scheduler's first refill takes the whole input when
+it fits the window. At 8,000 `score` requests, read in 3.7 s, the first batch came at 6.9 s
+instead of 7.1 s. With `batching.window=1024`, the run's wait for its input fell from about
+4.9 s to 0.2-0.4 s. On a 2-core CPU, though, the worker's threads took that time back; a
+device that leaves the CPU free should not.
 
 What the consumer sees does not change: the same records in the same order. An exception the
 reader raises is raised by `__next__` where the records stop. Nothing is counted here:
