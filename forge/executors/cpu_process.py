@@ -27,14 +27,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
-SETTINGS = ((M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 * 2**20))
-#: the same settings as glibc reads them from the environment at a process's start (for another tool)
-ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
-    "MALLOC_TOP_PAD_": str(256 * 2**20),
-}
+#: (mallopt parameter from glibc's malloc.h, the environment variable glibc reads it from, value)
+SETTINGS = (
+    (-3, "MALLOC_MMAP_THRESHOLD_", 32 * 2**20),  # M_MMAP_THRESHOLD: its 64-bit maximum
+    (-1, "MALLOC_TRIM_THRESHOLD_", 2**31 - 1),  # M_TRIM_THRESHOLD
+    (-2, "MALLOC_TOP_PAD_", 256 * 2**20),  # M_TOP_PAD
+)
+#: the same settings as environment variables, which glibc reads when a process starts (another tool)
+ENV = {name: str(value) for _, name, value in SETTINGS}
 
 
 def keep_freed_memory() -> bool:
@@ -48,7 +48,7 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    return all(mallopt(param, value) == 1 for param, _, value in SETTINGS)
 
 
 def run_cpu_device(threads: int) -> None:
