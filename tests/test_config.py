@@ -148,7 +148,7 @@ BAD = {
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
     "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
     "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "
-    "drain_s, read_ahead",
+    "drain_s, read_ahead, keep_freed_memory",
     "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
     "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
     "+model.branch=main": "config: unknown key 'branch' in model; valid keys: name, torch_dtype, "

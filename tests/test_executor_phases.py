@@ -16,7 +16,14 @@ CPU = Device("cpu", Limits(max_batch_tokens=64, max_rows=4, max_seq_len=64))
 
 def _executor() -> ProcessExecutor:
     return ProcessExecutor(
-        None, 0, plugins=(), max_in_flight=2, max_restarts=0, startup_timeout_s=60.0, kill_grace_s=1.0
+        None,
+        0,
+        plugins=(),
+        max_in_flight=2,
+        max_restarts=0,
+        startup_timeout_s=60.0,
+        kill_grace_s=1.0,
+        keep_freed_memory=True,
     )
 
 

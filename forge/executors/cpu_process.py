@@ -20,6 +20,7 @@ the worker's busy time fell from 4.20-4.42 to 3.39 s on 200 `score` questions an
 The cost: the worker's resident memory stays near its peak instead of falling between steps.
 On 200 `score` questions in one process (`runtime.executor=inprocess`), the peak rose from
 651-684 to 744-756 MiB. On a C library without `mallopt` (macOS, musl) nothing changes.
+`runtime.keep_freed_memory=false` turns it off.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def keep_freed_memory() -> bool:
     return all(mallopt(param, value) == 1 for param, _, value in SETTINGS)
 
 
-def run_cpu_device(threads: int) -> None:
-    """Set this process up to run a CPU device: `threads` torch threads, and the allocator above."""
+def run_cpu_device(threads: int, keep: bool) -> None:
+    """Set this process up to run a CPU device: `threads` torch threads, and with `keep`
+    (`runtime.keep_freed_memory`) the allocator above."""
     import torch
 
     torch.set_num_threads(threads)
-    keep_freed_memory()
+    if keep:
+        keep_freed_memory()

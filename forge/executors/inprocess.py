@@ -14,8 +14,9 @@ from forge.executors.base import Executor, Outcome, Status, classify_error, one_
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, function, cache_tokens: int, hook=None):
+    def __init__(self, function, cache_tokens: int, hook=None, *, keep_freed_memory: bool):
         super().__init__()
+        self.keep_freed_memory = keep_freed_memory  # runtime.keep_freed_memory, for this process's CPU forwards
         self.hook = hook  # fault points fire here too (a test plugin may raise; killing would kill the run)
         self.function = function
         self.cache_tokens = cache_tokens
@@ -27,10 +28,10 @@ class InProcessExecutor(Executor):
         cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
     ) -> InProcessExecutor:
         """The executor `runtime.executor=inprocess` builds (a forge_executors factory)."""
-        return cls(function, cache_tokens, hook)
+        return cls(function, cache_tokens, hook, keep_freed_memory=runtime.keep_freed_memory)
 
     def start(self, devices: list[Device]) -> None:
-        if any(d.torch_device == "cpu" for d in devices):
+        if self.keep_freed_memory and any(d.torch_device == "cpu" for d in devices):
             from forge.executors.cpu_process import keep_freed_memory
 
             keep_freed_memory()  # this process runs the CPU forwards (its threads stay torch's)

@@ -64,6 +64,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
         max_restarts: int,
         startup_timeout_s: float,
         kill_grace_s: float,
+        keep_freed_memory: bool,
     ):
         super().__init__(
             max_in_flight=max_in_flight,
@@ -74,6 +75,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
         self.function = function
         self.cache_tokens = cache_tokens
         self.plugins = tuple(plugins)
+        self.keep_freed_memory = keep_freed_memory  # a CPU worker's allocator (forge.executors.cpu_process)
         self._threads = 1
 
     @classmethod
@@ -89,6 +91,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             max_restarts=runtime.max_restarts,
             startup_timeout_s=runtime.startup_timeout_s,
             kill_grace_s=runtime.kill_grace_s,
+            keep_freed_memory=runtime.keep_freed_memory,
         )
 
     # -- lifecycle --------------------------------------------------------------
@@ -106,7 +109,15 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             target=worker_main,
             name=f"forge-worker-{device.name}",
             daemon=True,
-            args=(child, self.function, device, self.cache_tokens, self.plugins, self._threads, dict(os.environ)),
+            args=(
+                child,
+                self.function,
+                device,
+                self.cache_tokens,
+                self.plugins,
+                (self._threads, self.keep_freed_memory),
+                dict(os.environ),
+            ),
         )
         asked = time.monotonic()  # start() waits for the fork server to finish its imports
         process.start()
@@ -207,7 +218,13 @@ class ProcessExecutor(SlotExecutor[_Slot]):
 
 
 def worker_main(
-    conn, function, device: Device, cache_tokens: int, plugins: tuple[str, ...], threads: int, environ: dict[str, str]
+    conn,
+    function,
+    device: Device,
+    cache_tokens: int,
+    plugins: tuple[str, ...],
+    cpu: tuple[int, bool],
+    environ: dict[str, str],
 ) -> None:
     """A worker process: load the model once, then run batches until told to stop or the
     driver goes away (its pipe closes)."""
@@ -219,7 +236,7 @@ def worker_main(
     if device.torch_device == "cpu":
         from forge.executors.cpu_process import run_cpu_device
 
-        run_cpu_device(threads)
+        run_cpu_device(*cpu)  # torch threads, and whether to keep freed memory
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # filled from the start: the driver may send while we load
     threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
     t0 = time.perf_counter()

@@ -62,6 +62,7 @@ class RayExecutor(SlotExecutor[_Slot]):
             max_restarts=runtime.max_restarts,
             startup_timeout_s=runtime.startup_timeout_s,
             kill_grace_s=runtime.kill_grace_s,
+            keep_freed_memory=runtime.keep_freed_memory,
         )
 
     def __init__(
@@ -77,6 +78,7 @@ class RayExecutor(SlotExecutor[_Slot]):
         max_restarts: int,
         startup_timeout_s: float,
         kill_grace_s: float,
+        keep_freed_memory: bool,
     ):
         super().__init__(
             max_in_flight=max_in_flight,
@@ -91,6 +93,7 @@ class RayExecutor(SlotExecutor[_Slot]):
         self.address = address
         self.num_cpus = num_cpus
         self.cpus_per_actor = float(cpus_per_actor)
+        self.keep_freed_memory = keep_freed_memory  # a CPU actor's allocator (forge.executors.cpu_process)
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
         self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
         self._actor_cls: Any = None  # DeviceActor as a Ray actor class, made at start
@@ -123,7 +126,12 @@ class RayExecutor(SlotExecutor[_Slot]):
         resources = {"num_gpus": 1 if gpu else 0, "num_cpus": self.cpus_per_actor}
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor = self._actor_cls.options(**resources).remote(
-            [self._function_ref], device, self.cache_tokens, self.plugins, max(1, int(self.cpus_per_actor)), env
+            [self._function_ref],
+            device,
+            self.cache_tokens,
+            self.plugins,
+            (max(1, int(self.cpus_per_actor)), self.keep_freed_memory),
+            env,
         )
         self.slots[device.name] = _Slot(
             device=device, actor=actor, load_ref=actor.load.remote(), started=time.monotonic()
@@ -223,7 +231,7 @@ class DeviceActor:
         device: Device,
         cache_tokens: int,
         plugins: tuple[str, ...],
-        threads: int,
+        cpu: tuple[int, bool],  # torch threads of a CPU actor, and whether it keeps freed memory
         env: dict[str, str],
     ):
         import ray
@@ -233,7 +241,7 @@ class DeviceActor:
         if device.torch_device.startswith("cuda"):
             device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
-        self.plugins, self.threads = plugins, threads
+        self.plugins, (self.threads, self.keep_freed_memory) = plugins, cpu
         self.worker: Any = None  # the function's worker, and the hook relay of `plugins`: made by load()
         self.hook: Any = None
 
@@ -244,7 +252,7 @@ class DeviceActor:
         if self.device.torch_device == "cpu":
             from forge.executors.cpu_process import run_cpu_device
 
-            run_cpu_device(self.threads)
+            run_cpu_device(self.threads, self.keep_freed_memory)
         self.hook = make_plugin_manager(load_entry_points=False, modules=self.plugins).hook
         self.worker = self.function.open_worker(self.device, self.cache_tokens)
         return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2)}
