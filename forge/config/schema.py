@@ -99,7 +99,7 @@ class Runtime:
     # read and tokenize the input on a thread, ahead of the run (forge.core.read_ahead); false: on
     # the run's own thread, for a function whose rows() or prompts() must run there
     read_ahead: bool = True
-    # a CPU device's worker keeps the memory it frees (forge.executors.cpu_process): 20-30% less
+    # a CPU device's worker keeps the memory it frees (forge.executors.cpu_process): 10-30% less
     # busy time measured, its resident memory near its peak; false: the C library's own behaviour
     keep_freed_memory: bool = True
 

@@ -97,7 +97,6 @@ class Admission:
         self.exhausted = True
         if self._ahead is not None:
             self._ahead.close()
-            self.run.timings["read_tokenize_s"] = self._ahead.busy_s
 
     def _read_records(self) -> None:
         hook, run, rules, state = self.hook, self.run, self.rules, self.state

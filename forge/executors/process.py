@@ -115,7 +115,8 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                 device,
                 self.cache_tokens,
                 self.plugins,
-                (self._threads, self.keep_freed_memory),
+                self._threads,
+                self.keep_freed_memory,
                 dict(os.environ),
             ),
         )
@@ -223,7 +224,8 @@ def worker_main(
     device: Device,
     cache_tokens: int,
     plugins: tuple[str, ...],
-    cpu: tuple[int, bool],
+    threads: int,
+    keep_freed_memory: bool,
     environ: dict[str, str],
 ) -> None:
     """A worker process: load the model once, then run batches until told to stop or the
@@ -236,7 +238,7 @@ def worker_main(
     if device.torch_device == "cpu":
         from forge.executors.cpu_process import run_cpu_device
 
-        run_cpu_device(*cpu)  # torch threads, and whether to keep freed memory
+        run_cpu_device(threads, keep_freed_memory)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # filled from the start: the driver may send while we load
     threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
     t0 = time.perf_counter()

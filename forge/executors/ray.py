@@ -130,7 +130,8 @@ class RayExecutor(SlotExecutor[_Slot]):
             device,
             self.cache_tokens,
             self.plugins,
-            (max(1, int(self.cpus_per_actor)), self.keep_freed_memory),
+            max(1, int(self.cpus_per_actor)),
+            self.keep_freed_memory,
             env,
         )
         self.slots[device.name] = _Slot(
@@ -231,7 +232,8 @@ class DeviceActor:
         device: Device,
         cache_tokens: int,
         plugins: tuple[str, ...],
-        cpu: tuple[int, bool],  # torch threads of a CPU actor, and whether it keeps freed memory
+        threads: int,  # torch threads of a CPU actor
+        keep_freed_memory: bool,  # runtime.keep_freed_memory
         env: dict[str, str],
     ):
         import ray
@@ -241,7 +243,7 @@ class DeviceActor:
         if device.torch_device.startswith("cuda"):
             device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
-        self.plugins, (self.threads, self.keep_freed_memory) = plugins, cpu
+        self.plugins, self.threads, self.keep_freed_memory = plugins, threads, keep_freed_memory
         self.worker: Any = None  # the function's worker, and the hook relay of `plugins`: made by load()
         self.hook: Any = None
 
