@@ -93,7 +93,7 @@ class Balancer:
         if whole <= room or batch.num_rows < 2:
             return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         one = self.seconds(device.name, replace(batch, rows=batch.rows[:1]), rates, hit)
-        rows = 1 + int((room - one) / ((whole - one) / (batch.num_rows - 1))) if room >= one else 0
+        rows = rows_within(room, one, whole, batch.num_rows)
         if rows < 1:
             return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         self.end_splits += 1
@@ -152,3 +152,12 @@ class Balancer:
                 holders[g.key] = held
             stolen = sorted(stolen, key=lambda g: g.tokens / max(holders[g.key], 1e-12), reverse=True)
         return free, stolen
+
+
+def rows_within(room: float, one: float, whole: float, num_rows: int) -> int:
+    """Rows of a batch that fit `room` seconds when one row takes `one` and all `num_rows` take
+    `whole` (> room), the rows between costing alike: 0 to num_rows - 1, so that something
+    always goes back (rounding could otherwise keep every row and send back an empty batch)."""
+    if room < one:
+        return 0
+    return min(num_rows - 1, 1 + int((room - one) / ((whole - one) / (num_rows - 1))))
