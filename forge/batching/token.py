@@ -21,9 +21,12 @@ for; a device with another profile returns them to the group and plans again.
   the longest that fits the device, padded to it. A step costs its padded slots plus a fixed
   overhead in token-equivalents (`batch_overhead_tokens`), so the run grows downward only
   while the next item raises useful tokens per unit of cost: short items are not padded
-  up to a long head, and near-zero padding is not bought with tiny batches. Against the
-  exact optimum of the same items (a dynamic program over contiguous cuts) this greedy
-  costs at most 8% more in tests, and under 2% on realistic length spreads. Unless
+  up to a long head, and near-zero padding is not bought with tiny batches. Draining, the
+  last shorter rows join the batch above when their padding there costs less than a batch
+  of their own (that greedy alone put them in a batch of their own, up to 73% over the
+  optimum on small groups). Against the exact optimum of the same items (a dynamic program
+  over contiguous cuts) this costs at most 8% more in tests, and under 2% on realistic
+  length spreads. Unless
   draining, a head that cannot fill half its rows (a sparse long tail, or the last few
   short rows) waits for company.
 * Packed rows (`packing=packed`, planned in `forge.batching.packed`): each row holds several
@@ -365,6 +368,13 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
                 pos = floor  # every run down to the cap pays
             else:
                 pos = max(floor, starts[a + 1])
+            if (
+                pos
+                and hi <= cap
+                and urgency == Urgency.DRAIN
+                and pos * (padded - -(-int(lengths[pos - 1]) // m) * m) <= overhead
+            ):
+                pos = 0  # the last shorter rows cost less as padding here than as a batch of their own
             r = bisect.bisect_right(starts, pos - 1) - 1 if pos else 0
             t_pos = below[r] + (pos - starts[r]) * values[r] if pos else 0
             g.ready.append(Cut(ids[pos:hi], lengths[pos:hi], None, padded, t_hi - t_pos, g.code, g.split))

@@ -93,8 +93,9 @@ class Balancer:
         if whole <= room or batch.num_rows < 2:
             return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         one = self.seconds(device.name, replace(batch, rows=batch.rows[:1]), rates, hit)
+        fixed = one - (whole - one) / (batch.num_rows - 1)  # a step's cost beyond its rows
         rows = rows_within(room, one, whole, batch.num_rows)
-        if rows < 1:
+        if rows < 1 or whole - room <= fixed:  # or the overrun is less than the rest's own step would add
             return self._or_sooner_elsewhere(batch, device, rates, busy, finish)
         self.end_splits += 1
         keep = replace(batch, rows=batch.rows[:rows])
