@@ -8,7 +8,8 @@ backlog would be done at everyone's pace (a faster device takes it), and steals 
 the group whose holders need longest to drain it. Once the input is exhausted, a batch
 larger than the device's fair share of what is left (the backlog plus the work in flight,
 divided in proportion to rates) is cut down to that share and the rest goes back to run
-first elsewhere (`fair_share`), so the devices finish together.
+first elsewhere (`fair_share`), so the devices finish together; a batch that overruns the
+common finish by less than a step's fixed cost stays whole.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Balancer:
         Model: each device is busy for its in-flight slots / its rate (an upper bound: as if
         its batches had just started); the waiting slots and this batch are shared so that
         every device finishes at the same time T (water-filling over the busy times). This
-        device keeps the rows its step time (declared, or slots / rate) fits before T."""
+        device keeps the rows its step time (declared, or slots / rate) fits before T, unless
+        the batch overruns T by no more than one step's fixed cost: the rest, run as a batch
+        of its own, would add more than the cut saves, so the batch stays whole."""
         rates = {name: self.rate(name) for name in self.names}
         busy = {name: self.in_flight_slots.get(name, 0) / rates[name] for name in self.names}
         work: float = waiting_slots + batch.padded_slots
