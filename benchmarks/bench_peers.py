@@ -25,7 +25,9 @@ weights, built once and cached); the table header states attention's share of it
 the workload. It runs at 1.4-3.9k tokens/s on 2 CPU cores (the embedded model: 15-40k), so
 keep its workloads small: `score --model llama-1024 --questions 20` and `probe_gen --model
 llama-1024 --rows 200` take about a minute per variant and round (lm-eval's
-`batch_size=auto` about three: `--only 1,2,3` leaves it and batch 64 out). Not a test.
+`batch_size=auto` about three: `--only 1,2,3` leaves it and batch 64 out). At the issue's sizes
+(`--questions 200`, `--rows 1000` / `3000 --prefixes 40`, `--only 1,4` / `1,3,4`) a run takes
+19-30 minutes on 2 cores, most of it the peer's. Not a test.
 
 The last variant of each function (`score` 7, `probe_gen` 7, `embed` 4) is the first peer run
 with the allocator settings Forge's CPU workers use (`forge.executors.cpu_process.ENV`, as
