@@ -318,7 +318,6 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         lim = device.limits
         lengths, ids = g.lengths, g.ids
         starts, values, below = g.runs()
-        m = lim.pad_multiple
         overhead = self.overhead_tokens(device)
         r = bisect.bisect_right(values, lim.max_seq_len - g.offset) - 1  # longer rows wait for a bigger device
         hi = starts[r + 1] if r + 1 < len(starts) else len(lengths)
@@ -326,7 +325,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         waiting = [(hi, len(lengths))]  # slices left unplanned, highest first
         caps = self._caps.setdefault((self._profile_of(device), g.offset), {})  # row cap by padded length
         while hi:  # r: the head's run, the one holding position hi - 1
-            padded = -(-values[r] // m) * m
+            padded = lim.pad(int(values[r]))
             cap = caps.get(padded)
             if cap is None:
                 cap = caps[padded] = self.row_cap(padded, g.offset, device)
@@ -372,7 +371,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
                 pos
                 and hi <= cap
                 and urgency == Urgency.DRAIN
-                and pos * (padded - -(-int(lengths[pos - 1]) // m) * m) <= overhead
+                and pos * (padded - lim.pad(int(lengths[pos - 1]))) <= overhead
             ):
                 pos = 0  # the last shorter rows cost less as padding here than as a batch of their own
             r = bisect.bisect_right(starts, pos - 1) - 1 if pos else 0
