@@ -116,6 +116,66 @@ def test_packer_merges_only_where_the_cost_is_lower():
         assert cost(on) <= cost(off)
 
 
+def _groups(units: list[tuple[int, int]], suffix: int = 20) -> list[Item]:
+    """One small prefix group per (prefix, items): a tree unit of prefix + items x suffix tokens."""
+    return [Item(f"g{g}i{i}", p + suffix, f"p{g}", p) for g, (p, n) in enumerate(units) for i in range(n)]
+
+
+def _tree_shapes(batches) -> list[tuple[int, int]]:
+    return [(b.num_rows, b.padded_len) for b in batches if b.tree]
+
+
+def test_draining_a_unit_of_half_a_row_heads_shorter_rows_instead_of_padding_to_the_longest():
+    """Units of 480 and 470 slots and four of 245-260 (too long to pair in a 480-slot row): one
+    batch at the longest pads every short unit to 480 (2,880 slots); the two long units take one
+    batch and the short ones a batch of rows of their own length (960 + 1,056 slots)."""
+    items = _groups([(400, 4), (390, 4), (180, 4), (175, 4), (170, 4), (165, 4)])
+    batches = drain(TokenPacker(batch_overhead_tokens=256), items)
+    assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
+    assert sorted(_tree_shapes(batches)) == [(2, 480), (4, 264)]
+    assert all(broken_limit(b, LIMITS) is None for b in batches)
+
+
+def test_draining_the_last_short_rows_join_the_batch_when_a_batch_of_their_own_costs_more():
+    """One 250-slot unit left after a 480-slot one: its own batch would cost a step (256 slots) plus
+    256 slots, more than padding it to 480 here; with no step cost it runs apart."""
+    items = _groups([(400, 4), (170, 4)])
+    assert _tree_shapes(drain(TokenPacker(batch_overhead_tokens=256), items)) == [(2, 480)]
+    assert sorted(_tree_shapes(drain(TokenPacker(batch_overhead_tokens=0), items))) == [(1, 256), (1, 480)]
+
+
+def test_the_rows_that_pay_cost_no_more_than_full_batches_of_the_longest(monkeypatch):
+    """Random small prefix groups over random limits and step costs, drained through the scheduler:
+    taking only the rows that pay never costs more than 0.5% over filling each batch in order (the
+    rule before), and less in total; every item runs once within the limits."""
+    import random
+
+    from forge.batching.merged import MergedPlanning
+    from forge.core.geometry import step_cost
+
+    pay = MergedPlanning._rows_that_pay
+    rng = random.Random(0)
+    totals = [0, 0]
+    for _ in range(40):
+        limits = Limits(rng.choice([2048, 4096, 8192]), rng.choice([16, 64, 256]), 2048, rng.choice([1, 8, 64]))
+        overhead = rng.choice([0, 64, 256, 1024])
+        units = [(rng.randint(10, 400), rng.randint(1, 30)) for _ in range(rng.randint(5, 80))]
+        items = [
+            Item(f"g{g}i{i}", p + rng.randint(1, 40), f"p{g}", p) for g, (p, n) in enumerate(units) for i in range(n)
+        ]
+        rng.shuffle(items)
+        costs = []
+        for rule in (lambda self, rows, used, row, n_rows, device: list(range(min(n_rows, len(rows)))), pay):
+            monkeypatch.setattr(MergedPlanning, "_rows_that_pay", rule)
+            batches = drain(TokenPacker(batch_overhead_tokens=overhead), items, limits)
+            assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
+            assert all(broken_limit(b, limits) is None for b in batches)
+            costs.append(sum(overhead + step_cost(b).tokens for b in batches))
+        assert costs[1] <= costs[0] * 1.005
+        totals = [t + c for t, c in zip(totals, costs)]
+    assert totals[1] < totals[0]
+
+
 # -- exactness -------------------------------------------------------------------------------
 
 
