@@ -167,6 +167,30 @@ def test_bad_config_is_one_line_naming_key_value_and_fix(override):
         spec_for(override)
 
 
+UNKNOWN = {
+    "runtime.output_dir=/x": "config: unknown key 'output_dir' in runtime; did you mean output_dir? valid keys: "
+    "executor, max_in_flight, ",
+    "batching.max_rows=3": "config: unknown key 'max_rows' in batching; did you mean devices.limits.max_rows? "
+    "valid keys: mode, window, packing, ",
+    "model.nam=x": "config: unknown key 'nam' in model; did you mean model.name? valid keys: name, torch_dtype, ",
+    "layerz=[1]": "config: unknown key 'layerz' in the root; did you mean layers? valid keys: ",
+    "devices.limits.max_row=4": "config: unknown key 'max_row' in devices.limits; did you mean "
+    "devices.limits.max_rows? valid keys: max_batch_tokens, max_rows, max_seq_len, pad_multiple",
+}
+
+
+@pytest.mark.parametrize("override", list(UNKNOWN))
+def test_an_unknown_key_without_plus_is_one_line_naming_the_key_meant(override):
+    """Hydra alone says `Could not override` and offers `+key=`, which the schema then refuses:
+    the line names the key, the likely one (a sibling spelt alike, or where that name lives), and
+    the valid keys; only the open `batching` node offers `+` (a mode's own option)."""
+    with pytest.raises(ForgeError) as info:
+        compose(override)
+    line = str(info.value)
+    assert line.startswith(UNKNOWN[override]) and "\n" not in line
+    assert line.endswith("+batching.max_rows=VALUE") == override.startswith("batching.")
+
+
 def test_schema_types_values_and_keeps_interpolations(pm):
     from forge.config.build import to_plain
     from forge.core.engine import prepare

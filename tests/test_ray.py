@@ -91,7 +91,9 @@ def test_ray_schema_is_its_own():
     assert spec_for(*RAY, "runtime.address=auto").runtime.address == "auto"
     with pytest.raises(ForgeError, match="runtime.cpus_per_actor=0.0: must be a positive number"):
         spec_for(*RAY, "runtime.cpus_per_actor=0")
-    with pytest.raises(ForgeError, match="Could not override 'runtime.address'"):
+    with pytest.raises(
+        ForgeError, match=r"unknown key 'address' in runtime; did you mean runtime=ray, which has runtime\.address\?"
+    ):
         spec_for("runtime=local", "runtime.address=auto")  # local's keys stay local's
 
 

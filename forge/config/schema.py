@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import (
+    ConfigAttributeError,
     ConfigKeyError,
     MissingMandatoryValue,
     OmegaConfBaseException,
@@ -29,6 +30,7 @@ from omegaconf.errors import (
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from forge.config.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
+from forge.config.unknown_key import unknown_key_line
 from forge.core.geometry import DEFAULT_WINDOW
 from forge.errors import ForgeError
 
@@ -218,10 +220,8 @@ def explain_compose_error(exc: BaseException) -> str | None:
     runtime group extends its schema), in the words `validate` uses; None if it is another error."""
     cause = exc.__cause__
     key = getattr(cause, "full_key", None)
-    if isinstance(cause, ConfigKeyError) and key and dataclasses.is_dataclass(getattr(cause, "object_type", None)):
-        parent, _, name = key.rpartition(".")
-        valid = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
-        return f"config: unknown key {name!r} in {parent or 'the root'}; valid keys: {valid}"
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+        return unknown_key_line(key, cause, OPEN_NODES, RUNTIMES)
     if isinstance(cause, ValidationError) and key:
         expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
         if expected:

@@ -1,0 +1,52 @@
+"""The one line for an override of a key the composed config does not have (Hydra alone says
+`Could not override` and offers `+key=`, which the schema then refuses for a typed node)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+
+def unknown_key_line(
+    key: str, cause: OmegaConfBaseException, open_nodes: tuple[str, ...], runtimes: dict[str, type]
+) -> str:
+    """One line for an override of a key the composed config does not have: its siblings' names
+    close to it, or where a key of that name lives (`batching.max_rows`: devices.limits.max_rows),
+    then the valid keys (and, in one of `open_nodes`, open to a mode's own options, how to add one).
+    `runtimes`: each `runtime=` choice's schema, whose keys the others lack."""
+    parent, _, name = key.rpartition(".")
+    node, owner = getattr(cause, "parent_node", None), getattr(cause, "object_type", None)
+    if isinstance(node, DictConfig):
+        valid = [str(k) for k in node.keys() if k != "hydra"]
+    else:
+        valid = _fields(owner)
+    hints = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(name, valid, n=2)]
+    if isinstance(node, DictConfig):
+        hints += [k for k in _keys_named(node._get_root(), name) if k not in hints and k != key]
+    if parent == "runtime":  # a key of another runtime's schema (runtime.address: runtime=ray's)
+        hints += [f"runtime={r}, which has {key}" for r, cls in runtimes.items() if name in _fields(cls)]
+    hint = f"did you mean {' or '.join(hints[:3])}? " if hints else ""
+    own = f"; a mode's own option: +{key}=VALUE" if parent in open_nodes else ""
+    return f"config: unknown key {name!r} in {parent or 'the root'}; {hint}valid keys: {', '.join(valid)}{own}"
+
+
+def _keys_named(node: DictConfig, name: str, prefix: str = "", depth: int = 3) -> list[str]:
+    """Full keys under `node` whose last part is `name` (Hydra's own node left out)."""
+    found = []
+    for k in node.keys():
+        if k == "hydra":
+            continue
+        path = f"{prefix}{k}"
+        if k == name:
+            found.append(path)
+        child = node._get_node(k)
+        if depth and isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            found += _keys_named(child, name, f"{path}.", depth - 1)
+    return found
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)] if isinstance(cls, type) and dataclasses.is_dataclass(cls) else []
