@@ -347,6 +347,7 @@ class CausalLMFunction(ModelFunction):
             pad_token_id=self.hf.pad_token_id,
             caps=self.caps,
             allow_no_layers=True,
+            stop_after_deepest=not self.forward.targets,  # the LM head reads the last layer's state
         )
         return self._reducing_worker(CausalViews(runner, self.forward.targets))
 

@@ -275,3 +275,32 @@ def test_prefix_cache_lru_unit():
     assert c.put("a", e(10)) and c.tokens == 50 and c.evictions == 1  # replace, not evict
     off = PrefixCache(0)
     assert not off.put("a", e(1)) and len(off) == 0 and off.get("a") is None and off.misses == 1
+
+
+def test_a_function_that_needs_hidden_states_alone_runs_no_layer_past_the_deepest(tmp_path, monkeypatch):
+    """probe_gen at layer 1 of the embedded 4-layer model runs 2 layers and gives what a run that
+    also asks for layer 4 (all 4 layers) gives at layer 1; score reads the LM head, so it runs all."""
+    from conftest import SMALL, run_forge
+    from forge import load_activations
+
+    ran = []
+    init = CausalLMRunner.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        ran.append(self.layers_run)
+
+    monkeypatch.setattr(CausalLMRunner, "__init__", spy)
+    got = {}
+    for layers in ("[1]", "[1,4]"):
+        out = tmp_path / layers
+        report = run_forge(out, *SMALL, "function=probe_gen", f"layers={layers}", "input.limit=60")
+        assert report["items"]["completed"] == 60 and report["balanced"]
+        ids, _, states = load_activations(out)
+        got[layers] = dict(zip(ids, states[1]))
+    assert ran == [2, 4]
+    assert got["[1]"].keys() == got["[1,4]"].keys()
+    assert max((got["[1]"][i] - got["[1,4]"][i]).abs().max().item() for i in got["[1]"]) < 1e-5
+    ran.clear()
+    report = run_forge(tmp_path / "score", *SMALL, "function=score", "input.limit=20")
+    assert report["items"]["completed"] > 0 and ran == [4]

@@ -131,12 +131,21 @@ def _rows() -> list[dict]:
     return out
 
 
-def _build(name: str, root: Path) -> Path:
+def _config(name: str, num_layers: int | None = None):
     cls_name, kwargs = FAMILIES[name]
-    cfg = getattr(transformers, cls_name)(**{**BASE, **kwargs})
+    kwargs = dict(kwargs)
+    if num_layers is not None:  # (hybrid attention: one type per layer)
+        kwargs["num_hidden_layers"] = num_layers
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = (list(kwargs["layer_types"]) * num_layers)[:num_layers]
+    return getattr(transformers, cls_name)(**{**BASE, **kwargs})
+
+
+def _build(name: str, root: Path, num_layers: int | None = None) -> Path:
+    cfg = _config(name, num_layers)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    path = root / name
+    path = root / (name if num_layers is None else f"{name}-{num_layers}")
     model.save_pretrained(path)
     from forge.functions.assets import embedded_model_source
 
@@ -500,3 +509,59 @@ def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
         assert res.columns["num_tokens"][k] == n
         assert abs(res.columns["sum_nll"][k] - sum_nll) < TOL * n, (name, mode, rid)
         assert abs(res.columns["mean_nll"][k] - sum_nll / n) < TOL, (name, mode, rid)
+
+
+# -- layers past the deepest one asked for ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_layers_past_the_deepest_asked_for_are_cut_exactly_in_every_family(name):
+    """A 4-layer model of each family cut to its first 2 layers (`hf_compat.keep_first_layers`,
+    what `probe_gen` asks for with layers up to 1): hidden states 0 and 1 are bit for bit those
+    of the whole model, and state 2 is the cut model's last (its final norm)."""
+    from forge.runtime.hf_compat import keep_first_layers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(name, num_layers=4))
+    base = model.eval().get_decoder()
+    ids = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = base(input_ids=ids, output_hidden_states=True).hidden_states
+        assert keep_first_layers(base, 4, 2)
+        cut = base(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(whole) == 5 and len(cut) == 3
+    for i in (0, 1):
+        assert torch.equal(whole[i], cut[i]), (name, i)
+    assert not keep_first_layers(base, 2, 2)  # nothing to cut
+
+
+@pytest.mark.parametrize("mode", ["token-cache", "token-merged"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, data, name, mode, monkeypatch):
+    """4 layers, states 1 and 2 asked for: the worker runs 3 layers (the prefix cache and tree rows
+    as ever), and every vector equals the whole model's one-prompt-at-a-time forward pass."""
+    from forge.functions.probe_gen import ProbeGen
+    from forge.runtime.reference import pool, reference_hidden
+
+    root, rows = data
+    path = root / f"{name}-4" if (root / f"{name}-4").exists() else _build(name, root, num_layers=4)
+    if (name, "token-packed") in REFUSED and mode == "token-merged":
+        pytest.skip("packed rows are not exact for the family: groups stay apart (test_fidelity_float32)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
+    refs = {}
+    for it in fn.records():
+        refs[it.id] = {L: pool(h, it.prefix_len, "last") for L, h in reference_hidden(model, it.tokens, LAYERS).items()}
+    from forge.runtime.causal_lm import CausalLMRunner
+
+    ran, init = [], CausalLMRunner.__init__
+    monkeypatch.setattr(
+        CausalLMRunner, "__init__", lambda self, *a, **k: init(self, *a, **k) or ran.append(self.layers_run)
+    )
+    report = _run(tmp_path, path, rows, mode, "last")
+    assert ran == [3]  # of 4
+    assert report["items"]["completed"] == len(refs) and report["balanced"], report.get("failures")
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([refs[i][layer] for i in ids])
+        assert (layers[layer] - want).abs().max().item() < TOL, (name, mode, layer)

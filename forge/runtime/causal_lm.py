@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from forge.core.geometry import Batch, Item
-from forge.runtime import shared_prefix
+from forge.runtime import hf_compat, shared_prefix
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.items import check_batch_items, resolve_layers, token_tensor
@@ -61,8 +61,8 @@ class CausalLMRunner:
 
     `model` is a loaded `AutoModelForCausalLM` in eval mode on its device. `layers` are
     hidden-state indices (0 = embeddings, num_layers = final normed output). `cache_tokens`
-    sizes the per-device prefix KV cache (0 = off).
-    """
+    sizes the per-device prefix KV cache (0 = off). `stop_after_deepest`: run `layers_run` layers,
+    one past the deepest index asked for, for a function that needs no more."""
 
     def __init__(
         self,
@@ -74,6 +74,7 @@ class CausalLMRunner:
         pad_token_id: int = 0,
         caps: Capabilities | None = None,
         allow_no_layers: bool = False,
+        stop_after_deepest: bool = False,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -88,6 +89,9 @@ class CausalLMRunner:
         self.cache = PrefixCache(cache_tokens)
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
         self.base = self._base_decoder(model)
+        deepest = max(self._hs_select, default=self.num_layers)  # hidden states alone: later layers change none
+        cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, deepest + 1)
+        self.layers_run = deepest + 1 if cut else self.num_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = int(getattr(text_config(self.config), "hidden_size", 0)) or None

@@ -28,6 +28,21 @@ def num_layers(config: Any) -> int:
     raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
 
 
+def keep_first_layers(base: torch.nn.Module, total: int, keep: int) -> bool:
+    """Cut the decoder `base` to its first `keep` of `total` layers, where it holds them as its one
+    ModuleList of `total` modules (every family tested does); False, leaving it whole, otherwise.
+    Hidden state i < keep is the same either way: a layer's output depends on those before it
+    alone. (State `keep` is the last, after the final norm: so keep one layer past the deepest.)"""
+    if keep >= total:
+        return False
+    lists = [(n, m) for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList) and len(m) == total]
+    if len(lists) != 1:
+        return False
+    name, layers = lists[0]
+    setattr(base, name, torch.nn.ModuleList(list(layers)[:keep]))
+    return True
+
+
 def cache_kwarg(module: torch.nn.Module) -> str:
     """`cache` on transformers 5.x, `past_key_values` before."""
     params = inspect.signature(module.forward).parameters
