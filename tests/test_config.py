@@ -149,7 +149,8 @@ BAD = {
     "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "
     "max_restarts, max_attempts, commit_interval_s, failure_window, max_failure_share, "
     "drain_s, read_ahead, keep_freed_memory",
-    "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; valid keys: "
+    "+devices.limits.max_tokens=9": "config: unknown key 'max_tokens' in devices.limits; did you mean "
+    "devices.limits.max_batch_tokens or devices.limits.max_rows or budget.max_tokens? valid keys: "
     "max_batch_tokens, max_rows, max_seq_len, pad_multiple",
     "+model.branch=main": "config: unknown key 'branch' in model; valid keys: name, torch_dtype, "
     "attn_implementation, revision, trust_remote_code",
@@ -173,7 +174,7 @@ UNKNOWN = {
     "batching.max_rows=3": "config: unknown key 'max_rows' in batching; did you mean devices.limits.max_rows? "
     "valid keys: mode, window, packing, ",
     "model.nam=x": "config: unknown key 'nam' in model; did you mean model.name? valid keys: name, torch_dtype, ",
-    "layerz=[1]": "config: unknown key 'layerz' in the root; did you mean layers? valid keys: ",
+    "layerz=[1]": "config: unknown key 'layerz' at the root; did you mean layers? valid keys: ",
     "devices.limits.max_row=4": "config: unknown key 'max_row' in devices.limits; did you mean "
     "devices.limits.max_rows? valid keys: max_batch_tokens, max_rows, max_seq_len, pad_multiple",
 }

@@ -30,7 +30,7 @@ from omegaconf.errors import (
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from forge.config.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
-from forge.config.unknown_key import unknown_key_line
+from forge.config.unknown_key import explain_unknown_key, unknown_key_line
 from forge.core.geometry import DEFAULT_WINDOW
 from forge.errors import ForgeError
 
@@ -221,7 +221,7 @@ def explain_compose_error(exc: BaseException) -> str | None:
     cause = exc.__cause__
     key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
-        return unknown_key_line(key, cause, OPEN_NODES, RUNTIMES)
+        return explain_unknown_key(key, cause, OPEN_NODES, RUNTIMES)
     if isinstance(cause, ValidationError) and key:
         expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
         if expected:
@@ -256,9 +256,7 @@ def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
         valid = [f.name for f in dataclasses.fields(schema_cls)]
         unknown = [k for k in plain if k not in valid]
         if unknown:
-            raise ForgeError(
-                f"config: unknown key {unknown[0]!r} in {prefix.rstrip('.')}; valid keys: {', '.join(valid)}"
-            )
+            raise ForgeError(unknown_key_line(f"{prefix}{unknown[0]}", valid))
     for f in dataclasses.fields(schema_cls):
         value = plain.get(f.name)
         key = f"{prefix}{f.name}"
@@ -309,11 +307,7 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> 
             return f"config {key}={_show(_raw(value))}: expected {expected}"
         return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
     if isinstance(exc, ConfigKeyError):
-        parent, _, name = key.rpartition(".")
-        owner = _field_type(schema_cls, parent) if parent else schema_cls
-        valid = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
-        where = f"in {parent}" if parent else "at the root"
-        return f"config: unknown key {name!r} {where}; valid keys: {', '.join(valid)}"
+        return explain_unknown_key(key, exc, OPEN_NODES, RUNTIMES)
     value = _raw(getattr(exc, "value", None))
     if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
         expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
