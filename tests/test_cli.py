@@ -88,7 +88,9 @@ def test_run_writes_report_and_activations(cli, tmp_path):
         "read_wait_s",
         "commit_s",
         "total_s",
+        "warm_start",
     }
+    assert phases.pop("warm_start") is False  # this process ran it, not a forge server's child
     assert all(isinstance(v, (int, float)) and v >= 0 for v in phases.values()), phases
     assert phases["start_s"] + phases["open_s"] <= phases["first_batch_s"] <= phases["total_s"]
     assert phases["worker_ready_s"] <= phases["first_batch_s"] and phases["read_tokenize_s"] > 0

@@ -63,10 +63,21 @@ def test_the_forge_command_exits_with_its_code_through_quick_exit(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_installed_forge_script_is_the_quick_exit_entry_point():
+def test_the_installed_forge_script_is_the_quick_exit_entry_point(monkeypatch):
+    """`forge` is forge.cli.entry:main: a warm server's when one answers, else the app's `main`
+    (which leaves through quick_exit) in this process."""
     from importlib.metadata import entry_points
 
-    from forge.cli.app import main
+    import forge.cli.app
+    from forge.cli import entry
 
     (script,) = entry_points(group="console_scripts", name="forge")
-    assert script.load() is main
+    assert script.load() is entry.main
+    ran, asked = [], []
+    monkeypatch.setattr(forge.cli.app, "main", lambda: ran.append(sys.argv[1:]))
+    monkeypatch.setattr(entry, "run_warm", lambda argv: asked.append(argv))  # None: no server took it
+    for argv in (["run", "x=1"], ["server", "status"], ["--help"]):
+        monkeypatch.setattr(sys, "argv", ["forge", *argv])
+        entry.main()
+    assert ran == [["run", "x=1"], ["server", "status"], ["--help"]]
+    assert asked == [["run", "x=1"]]  # forge server ... and flags never go to a server

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from forge.cli.compose import compose, group_options, precheck
+from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
 
@@ -23,6 +24,7 @@ app = typer.Typer(
     help="Forge: GPU batch functions scheduled, packed and accounted in tokens.",
 )
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+app.add_typer(server_app, name="server")
 
 
 def _fail(exc: Exception) -> None:
@@ -119,7 +121,7 @@ def _warm_up_workers(cfg) -> None:
 
 
 #: whether this process was started as the `forge` command (not a test runner calling the app)
-_COMMAND = Path(sys.argv[0]).name in ("forge", "app.py")
+_COMMAND = Path(sys.argv[0]).name in ("forge", "app.py", "entry.py")
 
 
 def _interrupt(signum, frame) -> None:
@@ -152,11 +154,13 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 
     from forge.config.build import build_spec
     from forge.core.engine import execute
-    from forge.core.report import process_started
+    from forge.core.report import process_started, started_warm
     from forge.pluginmanager import make_plugin_manager
 
     _warm_up_workers(cfg)
-    spec = replace(build_spec(cfg, run_dir), files=files, started_at=process_started() if _COMMAND else None)
+    spec = replace(
+        build_spec(cfg, run_dir), files=files, started_at=process_started() if _COMMAND or started_warm() else None
+    )
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

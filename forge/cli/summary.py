@@ -15,6 +15,14 @@ err = Console(stderr=True)
 GIB = 1 << 30
 
 
+def reset_consoles() -> None:
+    """Make both consoles again, in place, for this process's streams and terminal: a command
+    that `forge server` forked imported this module in the server, whose output is a log file
+    (a console reads the terminal's colours and width when it is made)."""
+    console.__init__()  # type: ignore[misc]
+    err.__init__(stderr=True)  # type: ignore[misc]
+
+
 def error_line(exc: Exception) -> None:
     """`error: <message>` on one line: never wrapped, never read as markup."""
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)

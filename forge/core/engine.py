@@ -26,6 +26,7 @@ from forge.config.schema import Runtime
 from forge.core.admission import AdmissionRules, admit
 from forge.core.geometry import DEFAULT_WINDOW, Device, Item
 from forge.core.loop import Committer, RunLoop, Stop
+from forge.core.report import started_warm
 from forge.core.run import RunContext
 from forge.core.scheduler import Scheduler
 from forge.errors import ForgeError
@@ -261,7 +262,7 @@ def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: 
     }
 
 
-def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | None]:
+def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | bool | None]:
     """Where the time went, in seconds from the command's start `t0` (spans) or summed (totals):
 
     - start_s: to `execute` (imports, config composition, the function's set-up);
@@ -276,7 +277,9 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
     - drain_s: from the last batch routed to the end;
     - read_tokenize_s and commit_s: totals of reading and tokenizing input (on its own thread,
       `forge.core.read_ahead`), and of committing results (both overlap the other phases);
-    - read_wait_s: the total the run waited for its input (what reading ahead did not hide).
+    - read_wait_s: the total the run waited for its input (what reading ahead did not hide);
+    - warm_start: whether a `forge server` ran the command (torch and transformers imported
+      before it started; `forge.cli.server`).
     """
     end = time.time()
     at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
@@ -292,6 +295,7 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
         "read_wait_s": round(timings.get("read_wait_s", 0.0), 3),
         "commit_s": round(timings.get("commit_s", 0.0), 3),
         "total_s": round(end - t0, 3),
+        "warm_start": started_warm(),
     }
 
 

@@ -1,0 +1,108 @@
+"""The `forge` command's entry point: hand the command to a warm `forge server` of this exact
+environment when one runs, else run it here (`forge.cli.app`).
+
+Light on purpose (the standard library, `forge.cli.wire` and `forge.core.report`): on the warm
+path this module is all the command imports. The server (`forge.cli.server`) forks a child
+that *is* the command: it gets this process's arguments, working directory, environment and
+stdin/stdout/stderr, so it writes to the terminal itself; this process forwards the signals a
+terminal sends (Ctrl-C reaches the child and its workers, as it would reach a command run here)
+and exits with the child's status. A server is found only for the same interpreter, `sys.path`,
+installed packages, Forge source and environment variables (`forge.cli.wire.server_key`), so a
+warm run imports what a cold one would; anything else runs cold, as if no server existed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from forge.cli.wire import FORWARDED, connect, recv_message, send_message, server_address
+
+#: subcommands that never go through a server (they manage it)
+LOCAL_COMMANDS = frozenset({"server"})
+
+
+# -- the warm path -------------------------------------------------------------------------
+def run_warm(argv: list[str], address: Path | None = None) -> int | None:
+    """Run `forge ARGV` in the server at `address` (this environment's by default) and return
+    its exit code; None when no server took it (the caller runs the command itself)."""
+    from forge.core.report import process_started
+
+    sock = connect(address or server_address())
+    if sock is None:
+        return None
+    with sock:
+        request = {
+            "op": "run",
+            "argv": [sys.argv[0], *argv],
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "path": list(sys.path),
+            "umask": _umask(),
+            "started": process_started(),
+        }
+        child: list[int] = []  # the command's pid (and process group), once the server forked it
+        pending: list[int] = []  # signals that came before it
+        for signum in FORWARDED:
+            signal.signal(signum, lambda s, _f: _forward(child[0], s) if child else pending.append(s))
+        try:
+            send_message(sock, request, [0, 1, 2])
+            sock.settimeout(None)
+            reply, _ = recv_message(sock)
+        except (OSError, ValueError):
+            reply = {}
+        if "pid" not in reply:  # a server that stopped between connect and fork: nothing ran
+            for signum in FORWARDED:
+                signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+            return None if not pending else 128 + pending[0]
+        child.append(int(reply["pid"]))
+        for signum in pending:
+            _forward(child[0], signum)
+        try:
+            done, _ = recv_message(sock)
+        except (OSError, ValueError):
+            return 1  # the server died under the command: its child went with it
+    code = int(done["exit"])
+    return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
+
+
+def _forward(child: int, signum: int) -> None:
+    try:
+        os.killpg(child, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def serve_here(argv: list[str]) -> None:  # pragma: no cover - the server process (forge.cli.server.start)
+    """The server process: import the CLI, then serve commands with it (`ADDRESS IDLE_S SYS_PATH_JSON`)."""
+    import json
+
+    sys.path[:] = json.loads(argv[2])  # the starting command's, before any import of it
+    from forge.cli.app import main as command
+    from forge.cli.server import serve
+
+    serve(Path(argv[0]), float(argv[1]), command)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    """`forge ...`: warm through this environment's server when one runs, else here."""
+    argv = sys.argv[1:]
+    if argv and argv[0] not in LOCAL_COMMANDS and not argv[0].startswith("-"):
+        code = run_warm(argv)
+        if code is not None:
+            sys.exit(code)
+    from forge.cli.app import main as run_here
+
+    run_here()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
