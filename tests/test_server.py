@@ -164,11 +164,13 @@ def test_a_warm_run_writes_what_a_cold_run_writes(tmp_path, server):
 def test_errors_and_exit_codes_are_the_cold_commands(tmp_path, server):
     served = ask(server.address)["served"]
     cold_env = server.cold_env()
-    for args in (["run", "batching=nope", f"output_dir={tmp_path / 'x'}"], ["plan", "devices.limits.max_rows=0"]):
-        warm, cold = _forge(*args, env=server.env), _forge(*args, env=cold_env)
-        assert warm.returncode == cold.returncode == 2, warm.stderr
-        assert warm.stderr.strip().splitlines()[-1] == cold.stderr.strip().splitlines()[-1]
-        assert warm.stderr.startswith("error:"), warm.stderr
+    args = ["run", "batching=nope", f"output_dir={tmp_path / 'x'}"]
+    warm, cold = _forge(*args, env=server.env), _forge(*args, env=cold_env)
+    assert warm.returncode == cold.returncode == 2, warm.stderr
+    assert warm.stderr.strip().splitlines()[-1] == cold.stderr.strip().splitlines()[-1]
+    assert warm.stderr.startswith("error:"), warm.stderr
+    plan = _forge("plan", "devices.limits.max_rows=0", env=server.env)
+    assert plan.returncode == 2 and plan.stderr.startswith("error:") and "max_rows" in plan.stderr, plan.stderr
     assert ask(server.address)["served"] == served + 2
     assert not (tmp_path / "x").exists()
 
@@ -183,7 +185,7 @@ def test_a_changed_environment_runs_cold(server):
     assert ask(server.address)["served"] == served
 
 
-HUNG = [*FAST, *PROC, "shard_size=4", "runtime.commit_interval_s=0.1"]
+HUNG = [*FAST, *PROC, "shard_size=4", "runtime.commit_interval_s=0.1", "runtime.drain_s=1"]
 
 
 def _start_hung_run(out: Path, server: Served) -> subprocess.Popen:
@@ -250,6 +252,37 @@ def test_kill_9_of_the_client_takes_the_command_and_its_workers(tmp_path, server
     finally:
         _kill_group(commands[0])
     _resume(out, server, clean)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def test_ctrl_z_stops_the_command_and_fg_resumes_it(tmp_path, server):
+    """SIGTSTP to the client (a terminal's Ctrl-Z) stops it and the command's group; SIGCONT
+    (fg, bg) resumes both, and the run finishes."""
+    before = set(_children(server.pid))
+    out = tmp_path / "run"
+    proc = _start_hung_run(out, server)  # a worker asleep in a batch for 30 s: time to look
+    (command,) = [p for p in _children(server.pid) if p not in before]
+    try:
+        os.kill(proc.pid, signal.SIGTSTP)
+        deadline = time.monotonic() + 10
+        while not (_state(proc.pid) == "T" and _state(command) == "T") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (_state(proc.pid), _state(command)) == ("T", "T")
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while _state(command) == "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(command) != "T" and _state(proc.pid) != "T"
+        os.kill(proc.pid, signal.SIGINT)  # not wait out the hang: Ctrl-C still works after fg
+        text = proc.communicate(timeout=60)[0].decode()
+    finally:
+        proc.kill()
+        _kill_group(command)
+    assert proc.returncode == 130, text
+    assert json.loads((out / "report.json").read_text())["status"] == "interrupted"
 
 
 def test_status_and_a_second_start(server):

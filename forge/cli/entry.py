@@ -60,10 +60,16 @@ def run_warm(argv: list[str], address: Path | None = None) -> int | None:
         child.append(int(reply["pid"]))
         for signum in pending:
             _forward(child[0], signum)
+        signal.signal(signal.SIGTSTP, lambda _s, _f: _suspend(child[0]))
+        signal.signal(signal.SIGCONT, lambda _s, _f: _forward(child[0], signal.SIGCONT))
         try:
             done, _ = recv_message(sock)
-        except (OSError, ValueError):
-            return 1  # the server died under the command: its child went with it
+        except (OSError, ValueError):  # the server died under the command: it goes too, as it would have
+            _forward(child[0], signal.SIGKILL)
+            print(
+                f"forge: the forge server stopped under this command (pid {child[0]}); it was killed", file=sys.stderr
+            )
+            return 1
     code = int(done["exit"])
     return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
 
@@ -73,6 +79,14 @@ def _forward(child: int, signum: int) -> None:
         os.killpg(child, signum)
     except ProcessLookupError:
         pass
+
+
+def _suspend(child: int) -> None:
+    """Ctrl-Z: stop the command's group, then this process, as a shell's job stops; `fg` or `bg`
+    (SIGCONT) resumes this process, which resumes the command."""
+    _forward(child, signal.SIGTSTP)
+    os.kill(os.getpid(), signal.SIGSTOP)  # stops here until SIGCONT (a SIGTSTP would not in an orphaned group)
+    _forward(child, signal.SIGCONT)
 
 
 def _umask() -> int:

@@ -32,7 +32,7 @@ def start(
     try:
         state, started = start_server(idle_s=idle_minutes * 60)
     except RuntimeError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if started:
         console.print(
@@ -40,9 +40,13 @@ def start(
             f"in this environment start warm; it stops after {idle_minutes:g} min idle (forge server stop)",
             markup=False,
             highlight=False,
+            soft_wrap=True,
         )
     else:
-        console.print(f"forge server {state['pid']} already runs for this environment (up {_age(state['started'])})")
+        console.print(
+            f"forge server {state['pid']} already runs for this environment (up {_age(state['started'])})",
+            soft_wrap=True,
+        )
 
 
 @server_app.command()
@@ -75,4 +79,5 @@ def status() -> None:
             f"{state['running']} running ({address})",
             markup=False,
             highlight=False,
+            soft_wrap=True,
         )

@@ -111,6 +111,10 @@ def _ran_rows(table: Table, report: dict[str, Any]) -> None:
     table.add_row(
         "wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)"
     )
+    phases = report.get("phases") or {}
+    if phases.get("first_batch_s") is not None:
+        how = "warm start: forge server" if phases.get("warm_start") else "cold start; forge server start imports once"
+        table.add_row("start", f"first batch at {phases['first_batch_s']:.2f} s  ({how})")
     table.add_row("model", str(report.get("model")))
     out = report.get("outputs") or {}
     table.add_row(
