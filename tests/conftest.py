@@ -32,6 +32,22 @@ SMALL = [
 ]
 
 
+def small_run(n: int, *extra: str) -> list[str]:
+    """Overrides for a run of `n` embedded rows in many small batches (1,024 tokens a step, a
+    window of 16 items, layers 1 and 4), plus `extra`: what the tests of faults, Ray, output
+    URLs and the warm server run."""
+    return [
+        "devices=auto",
+        "devices.limits.max_batch_tokens=1024",
+        "devices.limits.max_seq_len=512",
+        "budget.tokens_per_step=1024",
+        "layers=[1,4]",
+        f"input.limit={n}",
+        "batching.window=16",
+        *extra,
+    ]
+
+
 def compose(*overrides):
     from forge.cli.compose import compose as _compose
 

@@ -13,22 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_output, clean_activations, forge_process, plan_forge, run_forge
+from conftest import assert_same_output, clean_activations, forge_process, plan_forge, run_forge, small_run
 from forge import load_activations
 from forge.errors import ForgeError
 
 N = 48
 # small batches, so a few dozen rows make many of them
-FAST = [
-    "devices=auto",
-    "devices.limits.max_batch_tokens=1024",
-    "devices.limits.max_seq_len=512",
-    "budget.tokens_per_step=1024",
-    "layers=[1,4]",
-    f"input.limit={N}",
-    "batching.window=16",
-    "batching.merge_groups=false",  # the batch counts these faults are planned on
-]
+FAST = small_run(N, "batching.merge_groups=false")  # the batch counts these faults are planned on
 PROC = ["runtime.executor=process", "plugins=[faults]", "runtime.max_restarts=8", "runtime.max_in_flight=1"]
 TESTS = Path(__file__).resolve().parent
 

@@ -15,23 +15,14 @@ import fsspec
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_same_output, clean_activations, run_forge
+from conftest import assert_same_output, clean_activations, run_forge, small_run
 from forge.cli.app import app
 from forge.errors import ForgeError
 from forge.io.location import check_output_dir, hydra_dir
 from forge.io.store import read_journal
 
 N = 16
-FAST = [
-    "devices=auto",
-    "devices.limits.max_batch_tokens=1024",
-    "devices.limits.max_seq_len=512",
-    "budget.tokens_per_step=1024",
-    "layers=[1,4]",
-    f"input.limit={N}",
-    "batching.window=16",
-    "batching.merge_groups=false",  # the shard counts these tests are planned on
-]
+FAST = small_run(N, "batching.merge_groups=false")  # the shard counts these tests are planned on
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_output, clean_activations, run_forge, spec_for
+from conftest import assert_same_output, clean_activations, run_forge, small_run, spec_for
 from forge.errors import ForgeError
 
 N = 48
-FAST = [
-    "devices=auto",
-    "devices.limits.max_batch_tokens=1024",
-    "devices.limits.max_seq_len=512",
-    "budget.tokens_per_step=1024",
-    "layers=[1,4]",
-    f"input.limit={N}",
-    "batching.window=16",
-]
+FAST = small_run(N)
 RAY = ["runtime=ray", "runtime.cpus_per_actor=1"]
 TESTS = Path(__file__).resolve().parent
 needs_ray = pytest.mark.skipif(find_spec("ray") is None, reason="Ray is not installed: pip install -e '.[ray]'")

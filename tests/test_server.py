@@ -18,23 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_activations
+from conftest import clean_activations, small_run
 from forge.cli import entry, wire
 from forge.cli.server import _Server, ask
 
 TESTS = Path(__file__).resolve().parent
 FORGE = Path(sys.executable).with_name("forge")  # the console script: forge.cli.entry:main
 N = 48
-FAST = [
-    "devices=auto",
-    "devices.limits.max_batch_tokens=1024",
-    "devices.limits.max_seq_len=512",
-    "budget.tokens_per_step=1024",
-    "layers=[1,4]",
-    f"input.limit={N}",
-    "batching.window=16",
-    "batching.merge_groups=false",
-]
+FAST = small_run(N, "batching.merge_groups=false")
 PROC = ["runtime.executor=process", "plugins=[faults]", "runtime.max_in_flight=1"]
 
 pytestmark = pytest.mark.skipif(not FORGE.exists(), reason="needs the installed `forge` console script")
