@@ -68,7 +68,7 @@ PRELOAD = (
     "forge.runtime.views",
     "forge.executors.process",
 )
-DEFAULT_IDLE_S = 1800.0
+DEFAULT_IDLE_MINUTES = 30.0  # `forge server start --idle-minutes`
 
 
 # -- the server process --------------------------------------------------------------------
@@ -297,7 +297,7 @@ def ask(address: Path, op: str = "ping") -> dict | None:
             return None
 
 
-def start(idle_s: float = DEFAULT_IDLE_S, timeout_s: float = 600.0) -> tuple[dict, bool]:
+def start(idle_s: float = DEFAULT_IDLE_MINUTES * 60, timeout_s: float = 600.0) -> tuple[dict, bool]:
     """Start this environment's server (or find it running) and wait until it is ready: its
     state and whether it was started now."""
     address = server_address()

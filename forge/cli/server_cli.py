@@ -6,6 +6,7 @@ import time
 
 import typer
 
+from forge.cli.server import DEFAULT_IDLE_MINUTES
 from forge.cli.summary import console, err
 
 server_app = typer.Typer(
@@ -22,7 +23,9 @@ def _age(started: float) -> str:
 
 @server_app.command()
 def start(
-    idle_minutes: float = typer.Option(30.0, "--idle-minutes", min=0.1, help="Stop after this long without a command."),
+    idle_minutes: float = typer.Option(
+        DEFAULT_IDLE_MINUTES, "--idle-minutes", min=0.1, help="Stop after this long without a command."
+    ),
 ) -> None:
     """Start this environment's server (once; a second start says where it runs) and wait until
     it has imported what a command needs."""
