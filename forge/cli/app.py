@@ -152,15 +152,15 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
 def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
     from dataclasses import replace
 
+    from forge.cli.wire import CLIENT_STARTED
     from forge.config.build import build_spec
     from forge.core.engine import execute
-    from forge.core.report import process_started, started_warm
+    from forge.core.report import process_started
     from forge.pluginmanager import make_plugin_manager
 
     _warm_up_workers(cfg)
-    spec = replace(
-        build_spec(cfg, run_dir), files=files, started_at=process_started() if _COMMAND or started_warm() else None
-    )
+    started = CLIENT_STARTED[0] if CLIENT_STARTED else process_started() if _COMMAND else None
+    spec = replace(build_spec(cfg, run_dir), files=files, started_at=started, warm_start=bool(CLIENT_STARTED))
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forge.cli.wire import (
+    CLIENT_STARTED,
     FORWARDED,
     connect,
     private,
@@ -252,10 +253,9 @@ def _command(request: dict, fds: list[int], command: Callable[[], None]) -> int:
     import numpy as np
 
     np.random.seed()  # a cold command's legacy numpy generator is seeded afresh; so is this one's
-    from forge.core.report import set_command_start
     from forge.executors.warm_fork import fork_server_here
 
-    set_command_start(float(request["started"]), warm=True)
+    CLIENT_STARTED[:] = [float(request["started"])]  # the command's start is the client's (report phases)
     fork_server_here()
     command()
     return 0

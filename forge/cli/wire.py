@@ -21,6 +21,10 @@ VOLATILE_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
+#: the start (time.time()) of the `forge` command a warm server's child runs; None in a cold one
+CLIENT_STARTED: list[float] = []
+
+
 def server_dir() -> Path:
     """Where this user's servers listen: a private folder under $XDG_RUNTIME_DIR or the temp dir."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()

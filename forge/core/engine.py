@@ -26,7 +26,6 @@ from forge.config.schema import Runtime
 from forge.core.admission import AdmissionRules, admit
 from forge.core.geometry import DEFAULT_WINDOW, Device, Item
 from forge.core.loop import Committer, RunLoop, Stop
-from forge.core.report import started_warm
 from forge.core.run import RunContext
 from forge.core.scheduler import Scheduler
 from forge.errors import ForgeError
@@ -59,6 +58,7 @@ class RunSpec:
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
     files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
     started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
+    warm_start: bool = False  # a `forge server` ran the command: its imports were paid before it started
 
 
 def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
@@ -232,7 +232,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                 "status": status,
                 "error": error,
                 "outputs": outputs,
-                "phases": phases(run.timings, executor, spec.started_at or began, began),
+                "phases": phases(run.timings, executor, spec.started_at or began, began, spec.warm_start),
                 **_loop_extras(loop, scheduler, executor, spec),
             },
         )
@@ -262,7 +262,9 @@ def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: 
     }
 
 
-def phases(timings: dict[str, float], executor: Executor, t0: float, began: float) -> dict[str, float | bool | None]:
+def phases(
+    timings: dict[str, float], executor: Executor, t0: float, began: float, warm_start: bool
+) -> dict[str, float | bool | None]:
     """Where the time went, in seconds from the command's start `t0` (spans) or summed (totals):
 
     - start_s: to `execute` (imports, config composition, the function's set-up);
@@ -278,8 +280,8 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
     - read_tokenize_s and commit_s: totals of reading and tokenizing input (on its own thread,
       `forge.core.read_ahead`), and of committing results (both overlap the other phases);
     - read_wait_s: the total the run waited for its input (what reading ahead did not hide);
-    - warm_start: whether a `forge server` ran the command (torch and transformers imported
-      before it started; `forge.cli.server`).
+    - warm_start: `warm_start`, whether a `forge server` ran the command (torch and
+      transformers imported before it started; `forge.cli.server`).
     """
     end = time.time()
     at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
@@ -295,7 +297,7 @@ def phases(timings: dict[str, float], executor: Executor, t0: float, began: floa
         "read_wait_s": round(timings.get("read_wait_s", 0.0), 3),
         "commit_s": round(timings.get("commit_s", 0.0), 3),
         "total_s": round(end - t0, 3),
-        "warm_start": started_warm(),
+        "warm_start": warm_start,
     }
 
 

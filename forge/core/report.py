@@ -7,26 +7,10 @@ import os
 import time
 from typing import Any
 
-_COMMAND_START: dict[str, float | bool] = {}  # set by a command that `forge server` forked
-
-
-def set_command_start(started: float, *, warm: bool) -> None:
-    """This process runs a command that started at `started` (time.time()) in another process:
-    `forge server`'s child, for the client whose command it is (`forge.cli.server`)."""
-    _COMMAND_START.update(started=started, warm=warm)
-
-
-def started_warm() -> bool:
-    """Whether this command runs in a warm `forge server`'s child (imports already paid)."""
-    return bool(_COMMAND_START.get("warm", False))
-
 
 def process_started() -> float:
-    """When this command started, on the time.time() scale: its start as its user pays it
-    (interpreter start and imports included): this process's (Linux's /proc; elsewhere, now),
-    or that of the client a warm server runs it for."""
-    if "started" in _COMMAND_START:
-        return float(_COMMAND_START["started"])
+    """When this process started, on the time.time() scale: a command's start as its user pays
+    it (interpreter start and imports included). Linux's /proc; elsewhere, now."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime, in clock ticks since boot
