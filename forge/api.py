@@ -339,9 +339,10 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.causal_lm import CausalLMRunner
         from forge.runtime.views import CausalViews
 
-        model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
+        model = self.hf.load(AutoModelForCausalLM, "cpu", self.caps.attn)  # the runner cuts it, then moves it
         runner = CausalLMRunner(
             model,
+            device=device.torch_device,
             layers=list(self.forward.layers),
             cache_tokens=cache_tokens,
             pad_token_id=self.hf.pad_token_id,

@@ -107,6 +107,37 @@ def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
         fitted_cost_model(make().config, Target(dtype="bfloat16"))
 
 
+def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from forge.batching.memory import MemoryPacker
+    from forge.core.geometry import Device, Limits
+    from forge.errors import ForgeError
+    from forge.functions.probe_gen import ProbeGen
+    from forge.runtime.causal_lm import CausalLMRunner
+    from forge.runtime.embedded import materialize_model
+
+    def make(layers):
+        return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=layers)
+
+    early, whole = make([1]).cost_model(), make([4]).cost_model()  # 2 of the 4 layers run, and all 4
+    model = AutoModelForCausalLM.from_pretrained(str(materialize_model(make([1]).hf.source)), dtype=torch.float32)
+    full = memory_fit.state_bytes(model)
+    runner = CausalLMRunner(model, layers=[1], stop_after_deepest=True, device="cpu")
+    kept = memory_fit.state_bytes(model)  # what the worker moves to its device, once it has cut the decoder
+    assert runner.layers_run == 2 and kept < full and runner.device.type == "cpu"
+    assert kept <= early.weight_bytes < whole.weight_bytes and early.weight_bytes - kept == whole.weight_bytes - full
+    assert early.kv_bytes_per_token < 0.6 * whole.kv_bytes_per_token  # half the layers hold a KV cache
+    budget = whole.weight_bytes + 10**8  # one device: the kept layers leave more room, and each row holds less
+    assert early.max_rows(budget, 16, prefix_len=512) > 1.2 * whole.max_rows(budget, 16, prefix_len=512)
+    # a device too small for the whole model still probes its early layers
+    small = Device(name="small", limits=Limits(8192, 64, 2048), memory_bytes=(kept + full) // 2)
+    MemoryPacker(cost_model=early).check_device(small)
+    with pytest.raises(ForgeError, match="raise its memory_gb"):
+        MemoryPacker(cost_model=whole).check_device(small)
+
+
 def test_max_rows_counts_the_prefix_once():
     cost = CostModel(
         weight_bytes=1000, bytes_per_token=10, bytes_per_score=0, kv_bytes_per_token=1, prefix_bytes_per_token=5

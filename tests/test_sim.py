@@ -263,7 +263,7 @@ def test_the_end_of_the_backlog_is_split_so_devices_finish_together(monkeypatch)
 def test_memory_fit_of_a_deep_model_extrapolates_from_two_shallow_depths_exactly():
     from transformers import LlamaConfig
 
-    from forge.runtime.memory_fit import FakeModel, Shape, Target, _at_depth, measure_by_depth, scaling_depths
+    from forge.runtime.memory_fit import FakeModel, Shape, Target, at_depth, measure_by_depth, scaling_depths
 
     config = LlamaConfig(
         vocab_size=256,
@@ -276,7 +276,7 @@ def test_memory_fit_of_a_deep_model_extrapolates_from_two_shallow_depths_exactly
     target = Target(dtype="bfloat16", hidden_kept=1)
     assert scaling_depths(config, target) == (2, 4)
     assert scaling_depths(config, Target(hidden_kept=3)) == (3, 5)  # every depth keeps 3 hidden states
-    assert scaling_depths(_at_depth(config, 6), target) is None  # shallow: measured whole
+    assert scaling_depths(at_depth(config, 6), target) is None  # shallow: measured whole
     shapes = (Shape(2, 32, 128), Shape(1, 64, 64, cached=False))
     whole = FakeModel(config, target)
     peaks, weights = measure_by_depth(config, target, (2, 4), shapes=shapes)

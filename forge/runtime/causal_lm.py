@@ -59,7 +59,8 @@ from forge.runtime.tree_rows import NO_CONTEXT, prefix_places, tree_layout, writ
 class CausalLMRunner:
     """Runs `Batch`es through a causal LM's base decoder and pools hidden states.
 
-    `model` is a loaded `AutoModelForCausalLM` in eval mode on its device. `layers` are
+    `model` is a loaded `AutoModelForCausalLM` in eval mode, on `device` (None: where it is;
+    else it moves there once cut, so that the layers cut never reach the device). `layers` are
     hidden-state indices (0 = embeddings, num_layers = final normed output). `cache_tokens`
     sizes the per-device prefix KV cache (0 = off). `stop_after_deepest`: run `layers_run` layers,
     one past the deepest index asked for, for a function that needs no more."""
@@ -75,6 +76,7 @@ class CausalLMRunner:
         caps: Capabilities | None = None,
         allow_no_layers: bool = False,
         stop_after_deepest: bool = False,
+        device: str | None = None,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -88,10 +90,13 @@ class CausalLMRunner:
         self._hs_select = sorted(set(self._layer_idx))
         self.cache = PrefixCache(cache_tokens)
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
-        self.base = self._base_decoder(model)
-        deepest = max(self._hs_select, default=self.num_layers)  # hidden states alone: later layers change none
-        cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, deepest + 1)
-        self.layers_run = deepest + 1 if cut else self.num_layers
+        # an encoder-decoder is unusable: run() refuses it with a clear message
+        self.base = model if self.encoder_decoder else hf_compat.base_decoder(model)
+        keep = hf_compat.layers_to_run(self._hs_select, self.num_layers)  # later layers change no state asked for
+        cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, keep)
+        self.layers_run = keep if cut else self.num_layers
+        if device is not None:
+            model.to(device)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = int(getattr(text_config(self.config), "hidden_size", 0)) or None
@@ -106,21 +111,6 @@ class CausalLMRunner:
         self._share_prefix = True  # rows after a cached prefix attend to one copy of its keys
 
     # -- construction helpers
-
-    def _base_decoder(self, model: Any) -> torch.nn.Module:
-        if self.encoder_decoder:
-            return model  # unusable; run() refuses it with a clear message
-        get = getattr(model, "get_decoder", None)
-        if get is not None:
-            try:
-                base = get()
-            except Exception:  # exotic wrappers
-                base = None
-            if base is not None and base is not model:
-                return base
-        prefix = getattr(model, "base_model_prefix", "")
-        base = getattr(model, prefix, None) if prefix else None
-        return base if base is not None else model
 
     def _is_causal(self) -> bool:
         """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""

@@ -37,14 +37,37 @@ def _fell_back(fn: Any, exc: Exception) -> CostModel:
     return fn.shape_cost_model()
 
 
+def config_as_run(config: Any, layers: tuple[int, ...], trust_remote_code: bool = False) -> Any:
+    """The config of the model a worker runs when its function reads the hidden states `layers`
+    alone: the workers cut the decoder one layer past the deepest (`CausalLMRunner`,
+    `hf_compat.keep_first_layers`), so their steps hold those layers' weights and KV only.
+    `config` itself where nothing is cut: the deepest is the last, a nested (multimodal) config,
+    or a family whose decoder the cut does not apply to (tried on a 2-layer model of it)."""
+    from forge.runtime.hf_compat import base_decoder, keep_first_layers, layers_to_run, num_layers, text_config
+    from forge.runtime.items import resolve_layers
+    from forge.runtime.memory_fit import at_depth, fake_causal_lm
+
+    n = num_layers(config)
+    keep = layers_to_run(resolve_layers(layers, n, allow_empty=True), n)
+    depth = getattr(config, "num_hidden_layers", None)
+    if keep >= n or text_config(config) is not config or not isinstance(depth, int):
+        return config
+    _, probe = fake_causal_lm(at_depth(config, 2), trust_remote_code=trust_remote_code)
+    return at_depth(config, keep) if keep_first_layers(base_decoder(probe), 2, 1) else config
+
+
 def causal_lm_cost_model(fn: Any) -> CostModel:
     """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
-    per token: float32 logits when targets are scored, and the function's own extras."""
+    per token: float32 logits when targets are scored, and the function's own extras. A function
+    that reads hidden states alone is measured on the layers its workers keep (`config_as_run`):
+    they cut the decoder before it goes to the device."""
     from forge.runtime.hf_compat import text_config
     from forge.runtime.memory_fit import fitted_cost_model
 
+    trust = bool(fn.model.trust_remote_code)
+    config = fn.config if fn.forward.targets else config_as_run(fn.config, fn.forward.layers, trust)
     try:
-        base = fitted_cost_model(fn.config, _target(fn, fn.memory_pooling()), bool(fn.model.trust_remote_code))
+        base = fitted_cost_model(config, _target(fn, fn.memory_pooling()), trust)
     except ForgeError:
         raise
     except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)

@@ -290,7 +290,7 @@ class FakeEncoder:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from transformers import AutoModel
 
-        from forge.runtime.memory_fit import DTYPES, _with_attn
+        from forge.runtime.memory_fit import DTYPES, _with_attn, state_bytes
 
         self.target = target
         self.dtype = DTYPES[target.dtype]
@@ -300,7 +300,7 @@ class FakeEncoder:
                 _with_attn(config, target.attn), dtype=self.dtype, trust_remote_code=trust_remote_code
             )
         self.model = model.eval()
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.weight_bytes = state_bytes(self.model)
 
     def peak(self, shape: Any) -> int:
         from torch.distributed._tools.mem_tracker import MemTracker

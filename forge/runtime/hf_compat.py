@@ -28,6 +28,28 @@ def num_layers(config: Any) -> int:
     raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
 
 
+def base_decoder(model: Any) -> Any:
+    """A causal LM's base decoder (its `get_decoder()`, else its `base_model_prefix` attribute,
+    else the model itself): what runs the layers and returns hidden states."""
+    get = getattr(model, "get_decoder", None)
+    if get is not None:
+        try:
+            base = get()
+        except Exception:  # noqa: BLE001  (exotic wrappers)
+            base = None
+        if base is not None and base is not model:
+            return base
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    return base if base is not None else model
+
+
+def layers_to_run(indices: list[int], total: int) -> int:
+    """The decoder layers a function that reads only the hidden states `indices` (resolved, in
+    0..total) needs: one past the deepest, since state `total` is taken after the final norm."""
+    return min(total, max(indices, default=total) + 1)
+
+
 def keep_first_layers(base: torch.nn.Module, total: int, keep: int) -> bool:
     """Cut the decoder `base` to its first `keep` of `total` layers, where it holds them as its one
     ModuleList of `total` modules (every family tested does); False, leaving it whole, otherwise.

@@ -13,8 +13,10 @@ holds the expanded prefix and the row's own tokens when there is a prefix (witho
 each layer's KV is transient); p: the prefix's own entry (its 1-row KV, or the 1-row
 forward on a cache miss). The
 coefficients are fitted (least squares, none negative) to a small sweep of shapes, raised
-by a safety margin, and cached on disk per model config, dtype, attention, layers kept and
-pooling. `forge.batching` sees only the resulting `CostModel`: plain numbers, no torch.
+by a safety margin, and cached on disk per model config, dtype, attention, hidden states kept
+and pooling. A function that reads hidden states alone is measured on the model its workers run
+once cut past the deepest state (`forge.runtime.cost_models.config_as_run`). `forge.batching`
+sees only the resulting `CostModel`: plain numbers, no torch.
 
 A deep model whose layers are all alike (a 7B Llama: 32) is measured at two shallow depths
 and each peak extrapolated linearly in layers: weights and the KV a row holds grow by the
@@ -95,23 +97,14 @@ class FakeModel:
     """A causal LM built from its config alone on fake tensors, and the runner's forward pass on it."""
 
     def __init__(self, config: Any, target: Target, trust_remote_code: bool = False):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from transformers import AutoModelForCausalLM
-
-        from forge.runtime.hf_compat import cache_kwarg
+        from forge.runtime.hf_compat import base_decoder, cache_kwarg
 
         self.target = target
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        config = _with_attn(config, target.attn)
-        with self.mode:
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=DTYPES[target.dtype], trust_remote_code=trust_remote_code
-            )
-        self.model = model.eval()
-        get = getattr(model, "get_decoder", None)
-        self.base = get() if get is not None else model
+        self.mode, model = fake_causal_lm(_with_attn(config, target.attn), target.dtype, trust_remote_code)
+        self.model = model
+        self.base = base_decoder(model)
         self.cache_kw = cache_kwarg(self.base)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.weight_bytes = state_bytes(self.model)
         n = _num_layers(config)
         self.hs = list(range(n + 1))[-max(1, min(target.hidden_kept, n + 1)) :]
         with self.mode, torch.inference_mode():  # each layer's KV shape, from a one-token step
@@ -185,6 +178,23 @@ class FakeModel:
                 h[rows, torch.full((R,), S - 1)].float()
 
 
+def fake_causal_lm(config: Any, dtype: str = "float32", trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """(its FakeTensorMode, a causal LM built from `config` on fake tensors in eval mode):
+    shapes and dtypes only, no data, so a 7B model builds in seconds in no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return mode, model.eval()
+
+
+def state_bytes(model: Any) -> int:
+    """The bytes of a model's parameters and buffers, as its state dict holds them."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def _with_attn(config: Any, attn: str) -> Any:
     import copy
 
@@ -217,7 +227,8 @@ def scaling_depths(config: Any, target: Target) -> tuple[int, int] | None:
     return (low, low + 2) if low + 2 < n else None
 
 
-def _at_depth(config: Any, layers: int) -> Any:
+def at_depth(config: Any, layers: int) -> Any:
+    """`config` with only its first `layers` layers (and their layer types)."""
     import copy
 
     shallow = copy.deepcopy(config)
@@ -240,7 +251,7 @@ def measure_by_depth(
     n = config.num_hidden_layers
     (d1, d2), measured = depths, []
     for d in depths:
-        model = (fake or FakeModel)(_at_depth(config, d), target, trust_remote_code)
+        model = (fake or FakeModel)(at_depth(config, d), target, trust_remote_code)
         measured.append(([model.peak(s) for s in shapes], model.weight_bytes))
     (p1, w1), (p2, w2) = measured
     scale = (n - d1) / (d2 - d1)
@@ -315,6 +326,16 @@ def cache_dir() -> Path:
     return default_cache_dir() / "memory_fits"
 
 
+def _write(path: Path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        raise ForgeError(f"memory fit: cannot write {path} ({exc}); set FORGE_CACHE to a writable directory") from None
+
+
 def fitted_cost_model(
     config: Any,
     target: Target,
@@ -356,11 +377,5 @@ def fitted_cost_model(
         "extrapolated_from_layers": list(depths) if depths else None,
         "sweep": [{**asdict(s), "peak_bytes": p} for s, p in zip(shapes, peaks)],
     }
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        raise ForgeError(f"memory fit: cannot write {path} ({exc}); set FORGE_CACHE to a writable directory") from None
+    _write(path, record)
     return cost
