@@ -52,8 +52,12 @@ def config_as_run(config: Any, layers: tuple[int, ...], trust_remote_code: bool 
     depth = getattr(config, "num_hidden_layers", None)
     if keep >= n or text_config(config) is not config or not isinstance(depth, int):
         return config
-    _, probe = fake_causal_lm(at_depth(config, 2), trust_remote_code=trust_remote_code)
-    return at_depth(config, keep) if keep_first_layers(base_decoder(probe), 2, 1) else config
+    try:
+        _, probe = fake_causal_lm(at_depth(config, 2), trust_remote_code=trust_remote_code)
+        cut = keep_first_layers(base_decoder(probe), 2, 1)
+    except Exception:  # noqa: BLE001  (a family that cannot be built shallow: priced whole, which is safe)
+        return config
+    return at_depth(config, keep) if cut else config
 
 
 def causal_lm_cost_model(fn: Any) -> CostModel:
