@@ -107,7 +107,7 @@ def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
         fitted_cost_model(make().config, Target(dtype="bfloat16"))
 
 
-def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep():
+def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep(monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,6 +122,9 @@ def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep():
         return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=layers)
 
     early, whole = make([1]).cost_model(), make([4]).cost_model()  # 2 of the 4 layers run, and all 4
+    with monkeypatch.context() as m:  # a later run knows the family's cut: no model is built for it
+        m.setattr(memory_fit, "fake_causal_lm", lambda *a, **k: pytest.fail("built a model again"))
+        assert make([1]).cost_model() == early
     model = AutoModelForCausalLM.from_pretrained(str(materialize_model(make([1]).hf.source)), dtype=torch.float32)
     full = memory_fit.state_bytes(model)
     runner = CausalLMRunner(model, layers=[1], stop_after_deepest=True, device="cpu")

@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,22 @@ def class_facts(config: Any, loader: str) -> ClassFacts:
     facts = facts_of(_resolve(config, loader))
     _write(path, {**kept, key: asdict(facts)})
     return facts
+
+
+def class_fact(config: Any, loader: str, name: str, read: Callable[[], Any]) -> Any:
+    """One more fact, a JSON value that `read()` finds (by building a model, say), about the class
+    `loader` picks for `config`: kept beside the others under `name`, and read again only for
+    another transformers version or config class (always for a model's own code)."""
+    key = _key(config, loader)
+    if key is None:
+        return read()
+    key, path = f"{key}|{name}", cache_path()
+    kept = _read(path)
+    if key in kept:
+        return kept[key]
+    value = read()
+    _write(path, {**_read(path), key: value})
+    return value
 
 
 def cache_path() -> Path:

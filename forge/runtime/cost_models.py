@@ -42,22 +42,33 @@ def config_as_run(config: Any, layers: tuple[int, ...], trust_remote_code: bool 
     alone: the workers cut the decoder one layer past the deepest (`CausalLMRunner`,
     `hf_compat.keep_first_layers`), so their steps hold those layers' weights and KV only.
     `config` itself where nothing is cut: the deepest is the last, a nested (multimodal) config,
-    or a family whose decoder the cut does not apply to (tried on a 2-layer model of it)."""
-    from forge.runtime.hf_compat import base_decoder, keep_first_layers, layers_to_run, num_layers, text_config
+    or a family whose decoder the cut does not apply to (tried once on a 2-layer fake model of
+    it, and kept with the class's facts: a later run imports no modeling code for it)."""
+    from forge.runtime.class_facts import class_fact
+    from forge.runtime.hf_compat import layers_to_run, num_layers, text_config
     from forge.runtime.items import resolve_layers
-    from forge.runtime.memory_fit import at_depth, fake_causal_lm
+    from forge.runtime.memory_fit import at_depth
 
     n = num_layers(config)
     keep = layers_to_run(resolve_layers(layers, n, allow_empty=True), n)
     depth = getattr(config, "num_hidden_layers", None)
     if keep >= n or text_config(config) is not config or not isinstance(depth, int):
         return config
+    cut = class_fact(config, "AutoModelForCausalLM", "first_layers_cut", lambda: _cuts(config, trust_remote_code))
+    return at_depth(config, keep) if cut else config
+
+
+def _cuts(config: Any, trust_remote_code: bool) -> bool:
+    """Whether a worker cuts this family's decoder (`hf_compat.keep_first_layers`), tried on a
+    2-layer model of it on fake tensors."""
+    from forge.runtime.hf_compat import base_decoder, keep_first_layers
+    from forge.runtime.memory_fit import at_depth, fake_causal_lm
+
     try:
         _, probe = fake_causal_lm(at_depth(config, 2), trust_remote_code=trust_remote_code)
-        cut = keep_first_layers(base_decoder(probe), 2, 1)
+        return keep_first_layers(base_decoder(probe), 2, 1)
     except Exception:  # noqa: BLE001  (a family that cannot be built shallow: priced whole, which is safe)
-        return config
-    return at_depth(config, keep) if cut else config
+        return False
 
 
 def causal_lm_cost_model(fn: Any) -> CostModel:
