@@ -78,6 +78,8 @@ def test_run_writes_report_and_activations(cli, tmp_path):
     phases = report["phases"]  # where the time went, start-up included
     assert set(phases) == {
         "start_s",
+        "compose_s",
+        "setup_s",
         "open_s",
         "worker_start_s",
         "worker_load_s",
@@ -93,6 +95,10 @@ def test_run_writes_report_and_activations(cli, tmp_path):
     assert phases.pop("warm_start") is False  # this process ran it, not a forge server's child
     assert all(isinstance(v, (int, float)) and v >= 0 for v in phases.values()), phases
     assert phases["start_s"] + phases["open_s"] <= phases["first_batch_s"] <= phases["total_s"]
+    # start-up in its two parts: to the composed config (0 here: a test runner, not the command,
+    # started this process), then the function's set-up from it
+    assert phases["compose_s"] + phases["setup_s"] == pytest.approx(phases["start_s"], abs=0.002)
+    assert phases["setup_s"] > 0
     assert phases["worker_ready_s"] <= phases["first_batch_s"] and phases["read_tokenize_s"] > 0
 
 

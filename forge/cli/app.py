@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,10 @@ def run(ctx: typer.Context) -> None:
     def task(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        composed = time.time()  # Hydra composed the config and set up its job (report.json: compose_s)
         try:
             with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as (run_dir, files):
-                report = _execute(cfg, run_dir, files)
+                report = _execute(cfg, run_dir, files, composed)
         except ForgeError as exc:
             error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
@@ -149,7 +151,7 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
         shutil.rmtree(hydra_output_dir, ignore_errors=True)
 
 
-def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
+def _execute(cfg, run_dir, files: dict[str, bytes], composed_at: float) -> dict[str, Any]:
     from dataclasses import replace
 
     from forge.cli.wire import CLIENT_STARTED
@@ -160,7 +162,13 @@ def _execute(cfg, run_dir, files: dict[str, bytes]) -> dict[str, Any]:
 
     _warm_up_workers(cfg)
     started = CLIENT_STARTED[0] if CLIENT_STARTED else process_started() if _COMMAND else None
-    spec = replace(build_spec(cfg, run_dir), files=files, started_at=started, warm_start=bool(CLIENT_STARTED))
+    spec = replace(
+        build_spec(cfg, run_dir),
+        files=files,
+        started_at=started,
+        composed_at=composed_at,
+        warm_start=bool(CLIENT_STARTED),
+    )
     return execute(spec, make_plugin_manager(modules=spec.plugins))
 
 

@@ -58,6 +58,7 @@ class RunSpec:
     plugins: tuple[str, ...] = ()  # extra plugin modules, registered in workers too
     files: dict[str, bytes] = field(default_factory=dict)  # written into the run directory where absent (.hydra/)
     started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
+    composed_at: float | None = None  # time.time() the CLI had the composed config (before build_spec); None: unknown
     warm_start: bool = False  # a `forge server` ran the command: its imports were paid before it started
 
 
@@ -232,7 +233,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                 "status": status,
                 "error": error,
                 "outputs": outputs,
-                "phases": phases(run.timings, executor, spec.started_at or began, began, spec.warm_start),
+                "phases": phases(run.timings, executor, spec, began),
                 **_loop_extras(loop, scheduler, executor, spec),
             },
         )
@@ -263,11 +264,19 @@ def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: 
 
 
 def phases(
-    timings: dict[str, float], executor: Executor, t0: float, began: float, warm_start: bool
+    timings: dict[str, float], executor: Executor, spec: RunSpec, began: float
 ) -> dict[str, float | bool | None]:
-    """Where the time went, in seconds from the command's start `t0` (spans) or summed (totals):
+    """Where the time went, in seconds from the command's start (spans) or summed (totals). The
+    start is `spec.started_at` (the CLI's process start), else when the config was composed,
+    else `execute`'s start `began`:
 
-    - start_s: to `execute` (imports, config composition, the function's set-up);
+    - start_s: to `execute` (imports, config composition, the function's set-up): compose_s and
+      setup_s together;
+    - compose_s: to the composed config (the interpreter, the CLI's imports, Hydra composing the
+      config and setting up its job); 0 where the command's start is not known;
+    - setup_s: from the composed config to `execute` (`build_spec`: the schema check, the function
+      built from its config, its tokenizer and model config read, the capability check, the
+      devices); None where the CLI did not say when it composed;
     - open_s: the run directory (lock, fingerprint), the packer and the sink, to the loop's start;
     - worker_start_s: the slowest device's worker start, from its process being asked for
       to its model load's start (the process executor's fork server finishing its imports
@@ -280,13 +289,17 @@ def phases(
     - read_tokenize_s and commit_s: totals of reading and tokenizing input (on its own thread,
       `forge.core.read_ahead`), and of committing results (both overlap the other phases);
     - read_wait_s: the total the run waited for its input (what reading ahead did not hide);
-    - warm_start: `warm_start`, whether a `forge server` ran the command (torch and
+    - warm_start: `spec.warm_start`, whether a `forge server` ran the command (torch and
       transformers imported before it started; `forge.cli.server`).
     """
     end = time.time()
+    composed = spec.composed_at
+    t0 = spec.started_at or composed or began
     at = lambda key: None if key not in timings else round(timings[key] - t0, 3)  # noqa: E731
     return {
         "start_s": round(began - t0, 3),
+        "compose_s": None if composed is None else round(composed - t0, 3),
+        "setup_s": None if composed is None else round(began - composed, 3),
         "open_s": round(timings.get("loop_at", end) - began, 3),
         "worker_start_s": max(executor.worker_start_s.values(), default=None),
         "worker_load_s": max(executor.load_s.values(), default=None),
@@ -297,7 +310,7 @@ def phases(
         "read_wait_s": round(timings.get("read_wait_s", 0.0), 3),
         "commit_s": round(timings.get("commit_s", 0.0), 3),
         "total_s": round(end - t0, 3),
-        "warm_start": warm_start,
+        "warm_start": spec.warm_start,
     }
 
 
