@@ -73,7 +73,7 @@ STRATEGIES = {
 SETS = {"functions": WORKLOADS, "strategies": STRATEGIES, "all": {**WORKLOADS, **STRATEGIES}}
 
 CHILD = """
-import json, sys, tempfile, time
+import json, shutil, sys, tempfile, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
@@ -98,13 +98,8 @@ import transformers.models.llama.modeling_llama
 t0 = time.perf_counter()
 report = execute(spec, make_plugin_manager())
 wall = time.perf_counter() - t0
-devices = report["devices"]
-print(json.dumps({
-    "wall": wall,
-    "completed": report["items"]["completed"],
-    "batches": sum(d["batches"] for d in devices),
-    "padded_slots": sum(d["padded_slots"] for d in devices),
-}))
+shutil.rmtree(tmp, ignore_errors=True)
+print(json.dumps({"wall": wall, "items": report["items"], "devices": report["devices"]}))
 """
 
 
@@ -141,7 +136,18 @@ def run(tree: str, site: Path, overrides: list[str]) -> dict:
         env={**os.environ, "PYTHONPATH": str(site)},
         check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    done = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"wall": done["wall"], **plan_of(done)}
+
+
+def plan_of(report: dict) -> dict:
+    """What a run's report says of its plan: items completed, batches, padded slots."""
+    devices = report["devices"]
+    return {
+        "completed": report["items"]["completed"],
+        "batches": sum(d["batches"] for d in devices),
+        "padded_slots": sum(d["padded_slots"] for d in devices),
+    }
 
 
 def run_cli(tree: str, site: Path, overrides: list[str]) -> dict:
@@ -161,14 +167,7 @@ def run_cli(tree: str, site: Path, overrides: list[str]) -> dict:
         if done.returncode:
             raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-3000:]}")
         wall = time.perf_counter() - t0
-        report = json.loads((tmp / "run" / "report.json").read_text())
-        devices = report["devices"]
-        return {
-            "wall": wall,
-            "completed": report["items"]["completed"],
-            "batches": sum(d["batches"] for d in devices),
-            "padded_slots": sum(d["padded_slots"] for d in devices),
-        }
+        return {"wall": wall, **plan_of(json.loads((tmp / "run" / "report.json").read_text()))}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -186,7 +185,19 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated workload numbers of the set to run (1-based)")
     args = ap.parse_args()
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
-    sites = {t: install(t, Path(tempfile.mkdtemp(prefix="bench-functions-site-"))) for t in trees}
+    todo = list(SETS[args.set].items())
+    if args.only:
+        todo = [todo[int(i) - 1] for i in args.only.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="bench-functions-"))  # the installs (and, with --cli, their caches)
+    try:
+        sites = {t: install(t, root / str(i)) for i, t in enumerate(trees)}
+        compare(trees, sites, todo, args.rounds, run_cli if args.cli else run)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def compare(trees: list[str], sites: dict[str, Path], todo: list, rounds: int, runner) -> None:
+    """Each workload of `todo` on every tree, alternating, `rounds` times; one table row each."""
     names = [Path(t).name for t in trees]
     print(
         "| workload | "
@@ -198,15 +209,12 @@ def main() -> None:
         + " |"
     )
     print("| --- |" + " --- |" * (3 * len(trees)))
-    todo = list(SETS[args.set].items())
-    if args.only:
-        todo = [todo[int(i) - 1] for i in args.only.split(",")]
     for name, overrides in todo:
         walls: dict[str, list[float]] = {t: [] for t in trees}
         shape: dict[str, tuple[int, int, int]] = {}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for tree in trees if r % 2 == 0 else trees[::-1]:
-                out = (run_cli if args.cli else run)(tree, sites[tree], overrides)
+                out = runner(tree, sites[tree], overrides)
                 walls[tree].append(out["wall"])
                 shape[tree] = (out["completed"], out["batches"], out["padded_slots"])
         if len({s[0] for s in shape.values()}) != 1:
