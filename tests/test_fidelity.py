@@ -535,10 +535,10 @@ def test_layers_past_the_deepest_asked_for_are_cut_exactly_in_every_family(name)
     assert not keep_first_layers(base, 2, 2)  # nothing to cut
     # batching=memory prices the model that runs: the same parameters as the cut one
     from forge.runtime.cost_models import config_as_run
-    from forge.runtime.memory_fit import fake_causal_lm, state_bytes
+    from forge.runtime.memory_fit import fake_model, state_bytes
 
     as_run = config_as_run(_config(name, num_layers=4), (1,))
-    assert as_run.num_hidden_layers == 2 and state_bytes(fake_causal_lm(as_run)[1]) == state_bytes(model), name
+    assert as_run.num_hidden_layers == 2 and state_bytes(fake_model(as_run)[1]) == state_bytes(model), name
 
 
 @pytest.mark.parametrize("mode", ["token-cache", "token-merged"])

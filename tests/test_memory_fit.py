@@ -123,7 +123,7 @@ def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep(monkey
 
     early, whole = make([1]).cost_model(), make([4]).cost_model()  # 2 of the 4 layers run, and all 4
     with monkeypatch.context() as m:  # a later run knows the family's cut: no model is built for it
-        m.setattr(memory_fit, "fake_causal_lm", lambda *a, **k: pytest.fail("built a model again"))
+        m.setattr(memory_fit, "fake_model", lambda *a, **k: pytest.fail("built a model again"))
         assert make([1]).cost_model() == early
     model = AutoModelForCausalLM.from_pretrained(str(materialize_model(make([1]).hf.source)), dtype=torch.float32)
     full = memory_fit.state_bytes(model)

@@ -62,10 +62,10 @@ def _cuts(config: Any, trust_remote_code: bool) -> bool:
     """Whether a worker cuts this family's decoder (`hf_compat.keep_first_layers`), tried on a
     2-layer model of it on fake tensors."""
     from forge.runtime.hf_compat import base_decoder, keep_first_layers
-    from forge.runtime.memory_fit import at_depth, fake_causal_lm
+    from forge.runtime.memory_fit import at_depth, fake_model
 
     try:
-        _, probe = fake_causal_lm(at_depth(config, 2), trust_remote_code=trust_remote_code)
+        _, probe = fake_model(at_depth(config, 2), trust_remote_code=trust_remote_code)
         return keep_first_layers(base_decoder(probe), 2, 1)
     except Exception:  # noqa: BLE001  (a family that cannot be built shallow: priced whole, which is safe)
         return False

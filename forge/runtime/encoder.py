@@ -287,19 +287,13 @@ class FakeEncoder:
     so the fit is an upper bound for them."""
 
     def __init__(self, config: Any, target: Any, trust_remote_code: bool = False):
-        from torch._subclasses.fake_tensor import FakeTensorMode
         from transformers import AutoModel
 
-        from forge.runtime.memory_fit import DTYPES, _with_attn, state_bytes
+        from forge.runtime.memory_fit import DTYPES, _with_attn, fake_model, state_bytes
 
         self.target = target
         self.dtype = DTYPES[target.dtype]
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with self.mode:
-            model = AutoModel.from_config(
-                _with_attn(config, target.attn), dtype=self.dtype, trust_remote_code=trust_remote_code
-            )
-        self.model = model.eval()
+        self.mode, self.model = fake_model(_with_attn(config, target.attn), target.dtype, trust_remote_code, AutoModel)
         self.weight_bytes = state_bytes(self.model)
 
     def peak(self, shape: Any) -> int:

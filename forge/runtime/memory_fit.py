@@ -100,7 +100,7 @@ class FakeModel:
         from forge.runtime.hf_compat import base_decoder, cache_kwarg
 
         self.target = target
-        self.mode, model = fake_causal_lm(_with_attn(config, target.attn), target.dtype, trust_remote_code)
+        self.mode, model = fake_model(_with_attn(config, target.attn), target.dtype, trust_remote_code)
         self.model = model
         self.base = base_decoder(model)
         self.cache_kw = cache_kwarg(self.base)
@@ -178,15 +178,20 @@ class FakeModel:
                 h[rows, torch.full((R,), S - 1)].float()
 
 
-def fake_causal_lm(config: Any, dtype: str = "float32", trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """(its FakeTensorMode, a causal LM built from `config` on fake tensors in eval mode):
-    shapes and dtypes only, no data, so a 7B model builds in seconds in no memory."""
+def fake_model(
+    config: Any, dtype: str = "float32", trust_remote_code: bool = False, auto: Any = None
+) -> tuple[Any, Any]:
+    """(its FakeTensorMode, a model built from `config` on fake tensors in eval mode, by the
+    transformers auto class `auto`, a causal LM by default): shapes and dtypes only, no data,
+    so a 7B model builds in seconds in no memory."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
+
+    if auto is None:
+        from transformers import AutoModelForCausalLM as auto
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return mode, model.eval()
 
 
