@@ -16,9 +16,16 @@ the last (the better kept per shape): the tokens that must be computed at least 
 suffix token plus each distinct prefix once (one device), with no padding, each segment at the
 best rate the machine reaches for its shape (dense forwards of the model without its head over
 rows x length: quantiles of the workload's own segment lengths, and 64-512-token rows that short
-segments could be packed into). `floor / wall` is the floor's seconds over the variant's median
-wall time (1.0 would be a run that pays nothing but that compute); the last column prices every
-token at the best rate of any shape, the looser floor of the tables before 2026-12-01 16:44 UTC.
+segments could be packed into), and each suffix token's read of its prefix's keys (one large
+attention per layer over a prefix of that length, every query sharing its keys). `floor / wall`
+is the floor's seconds over the variant's median wall time (1.0 would be a run that pays nothing
+but that compute). This machine's speed drifts by up to 2x within minutes, so a small forward
+(`floor.PROBE`, 8 x 128 tokens) is timed before and after every Forge round, and among the
+floor's shapes: `machine speed` is each round's probe over the floor's, and `floor / device
+busy, at each round's speed` scales the floor to it before dividing by that round's worker busy
+time (median over rounds). Beside it, the floor over the best round's busy time, unscaled. The
+last column prices every token at the best rate of any shape without prefix reads, the looser
+floor of the tables before 2026-12-01 16:44 UTC.
 
 `--model llama-1024` is benchmarks/realistic.py's model (hidden 1,024, GQA, 4 layers, random
 weights, built once and cached); the table header states attention's share of its FLOPs on
@@ -285,9 +292,9 @@ def max_vec_diff(a: dict, b: dict) -> float:
 # ----------------------------------------------------------------------------- main
 
 
-def _rounds(a, names, variants, tmp, read_forge, read_peer, ext, times, reports, outputs, versions) -> None:
-    """Every variant once per round, A B B A, filling times, reports (Forge's first batch and
-    device busy), outputs and versions."""
+def _rounds(a, names, variants, tmp, read_forge, read_peer, ext, times, reports, outputs, versions, probe) -> None:
+    """Every variant once per round, A B B A, filling times, reports (Forge's first batch, device
+    busy, and the machine's speed then: `probe()` before and after, averaged), outputs and versions."""
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             kind, cmd = variants[name]
@@ -295,10 +302,13 @@ def _rounds(a, names, variants, tmp, read_forge, read_peer, ext, times, reports,
             out = tmp / f"v{k}-r{r}"
             shutil.rmtree(out, ignore_errors=True)
             if kind == "forge":
+                before = probe()
                 wall = timed([*cmd, f"output_dir={out}"], tmp / f"v{k}-r{r}.log")
+                speed = (before + probe()) / 2
                 outputs[name] = read_forge(out)
                 rep = json.loads((out / "report.json").read_text())
-                reports[name].append((rep["phases"]["first_batch_s"], sum(d["busy_s"] for d in rep["devices"])))
+                busy = sum(d["busy_s"] for d in rep["devices"])
+                reports[name].append((rep["phases"]["first_batch_s"], busy, speed))
             else:
                 res = out.with_suffix(ext)
                 wall = timed([*cmd, "--out", str(res)], tmp / f"v{k}-r{r}.log")
@@ -414,8 +424,12 @@ def main() -> None:
     import torch
 
     loader = "encoder" if a.function == "embed" else "causal"
-    todo = floor.shapes(w["segments"])
-    rates = floor.measure(mp, todo, loader, THREADS)
+    todo = floor.shapes(w["segments"]) | {floor.PROBE}
+    suffixes = [(start, end - start) for start, end in w["spans"] if start > 0]  # (prefix length, tokens)
+    pasts = floor.representatives(p for p, _ in suffixes)
+    dense = floor.Dense(mp, loader, THREADS)
+    rates = floor.measure(dense, todo)
+    reads = floor.measure_reads(mp, pasts, THREADS) if pasts else {}
     from benchmarks import realistic
 
     cfg = json.loads((Path(mp) / "config.json").read_text())
@@ -440,13 +454,30 @@ def main() -> None:
         assert start.returncode == 0, start.stdout + start.stderr
         print(start.stdout.strip(), flush=True)
     try:
-        _rounds(a, names, variants, tmp, read_forge, read_peer, ext, times, reports, outputs, versions)
+        _rounds(
+            a,
+            names,
+            variants,
+            tmp,
+            read_forge,
+            read_peer,
+            ext,
+            times,
+            reports,
+            outputs,
+            versions,
+            lambda: dense.rate(*floor.PROBE),
+        )
     finally:
         if server:
             subprocess.run(warm([*forge_cmd(), "server", "stop"]), env=bench_env(), capture_output=True)
-    fl = floor.floors(w["segments"], floor.best(rates, floor.measure(mp, todo, loader, THREADS)))
+    rates = floor.best(rates, floor.measure(dense, todo))
+    if pasts:
+        reads = floor.best(reads, floor.measure_reads(mp, pasts, THREADS))
+    fl = floor.floors(w["segments"], rates, suffixes, reads)
     assert fl["tokens"] == w["floor_tokens"], (fl["tokens"], w["floor_tokens"])
     by_shape, any_shape = fl["by_shape_s"], fl["any_shape_s"]
+    probe_then = rates[floor.PROBE]  # the probe's rate when the floor was measured (the better pass)
 
     med = {n: statistics.median(t) for n, t in times.items()}
     peers = [n for n in names if variants[n][0] == "peer"]
@@ -455,8 +486,10 @@ def main() -> None:
     print()
     print(
         f"{a.function}, model {model} ({mp}), {w['rows']:,} rows, {w['useful']:,} useful tokens, "
-        f"floor {w['floor_tokens']:,} tokens: {by_shape:.2f} s by shape, {any_shape:.2f} s at the best rate of any "
-        f"shape ({fl['best_rate']:,.0f} tok/s; {len(todo)} shapes, best of 2 measurements each); "
+        f"floor {w['floor_tokens']:,} tokens: {by_shape:.2f} s by shape ({fl['no_reads_s']:.2f} s of forwards, "
+        f"{fl['reads_s']:.2f} s of suffixes reading their prefixes at {len(reads)} prefix lengths), {any_shape:.2f} s "
+        f"at the best rate of any shape ({fl['best_rate']:,.0f} tok/s; {len(todo)} shapes, best of 2 measurements "
+        f"each, before the rounds and after); "
         f"{a.rounds} rounds; versions {versions}"
     )
     if share:
@@ -464,9 +497,11 @@ def main() -> None:
     print()
     print(
         "| variant | median wall s | rounds s | useful tok/s | x best peer | floor / wall | largest output difference "
-        "| Forge: first batch at s | Forge: floor / device busy | Forge: any-shape floor / device busy |"
+        "| Forge: first batch at s | Forge: device busy s, rounds | Forge: machine speed, rounds "
+        "| Forge: floor / device busy, at each round's speed | Forge: floor / device busy (best round) "
+        "| Forge: any-shape floor / device busy (best round) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
         o = outputs[n]
         if a.function == "score":
@@ -480,14 +515,20 @@ def main() -> None:
             extra = "reference"
         label = n + (f" ({versions[n].split(' ')[0]})" if n in versions else "")
         ratio = f"{med[best_peer] / med[n]:.2f}" if best_peer else "-"
-        first = busy = loose = "-"
+        first = rounds = speeds = at_speed = busy = loose = "-"
         if reports[n]:
             first = f"{statistics.median(x[0] for x in reports[n]):.2f}"
-            device_busy = statistics.median(x[1] for x in reports[n])
-            busy, loose = f"{by_shape / device_busy:.2f}", f"{any_shape / device_busy:.2f}"
+            rounds = ", ".join(f"{x[1]:.1f}" for x in reports[n])
+            speeds = ", ".join(f"{x[2] / probe_then:.2f}" for x in reports[n])
+            # the floor at the speed the machine ran each round (PROBE timed before and after it)
+            at_speed = statistics.median(floor.at_speed(by_shape, probe_then, x[2]) / x[1] for x in reports[n])
+            at_speed = f"{at_speed:.2f}"
+            best_busy = min(x[1] for x in reports[n])  # the floor is the best of its measurements
+            busy, loose = f"{by_shape / best_busy:.2f}", f"{any_shape / best_busy:.2f}"
         print(
             f"| {label} | {med[n]:.2f} | {', '.join(f'{t:.1f}' for t in times[n])} | {w['useful'] / med[n]:,.0f} | "
-            f"{ratio} | {by_shape / med[n]:.2f} | {extra} | {first} | {busy} | {loose} |"
+            f"{ratio} | {by_shape / med[n]:.2f} | {extra} | {first} | {rounds} | {speeds} | {at_speed} | {busy} "
+            f"| {loose} |"
         )
     if not a.out:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,3 +34,33 @@ def test_both_floors_count_every_segment_once_and_the_shape_floor_is_never_below
     assert got["any_shape_s"] == pytest.approx(got["tokens"] / 35_000.0)
     assert got["by_shape_s"] == pytest.approx(4480 / 22_000.0 + 900 / 35_000.0)
     assert got["by_shape_s"] >= got["any_shape_s"]
+
+
+def test_each_suffix_reads_its_prefix_at_the_longest_measured_prefix_no_longer_than_its_own():
+    read_rates = {160: 1_000.0, 350: 500.0}  # query tokens per second over a prefix that long
+    assert floor.read_s([(160, 10)], read_rates) == pytest.approx(10 / 1_000.0)
+    assert floor.read_s([(300, 10)], read_rates) == pytest.approx(10 / 1_000.0)  # 160's: a lower bound
+    assert floor.read_s([(400, 10), (350, 5)], read_rates) == pytest.approx(15 / 500.0)
+    assert floor.read_s([(100, 4)], read_rates) == pytest.approx(4 / 1_000.0)  # below every measured one
+    rates = {(18, 448): 22_000.0, (910, 9): 20_000.0}
+    plain = floor.floors([448, 9, 9], rates)
+    read = floor.floors([448, 9, 9], rates, [(448, 9), (448, 9)], {448: 600.0})
+    assert plain["reads_s"] == 0.0 and plain["by_shape_s"] == plain["no_reads_s"]
+    assert read["no_reads_s"] == pytest.approx(plain["by_shape_s"])
+    assert read["by_shape_s"] == pytest.approx(plain["by_shape_s"] + 18 / 600.0)
+    assert read["any_shape_s"] == plain["any_shape_s"]  # the loose floor never counts the reads
+
+
+def test_prefix_reads_are_measured_for_each_length_from_the_models_own_heads(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2).save_pretrained(
+        tmp_path
+    )
+    rates = floor.measure_reads(str(tmp_path), [16, 64, 16], threads=1)
+    assert sorted(rates) == [16, 64] and all(r > 0 for r in rates.values())
+
+
+def test_the_floor_at_another_moment_scales_with_the_probes_speed_then():
+    assert floor.at_speed(8.0, probe_then=2_000.0, probe_now=1_000.0) == pytest.approx(16.0)  # half as fast now
+    assert floor.at_speed(8.0, probe_then=2_000.0, probe_now=2_000.0) == pytest.approx(8.0)
