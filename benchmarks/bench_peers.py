@@ -521,8 +521,8 @@ def main() -> None:
             rounds = ", ".join(f"{x[1]:.1f}" for x in reports[n])
             speeds = ", ".join(f"{x[2] / probe_then:.2f}" for x in reports[n])
             # the floor at the speed the machine ran each round (PROBE timed before and after it)
-            at_speed = statistics.median(floor.at_speed(by_shape, probe_then, x[2]) / x[1] for x in reports[n])
-            at_speed = f"{at_speed:.2f}"
+            scaled = statistics.median(floor.at_speed(by_shape, probe_then, x[2]) / x[1] for x in reports[n])
+            at_speed = f"{scaled:.2f}"
             best_busy = min(x[1] for x in reports[n])  # the floor is the best of its measurements
             busy, loose = f"{by_shape / best_busy:.2f}", f"{any_shape / best_busy:.2f}"
         print(
