@@ -429,7 +429,7 @@ def main() -> None:
     pasts = floor.representatives(p for p, _ in suffixes)
     dense = floor.Dense(mp, loader, THREADS)
     rates = floor.measure(dense, todo)
-    reads = floor.measure_reads(mp, pasts, THREADS) if pasts else {}
+    reads = floor.measure_reads(dense.config, pasts) if pasts else {}
     from benchmarks import realistic
 
     cfg = json.loads((Path(mp) / "config.json").read_text())
@@ -473,7 +473,7 @@ def main() -> None:
             subprocess.run(warm([*forge_cmd(), "server", "stop"]), env=bench_env(), capture_output=True)
     rates = floor.best(rates, floor.measure(dense, todo))
     if pasts:
-        reads = floor.best(reads, floor.measure_reads(mp, pasts, THREADS))
+        reads = floor.best(reads, floor.measure_reads(dense.config, pasts))
     fl = floor.floors(w["segments"], rates, suffixes, reads)
     assert fl["tokens"] == w["floor_tokens"], (fl["tokens"], w["floor_tokens"])
     by_shape, any_shape = fl["by_shape_s"], fl["any_shape_s"]

@@ -66,6 +66,7 @@ class Dense:
         cls = AutoModelForCausalLM if loader == "causal" else AutoModel
         model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.body = getattr(model, "model", model)  # the decoder without its LM head
+        self.config = model.config
         self.vocab = model.config.vocab_size
         self.generator = torch.Generator().manual_seed(0)
 
@@ -95,17 +96,15 @@ def at_speed(floor_s: float, probe_then: float, probe_now: float) -> float:
     return floor_s * probe_then / probe_now
 
 
-def measure_reads(model_dir: str, prefix_lengths, threads: int) -> dict[int, float]:
+def measure_reads(cfg, prefix_lengths) -> dict[int, float]:
     """Query tokens per second, all layers, reading a prefix of each length's keys and values:
     one attention of `READ_QUERIES` queries over it per layer, with the model's heads, key-value
     heads and head size, every query sharing the prefix's keys (best of 3, warmed; grouped-query
-    models also with each key-value head's query heads folded into its queries, the faster kept)."""
+    models also with each key-value head's query heads folded into its queries, the faster kept).
+    `cfg`: the model's config (`Dense.config`); torch's threads as they are set."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoConfig
 
-    torch.set_num_threads(threads)
-    cfg = AutoConfig.from_pretrained(model_dir)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

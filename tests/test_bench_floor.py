@@ -51,13 +51,11 @@ def test_each_suffix_reads_its_prefix_at_the_longest_measured_prefix_no_longer_t
     assert read["any_shape_s"] == plain["any_shape_s"]  # the loose floor never counts the reads
 
 
-def test_prefix_reads_are_measured_for_each_length_from_the_models_own_heads(tmp_path):
+def test_prefix_reads_are_measured_for_each_length_from_the_models_own_heads():
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2).save_pretrained(
-        tmp_path
-    )
-    rates = floor.measure_reads(str(tmp_path), [16, 64, 16], threads=1)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    rates = floor.measure_reads(cfg, [16, 64, 16])
     assert sorted(rates) == [16, 64] and all(r > 0 for r in rates.values())
 
 
