@@ -16,7 +16,7 @@ Two floors, from the same measurements:
   over the prefix, priced at the time of one large attention of many queries over a prefix of
   that length, every query sharing its keys (`measure_reads`; the cheapest way any exact
   forward reads them), at the longest measured prefix length at most its own. The tables before
-  2026-12-02 13:30 UTC left that read out; it is a few percent of the floor on the embedded
+  2026-12-02 12:40 UTC left that read out; it is a few percent of the floor on the embedded
   model's few-shot `probe_gen` rows (0.05 of 0.92 s) and grows with attention's share.
 * **any shape**: every token at the best rate over all shapes measured, no prefix reads. This is
   what the tables before 2026-12-01 16:44 UTC called the floor; it prices a 448-token context at
@@ -86,7 +86,7 @@ class Dense:
 
 
 def measure(dense: Dense, todo: set[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    """Tokens/s of a dense forward of `rows x length` random tokens, per shape (best of 2, warmed)."""
+    """`Dense.rate` of every shape in `todo`."""
     return {shape: dense.rate(*shape) for shape in sorted(todo)}
 
 
