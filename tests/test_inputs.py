@@ -432,3 +432,11 @@ def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeat
             _input(path)
     else:
         assert len(list(_input(path).rows())) == 2
+
+
+@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-here"])
+def test_a_model_path_that_is_not_a_directory_is_one_line(name):
+    from forge.functions.probe_gen import ProbeGen
+
+    with pytest.raises(ForgeError, match=r"^model\.name=\S+: no such directory; point it at a model directory"):
+        ProbeGen(model={"name": name}, input={"path": "rows.jsonl"}, layers=[1])

@@ -53,7 +53,12 @@ def resolve_model_source(name: str) -> str:
         if not path.is_dir():
             raise ForgeError(f"model.name={name}: no embedded model of that name in {ASSETS_DIR}")
         return str(path)
-    return name
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        # a path, not a Hub id: say so, rather than transformers' "repo id must be in the form ..."
+        raise ForgeError(
+            f"model.name={name}: no such directory; point it at a model directory (its config.json) or a Hub id"
+        )
+    return str(Path(name).expanduser()) if name.startswith("~") else name
 
 
 def resolve_module_dir(name: str) -> str:
