@@ -84,6 +84,35 @@ FAMILIES = {
         "Gemma3TextConfig",
         dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
     ),
+    # attention sinks, mixture of experts and alternating sliding / full layers
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    # multi-head latent attention: keys and values of different head sizes
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
 }
 
 # forge.testing's modes (every layout), with small prefix groups merged into tree rows by a
@@ -247,10 +276,12 @@ def test_fidelity_float32(tmp_path, data, name, mode, pooling):
 
 # the prefix cache path with rows attending to one copy of the prefix's keys (forge.runtime.
 # shared_prefix) at every shape; families whose layout it cannot take exactly keep the cache path
-NOT_SHARED = {"bloom", "falcon-alibi", "mistral-window", "gemma2", "gemma3"}  # by their capabilities
+NOT_SHARED = {"bloom", "falcon-alibi", "mistral-window", "gemma2", "gemma3", "gpt_oss"}  # by their capabilities
 # their attention does not reach the registered function (falcon calls sdpa itself; stablelm's
-# decoder layer does not hand its keyword arguments on): found at the first batch, never asked again
-FALLS_BACK = {"falcon", "stablelm"}
+# decoder layer does not hand its keyword arguments on; deepseek_v3's multi-head latent attention
+# is called with more key heads than its cache holds, which the function refuses): found at the
+# first batch, never asked again
+FALLS_BACK = {"falcon", "stablelm", "deepseek_v3"}
 
 
 def _run_shared(monkeypatch, tmp_path, path, rows, pooling, *extra) -> tuple[dict, list[bool]]:
@@ -388,6 +419,74 @@ def test_capabilities_from_config_alone(name):
     assert caps.windows == ((WINDOW,) if name in ("gemma2", "gemma3", "mistral-window") else ())
     assert caps.mixed_layers == (name in ("gemma2", "gemma3"))
     assert caps.learned_positions == (name in ("gpt2", "opt"))
+
+
+# state-space, recurrent, convolutional and linear-attention layers: their state after a prefix is
+# not a key/value cache that rows can read, nor can a mask keep packed sequences apart in them
+RECURRENT = {
+    "mamba": ("MambaConfig", dict(state_size=4, expand=2, conv_kernel=4), "linear_attention"),
+    "jamba": (
+        "JambaConfig",
+        dict(num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4),
+        "linear_attention",
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, mamba_n_groups=1, head_dim=8),
+        "hybrid",
+    ),
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        dict(lru_width=32, attention_window_size=16, block_types=["recurrent", "attention"], head_dim=8),
+        "linear_attention",
+    ),
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"], block_ff_dim=64), "conv"),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(layer_types=["linear_attention", "full_attention"], head_dim=8, num_experts=2, num_experts_per_tok=1),
+        "linear_attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_and_hybrid_layers_refuse_every_shared_or_packed_layout(name):
+    from forge.runtime.capabilities import capabilities
+
+    cls_name, kwargs, kind = RECURRENT[name]
+    caps = capabilities(getattr(transformers, cls_name)(**{**BASE, **kwargs}))
+    assert caps.causal and caps.refusal(False, False) is None  # whole prompts per row run
+    for split, packed in ((True, False), (False, True), (True, True)):
+        assert f"it has {kind} layers, which keep no plain key/value cache" in caps.refusal(split, packed)
+    with pytest.raises(
+        ForgeError, match=rf"^batching.prefix_cache=true is not exact for {name}: .* use batching.prefix"
+    ):
+        caps.check(True, False)
+
+
+@pytest.mark.parametrize("mode", ["item", "token-nocache"])
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_recurrent_and_hybrid_families_run_whole_prompts_exactly(tmp_path, data, name, mode):
+    from forge.functions.assets import embedded_model_source
+    from forge.runtime.reference import pool, reference_hidden
+
+    cls_name, kwargs, _ = RECURRENT[name]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**{**BASE, **kwargs})).eval()
+    path = tmp_path / name
+    model.save_pretrained(path)
+    for f in TOKENIZER_FILES:
+        shutil.copy(embedded_model_source() / f, path / f)
+    report = _run(tmp_path / "run", path, data[1], mode, "mean")
+    assert report["items"]["failed"] == 0 and report["balanced"]
+    from forge.functions.probe_gen import ProbeGen
+
+    fn = ProbeGen(model={"name": str(path)}, input={"path": str(data[1])}, layers=LAYERS)
+    want = {it.id: (it.prefix_len, reference_hidden(model, it.tokens, LAYERS)) for it in fn.records()}
+    ids, _, layers = load_activations(tmp_path / "run")
+    for layer in LAYERS:
+        ref = torch.stack([pool(want[i][1][layer], want[i][0], "mean") for i in ids])
+        assert (layers[layer] - ref).abs().max().item() < TOL, (name, mode, layer)
 
 
 def test_remote_code_needs_consent(tmp_path):
