@@ -25,6 +25,13 @@ from forge.runtime.hf_compat import num_layers, text_config
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASK_IMPLS = ("sdpa", "eager")  # implementations that honour an explicit 4D mask
 ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: what transformers' layer types other than attention are, in a refusal's words
+LAYER_KINDS = {
+    "linear_attention": "state-space, recurrent or linear-attention",
+    "hybrid": "attention and state-space together",
+    "conv": "short-convolution",
+    "mamba": "state-space",
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ class Capabilities:
             return f"it is not causal ({self.not_causal}): a prefix's keys would depend on the text after it"
         odd = sorted(set(self.layer_types) - {FULL, SLIDING})
         if odd:
-            return f"it has {', '.join(odd)} layers, which keep no plain key/value cache"
+            kinds = ", ".join(f"{kind} ({LAYER_KINDS[kind]})" if kind in LAYER_KINDS else kind for kind in odd)
+            return f"it has {kinds} layers, which keep no plain key/value cache"
         if packed and self.alibi:
             return "ALiBi biases follow each key's place in the row, not its position in its own prompt"
         if packed and self.attn not in MASK_IMPLS:
