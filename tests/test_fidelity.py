@@ -171,16 +171,19 @@ def _config(name: str, num_layers: int | None = None):
 
 
 def _build(name: str, root: Path, num_layers: int | None = None) -> Path:
-    cfg = _config(name, num_layers)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    path = root / (name if num_layers is None else f"{name}-{num_layers}")
-    model.save_pretrained(path)
+    return _save(_config(name, num_layers), root / (name if num_layers is None else f"{name}-{num_layers}"))[0]
+
+
+def _save(cfg, path: Path):
+    """(path, model): a random-weight model of `cfg` (seed 0) saved there with the embedded tokenizer."""
     from forge.functions.assets import embedded_model_source
 
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path)
     for f in TOKENIZER_FILES:
         shutil.copy(embedded_model_source() / f, path / f)
-    return path
+    return path, model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -468,16 +471,10 @@ def test_recurrent_and_hybrid_layers_refuse_every_shared_or_packed_layout(name):
 @pytest.mark.parametrize("mode", ["item", "token-nocache"])
 @pytest.mark.parametrize("name", ["mamba", "jamba"])
 def test_recurrent_and_hybrid_families_run_whole_prompts_exactly(tmp_path, data, name, mode):
-    from forge.functions.assets import embedded_model_source
     from forge.runtime.reference import pool, reference_hidden
 
     cls_name, kwargs, _ = RECURRENT[name]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**{**BASE, **kwargs})).eval()
-    path = tmp_path / name
-    model.save_pretrained(path)
-    for f in TOKENIZER_FILES:
-        shutil.copy(embedded_model_source() / f, path / f)
+    path, model = _save(getattr(transformers, cls_name)(**{**BASE, **kwargs}), tmp_path / name)
     report = _run(tmp_path / "run", path, data[1], mode, "mean")
     assert report["items"]["failed"] == 0 and report["balanced"]
     from forge.functions.probe_gen import ProbeGen

@@ -30,7 +30,6 @@ LAYER_KINDS = {
     "linear_attention": "state-space, recurrent or linear-attention",
     "hybrid": "attention and state-space together",
     "conv": "short-convolution",
-    "mamba": "state-space",
 }
 
 
