@@ -434,7 +434,7 @@ def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeat
         assert len(list(_input(path).rows())) == 2
 
 
-@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-here"])
+@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-here", "~nosuchuser/m"])
 def test_a_model_path_that_is_not_a_directory_is_one_line(name):
     from forge.functions.probe_gen import ProbeGen
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,14 @@ def resolve_model_source(name: str) -> str:
         if not path.is_dir():
             raise ForgeError(f"model.name={name}: no embedded model of that name in {ASSETS_DIR}")
         return str(path)
-    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
-        # a path, not a Hub id: say so, rather than transformers' "repo id must be in the form ..."
+    if not name.startswith(("/", "./", "../", "~")):
+        return name  # a Hub id (or a relative directory transformers resolves)
+    path = os.path.expanduser(name)  # unchanged for an unknown ~user, never raises
+    if not Path(path).is_dir():  # a path, not a Hub id: say so, not "repo id must be in the form ..."
         raise ForgeError(
             f"model.name={name}: no such directory; point it at a model directory (its config.json) or a Hub id"
         )
-    return str(Path(name).expanduser()) if name.startswith("~") else name
+    return path
 
 
 def resolve_module_dir(name: str) -> str:
