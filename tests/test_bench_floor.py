@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import floor
+from benchmarks import cold_start, floor
 
 
 def test_it_measures_quantiles_of_the_workloads_own_lengths_and_the_grid():
@@ -62,3 +62,42 @@ def test_prefix_reads_are_measured_for_each_length_from_the_models_own_heads():
 def test_the_floor_at_another_moment_scales_with_the_probes_speed_then():
     assert floor.at_speed(8.0, probe_then=2_000.0, probe_now=1_000.0) == pytest.approx(16.0)  # half as fast now
     assert floor.at_speed(8.0, probe_then=2_000.0, probe_now=2_000.0) == pytest.approx(8.0)
+
+
+# -- the cold start any exact tool pays (benchmarks/cold_start.py) ---------------------------------
+
+
+def test_a_cold_start_is_read_from_the_childs_moments_and_the_best_is_taken_phase_by_phase():
+    got = cold_start.parse('noise\n{"imported": 102.5, "loaded": 102.75, "forward": 102.8}\n', spawned=100.0)
+    assert (got.imports_s, got.load_s, got.ready_s) == pytest.approx((2.5, 0.25, 2.75))
+    assert got.forward_s == pytest.approx(0.05)
+    slow_imports, slow_load = cold_start.ColdStart(3.0, 0.2, 0.01), cold_start.ColdStart(2.6, 0.4, 0.02)
+    best = cold_start.fastest([slow_imports, slow_load])
+    assert (best.imports_s, best.load_s, best.forward_s) == (2.6, 0.2, 0.01)
+    assert best.ready_s <= min(slow_imports.ready_s, slow_load.ready_s)  # never above any one start
+
+
+def test_a_target_is_reachable_only_when_the_cold_start_and_the_floor_fit_the_time_it_allows():
+    start = cold_start.ColdStart(imports_s=2.7, load_s=0.1, forward_s=0.01)
+    allowed, least, ok = cold_start.Target(3.0).judge(peer_s=103.09, start=start, floor_s=34.59)
+    assert allowed == pytest.approx(34.363, abs=1e-3) and least == pytest.approx(37.39) and not ok
+    allowed, least, ok = cold_start.Target(2.0).judge(peer_s=14.84, start=start, floor_s=3.45)
+    assert allowed == pytest.approx(7.42) and least == pytest.approx(6.25) and ok
+    assert not cold_start.first_batch_reachable(start)  # 2.7 s of imports before the load
+    assert cold_start.first_batch_reachable(cold_start.ColdStart(1.9, 0.3, 0.01))
+    assert [cold_start.issue_target(f, n) for f, n in [("score", 200), ("score", 2000), ("probe_gen", 1000)]] == [
+        2.0,
+        3.0,
+        3.0,
+    ]
+    assert (cold_start.issue_target("probe_gen", 3000), cold_start.issue_target("embed", 400)) == (5.0, 1.0)
+
+
+def test_the_cold_start_probe_runs_the_embedded_model_in_a_fresh_interpreter():
+    import os
+
+    from forge.functions.assets import embedded_model_source, materialize_model
+
+    start = cold_start.measure(str(materialize_model(embedded_model_source())), "causal", 1, dict(os.environ))
+    assert 0 < start.imports_s and 0 < start.load_s and 0 < start.forward_s
+    assert start.ready_s == pytest.approx(start.imports_s + start.load_s)
