@@ -2,13 +2,15 @@
 
     python -m benchmarks.bench_startup [--rows 1000] [--rounds 3]
 
-Each round runs the same command three times in fresh processes, A B C then C B A: `forge run`
-as it ships (the process executor's fork server starts importing torch and transformers before
-Hydra composes, `forge.cli.app._warm_up_early`); the same with that call made a no-op (the fork
-server starts once the config is composed, while the function is set up); and with both made
-no-ops (the fork server starts when the executor does); and as it ships on a cache that has
-not yet kept the model class's facts (`forge.runtime.class_facts`: the file is removed before
-each such run, so the command's own process imports the modeling code, as a first run does).
+Each round runs the same command in fresh processes, A B C ... then ... C B A: `forge run` as it
+ships (its entry point, `forge.cli.entry`, starts the process executor's fork server importing
+torch and transformers before it imports the CLI: `forge.cli.early.start_workers`; no `forge
+server` answers, its socket folder is a fresh one); the CLI module run directly, which makes the
+same call once typer has parsed the command (`python -m forge.cli.app`); that call made a no-op
+(the fork server starts once the config is composed, while the function is set up); both made
+no-ops (the fork server starts when the executor does); and as it ships on a cache that has not
+yet kept the model class's facts (`forge.runtime.class_facts`: the file is removed before each
+such run, so the command's own process imports the modeling code, as a first run does).
 It prints the report's phases (seconds from the command's start: `start_s`, `worker_start_s`,
 `worker_ready_s`, `first_batch_s`, `total_s`, and `worker_load_s`, the model load alone) and
 the wall time of each process, medians per variant. Not a test.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +33,7 @@ NO_WARM_UP = """
 import sys
 if __name__ == "__main__":
     import forge.cli.app as cli
-    cli._warm_up_early = lambda args: None
+    cli.start_workers = lambda args: False
     if sys.argv.pop(1) == "late":
         cli._warm_up_workers = lambda cfg: None
     cli._COMMAND = True
@@ -38,13 +41,15 @@ if __name__ == "__main__":
     cli.main()
 """
 KEYS = ("start_s", "worker_start_s", "worker_load_s", "worker_ready_s", "first_batch_s", "total_s")
+SHIPPED = "as shipped: fork server before the CLI's imports"
 FRESH = "as shipped, class facts not kept yet"
 
 
 def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str, float]:
     command = {
+        SHIPPED: [sys.executable, "-m", "forge.cli.entry"],
+        FRESH: [sys.executable, "-m", "forge.cli.entry"],
         "fork server before composing": [sys.executable, "-m", "forge.cli.app"],
-        FRESH: [sys.executable, "-m", "forge.cli.app"],
         "fork server after composing": [sys.executable, str(script), "composed"],
         "fork server at executor start": [sys.executable, str(script), "late"],
     }[variant]
@@ -53,7 +58,8 @@ def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str
 
         cache_path().unlink(missing_ok=True)
     t0 = time.perf_counter()
-    subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(out.parent)}  # a folder where no forge server answers
+    subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True, env=env)
     wall = time.perf_counter() - t0
     phases = json.loads((out / "report.json").read_text())["phases"]
     return {**{k: phases[k] for k in KEYS}, "wall_s": wall}
@@ -65,7 +71,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     args = [f"input.limit={a.rows}", "runtime.executor=process"]
-    variants = ("fork server before composing", FRESH, "fork server after composing", "fork server at executor start")
+    variants = (SHIPPED, FRESH, "fork server before composing", "fork server after composing")
+    variants += ("fork server at executor start",)
     seen: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "no_warm_up.py"

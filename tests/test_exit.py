@@ -69,15 +69,31 @@ def test_the_installed_forge_script_is_the_quick_exit_entry_point(monkeypatch):
     from importlib.metadata import entry_points
 
     import forge.cli.app
+    import forge.cli.early
     from forge.cli import entry
 
     (script,) = entry_points(group="console_scripts", name="forge")
     assert script.load() is entry.main
-    ran, asked = [], []
+    ran, asked, started = [], [], []
     monkeypatch.setattr(forge.cli.app, "main", lambda: ran.append(sys.argv[1:]))
     monkeypatch.setattr(entry, "run_warm", lambda argv: asked.append(argv))  # None: no server took it
+    monkeypatch.setattr(forge.cli.early, "start_workers", started.append)
     for argv in (["run", "x=1"], ["server", "status"], ["--help"]):
         monkeypatch.setattr(sys, "argv", ["forge", *argv])
         entry.main()
     assert ran == [["run", "x=1"], ["server", "status"], ["--help"]]
     assert asked == [["run", "x=1"]]  # forge server ... and flags never go to a server
+    assert started == [["x=1"]]  # a cold run's workers start importing before the CLI does
+
+
+def test_a_cold_run_starts_its_workers_fork_server_first_unless_its_overrides_say_otherwise(monkeypatch):
+    import forge.executors.process
+    from forge.cli.early import RUNTIME_MODULES, start_workers
+
+    warmed = []
+    monkeypatch.setattr(forge.executors.process, "warm_up", warmed.append)
+    assert start_workers(["function=score", "batching=token"]) and warmed == [RUNTIME_MODULES]
+    assert start_workers(["runtime=local", "runtime.executor=process"])
+    for args in (["-m", "batching=item,token"], ["--cfg", "job"], ["runtime=ray"], ["runtime.executor=inprocess"]):
+        assert not start_workers(args), args
+    assert len(warmed) == 2

@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from forge.cli.compose import compose, group_options, precheck
+from forge.cli.early import start_workers
 from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
@@ -42,7 +43,7 @@ def run(ctx: typer.Context) -> None:
     the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/);
     an fsspec URL (s3://bucket/run, gs://..., memory://...) works too.
     """
-    _warm_up_early(ctx.args)
+    start_workers(ctx.args)  # a no-op when the entry point started them
     import hydra
 
     from forge.config.build import conf_dir
@@ -89,25 +90,6 @@ def run(ctx: typer.Context) -> None:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _warm_up_early(args: list[str]) -> None:
-    """Start the process executor's fork server before Hydra composes anything, when the
-    overrides leave the default executor (process) in place: it imports torch, transformers
-    and the causal-LM runtime on the second core while this process composes the config and
-    sets up the function (`forge.executors.process.warm_up`). A sweep, a config print or
-    another executor skips it; `_warm_up_workers` then decides once the config is known."""
-    for a in args:
-        key, _, value = a.partition("=")
-        if (
-            a in ("-m", "--multirun", "--cfg", "-c")
-            or (key, value) in (("runtime", "ray"),)
-            or (key == "runtime.executor" and value != "process")
-        ):
-            return
-    from forge.executors.process import warm_up
-
-    warm_up(("forge.api", "forge.runtime.causal_lm", "forge.runtime.views"))
 
 
 def _warm_up_workers(cfg) -> None:

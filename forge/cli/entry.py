@@ -113,6 +113,10 @@ def main() -> None:  # pragma: no cover - console entry point
         code = run_warm(argv)
         if code is not None:
             sys.exit(code)
+    if argv and argv[0] == "run":  # cold: the workers' imports start before the CLI's own
+        from forge.cli.early import start_workers
+
+        start_workers(argv[1:])
     from forge.cli.app import main as run_here
 
     run_here()
