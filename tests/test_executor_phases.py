@@ -47,3 +47,23 @@ def test_without_the_workers_time_ready_is_when_heard_and_a_later_clock_is_cappe
     later = _executor()
     later._ready(Slot(device=CPU, started=time.monotonic() - 2.0), 0.5, time.time() + 60)
     assert later.ready_at["cpu"] <= time.time()  # a worker's clock ahead of ours: never in the future
+
+
+def test_the_fork_server_builds_what_each_workers_model_load_would_before_it_forks():
+    """transformers builds its checkpoint conversion table at a process's first `from_pretrained`
+    (0.06 s of a worker's load here); the fork server's preloads build it once, so forked workers
+    inherit it. If a transformers release drops the table, this says the warm-up no longer helps."""
+    import subprocess
+    import sys
+
+    from forge.executors.process import COMMON_MODULES
+
+    assert COMMON_MODULES[-1] == "forge.executors.fork_server_warm"  # after transformers
+    code = (
+        "import transformers.conversion_mapping as c\n"
+        "assert c._checkpoint_conversion_mapping_cache is None\n"
+        "import forge.executors.fork_server_warm\n"
+        "assert c._checkpoint_conversion_mapping_cache is not None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -53,6 +53,7 @@ PRELOAD = (
     "transformers.models.auto.modeling_auto",
     "transformers.models.auto.tokenization_auto",
     "transformers.models.llama.modeling_llama",
+    "forge.executors.fork_server_warm",
     "tokenizers",
     "safetensors",
     "pyarrow",

@@ -31,8 +31,15 @@ from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_e
 # CUDA state.
 _ctx = mp.get_context("forkserver")
 #: what every worker needs, preloaded by the fork server whatever the function (the first, only
-#: the fork server imports: its exit skips the interpreter's teardown of torch and transformers)
-COMMON_MODULES = ("forge.executors.fork_server_exit", "torch", "transformers", "transformers.modeling_utils")
+#: the fork server imports: its exit skips the interpreter's teardown of torch and transformers;
+#: the last builds what each worker's model load would)
+COMMON_MODULES = (
+    "forge.executors.fork_server_exit",
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "forge.executors.fork_server_warm",
+)
 
 
 def warm_up(modules: tuple[str, ...] = ()) -> None:

@@ -98,3 +98,16 @@ def cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def output_cache(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def prebuild_load_tables() -> bool:
+    """Build now what transformers builds at a process's first `from_pretrained` and keeps in a
+    module global (its table of checkpoint conversions: about a thousand regular expressions, for
+    every family), so that processes forked after this inherit it; False where this transformers
+    has no such table."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return False
+    get_checkpoint_conversion_mapping("llama")
+    return True
