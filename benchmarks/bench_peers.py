@@ -576,7 +576,7 @@ def targets_report(target, starts, floor_s, peer_s, med, names, variants) -> str
     ]
     if peer_s is not None:
         allowed, least, ok = target.judge(peer_s, best, floor_s)
-        forge = [med[n] for n in names if variants[n][0] == "forge"]
+        forge = sorted((med[n], n) for n in names if variants[n][0] == "forge")
         lines.append(
             f"Target {target.ratio:g}x the best peer ({peer_s:.2f} s): it allows {allowed:.2f} s; any exact tool needs "
             f"at least {best.ready_s:.2f} + {floor_s:.2f} (the floor) = {least:.2f} s here: "
@@ -585,7 +585,7 @@ def targets_report(target, starts, floor_s, peer_s, med, names, variants) -> str
                 if ok
                 else f"NOT reachable, {least - allowed:.2f} s short"
             )
-            + (f"; Forge's best median {min(forge):.2f} s." if forge else ".")
+            + (f"; Forge's best median {forge[0][0]:.2f} s ({forge[0][1]})." if forge else ".")
         )
     verdict = (
         "reachable."
