@@ -4,7 +4,8 @@ once before the forks, so each worker inherits it (`forge.runtime.hf_compat.preb
 
 Measured on the embedded model, in processes forked after the same imports: a worker's
 `open_worker` took 0.12 s, 0.07 s with transformers' checkpoint conversion table built before
-the fork. That load is on a cold run's path to its first batch, and on each replaced worker's.
+the fork. Each replaced worker and each warm command's worker saves that; a cold run's first
+worker does not, since its fork server builds the table on the same path to the first batch.
 """
 
 from __future__ import annotations
