@@ -556,8 +556,7 @@ def main() -> None:
             f"{ratio} | {by_shape / med[n]:.2f} | {extra} | {first} | {rounds} | {speeds} | {at_speed} | {busy} "
             f"| {loose} |"
         )
-    size = w["rows"] if a.function != "score" else a.questions
-    target = cold_start.Target(a.target or cold_start.issue_target(a.function, size))
+    target = cold_start.Target(a.target or cold_start.issue_target(a.function, w["rows"]))  # score: rows are questions
     print()
     print(targets_report(target, starts, by_shape, med[best_peer] if best_peer else None, med, names, variants))
     if not a.out:

@@ -52,7 +52,7 @@ class ColdStart:
     """A fresh interpreter's way to its first forward, in seconds."""
 
     imports_s: float  # from the spawn until torch and the family's modeling code are imported (the config read)
-    load_s: float  # the model's `from_pretrained` alone, as a worker's `worker_load_s` counts it
+    load_s: float  # the model's `from_pretrained` alone
     forward_s: float  # one 8-token forward
 
     @property

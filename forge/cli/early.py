@@ -1,8 +1,9 @@
 """What a cold `forge run` starts before anything else: its workers' fork server.
 
-Model: on a cold start the first batch waits for the worker's imports of torch and transformers
-(about 3 s on a 2-core CPU), not for the command's own set-up. So the command starts the
-process executor's fork server (`forge.executors.process.warm_up`) as soon as its arguments say
+Model: on a cold start the first batch waits for the worker's imports of torch and
+transformers (2.8-3.0 s on a 2-core Intel Xeon, 6.9-7.5 s on a slower CPU), not for the
+command's own set-up. So the command starts the process executor's fork server
+(`forge.executors.process.warm_up`) as soon as its arguments say
 the run will use it, before the CLI itself is imported: the entry point (`forge.cli.entry`)
 calls `start_workers` once no warm `forge server` took the command, and `forge.cli.app` calls
 it again for a command run another way (a test's `CliRunner`); the second call is a no-op.

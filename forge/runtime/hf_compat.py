@@ -109,5 +109,5 @@ def prebuild_load_tables() -> bool:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:
         return False
-    get_checkpoint_conversion_mapping("llama")
+    get_checkpoint_conversion_mapping("llama")  # any family's lookup builds the whole table
     return True
