@@ -11,6 +11,8 @@ processes inherit; registered with `plugins=[faults]`.
      "fail_write": 1,                                   # the first N shard writes raise ENOSPC
      "fail_commit": 2,                                  # commit records from the Nth on raise EIO (shards in place)
      "kill_run_at_write": 3,                            # SIGKILL the whole process group at shard N
+     "pause_at_commit": {"nth": 2, "until": "/tmp/go"}, # shard N in place, its record not written: the run
+                                                        # waits (as if paused) until that file exists
      "sigterm_at_start": true}                          # SIGTERM to the run itself as it starts (start-up)
 """
 
@@ -77,6 +79,11 @@ def forge_fault(point, device, batch):
             os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole run tree, mid-write
         return
     if point == "commit_record":
+        pause = cfg.get("pause_at_commit")
+        if pause and _count("commit-seen") + 1 == pause["nth"]:
+            deadline = time.monotonic() + pause.get("max_s", 120)
+            while not os.path.exists(pause["until"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if cfg.get("fail_commit") and _count("commit") + 1 >= cfg["fail_commit"]:
             raise OSError(errno.EIO, "I/O error writing the commit record (simulated)")
         return

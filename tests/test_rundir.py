@@ -71,8 +71,10 @@ def test_resume_removes_only_the_shards_forge_staged(tmp_path):
     for path in foreign:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("not Forge's")
+    orphan = run / "results" / store.shard_name(1, ".bin")
+    assert not orphan.exists()  # a failed commit removes its own shard (its session's name, never journaled)
+    orphan.write_bytes(b"x")  # as a process killed between the put and its record leaves it
     _crash(store)
-    assert (run / "results" / store.shard_name(1, ".bin")).exists()
     again = RunStore(run, {"f": 1}, resume=True)
     assert again.committed == {0, 1}
     assert sorted(p.relative_to(run).as_posix() for p in (run / "results").iterdir()) == [

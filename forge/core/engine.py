@@ -202,10 +202,15 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)
         store.add_missing(spec.files)
-    except BaseException:  # a refusal, or Ctrl-C / SIGTERM during start-up
+    except BaseException as exc:  # a refusal, a write that failed, or Ctrl-C / SIGTERM during start-up
         if scheduler is not None:
             scheduler.close()
         store.abandon()
+        if isinstance(exc, OSError):  # a full disk, a lost directory: one line, the run left as it was
+            raise ForgeError(
+                f"output_dir={spec.run_dir}: writing the run's files failed at start-up ({exc}); nothing was "
+                "committed: fix the cause and run the same command again"
+            ) from None
         raise
     status = "interrupted"  # what run.json says if anything below escapes
     try:
@@ -229,6 +234,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
             tallies=loop.tallies,
             predicted_misses=scheduler.cache_misses,
             wall_s=time.perf_counter() - started,
+            write=store.write_file,
             extra={
                 "status": status,
                 "error": error,

@@ -30,6 +30,7 @@ from forge.core.geometry import Batch, Device, Item
 from forge.core.indexset import IndexSet
 from forge.core.run import BatchStats, FailureWindow, RunContext, batch_stats
 from forge.core.scheduler import Scheduler
+from forge.errors import LockLost
 from forge.executors.base import Executor, Outcome, Status
 
 if TYPE_CHECKING:
@@ -290,7 +291,12 @@ class RunLoop:
             items, self.committer.buffered = self.committer.buffered, []
             reason = f"writing a shard failed ({exc}); what was committed before stays committed"
             self.hook.forge_commit_failed(run=self.run, items=items, reason=reason)
-            self.halt = ("stopped", f"{reason}; fix the cause and rerun with resume=true")
+            then = (
+                "another run may hold the directory now: resume=true finishes it once that run ends"
+                if isinstance(exc, LockLost)
+                else "fix the cause and rerun with resume=true"
+            )
+            self.halt = ("stopped", f"{reason}; {then}")
         finally:
             self._timed("commit_s", t0)
 

@@ -20,7 +20,9 @@ def process_started() -> float:
         return time.time()
 
 
-def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=None) -> dict[str, Any]:
+def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=None, write=None) -> dict[str, Any]:
+    """The report, written as report.json through `write(name, data)` (the run's store: fenced,
+    so a run that lost its directory writes none there) when the run has a directory."""
     described = spec.function.describe()
     report: dict[str, Any] = {
         "function": spec.function.name,
@@ -60,11 +62,9 @@ def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=Non
     completed = report.get("tokens", {}).get("completed", 0)
     report["batches"] = sum(t.batches for t in tallies.values())
     report["useful_tokens_per_s"] = round(completed / wall_s, 1) if wall_s > 0 else None
-    if run.run_dir is not None:
-        from forge.io.location import open_location
-
+    if write is not None:
         try:
-            open_location(run.run_dir).write_bytes("report.json", json.dumps(report, indent=2, default=str).encode())
-        except OSError as exc:  # a full disk at the very end: the summary still reaches the terminal
+            write("report.json", json.dumps(report, indent=2, default=str).encode())
+        except OSError as exc:  # a full disk, a lost directory: the summary still reaches the terminal
             report["warnings"] = [*report["warnings"], f"report.json could not be written ({exc})"]
     return report

@@ -7,8 +7,11 @@ pid, start time). The lock takes the strongest form the storage offers:
 
 - **local disk**: `lock.json` held with flock(2). The kernel releases it when the holder's
   process ends, however it ends (`kill -9` included), so a stale lock cannot exist: the next
-  run simply takes it. The file's content names the holder, for the refusal. (On a network
-  filesystem whose locks do not work, the lease below is used instead.)
+  run simply takes it. The file's content names the holder, for the refusal. A lock file
+  removed or replaced while the run is live (a user cleaning up, a sync tool, a backup
+  restore) lets another run take a new one, so the holder checks before every commit that
+  the path still names the inode it locked, and stops when it does not: it re-takes nothing.
+  (On a network filesystem whose locks do not work, the lease below is used instead.)
 - **object store** (no locks): a lease object `lock.json` {token, host, pid, started,
   expires_at}. It is created exclusively where the store can (else written, then read back
   after a short settle time: the last writer wins and the others see it), renewed every
@@ -16,6 +19,10 @@ pid, start time). The lock takes the strongest form the storage offers:
   holder confirms its lease before every commit and stops cleanly when it cannot: two runs
   never commit at once as long as the machines' clocks agree within a sixth of the lease
   time and the store reads its own writes (S3, GCS and Azure Blob do).
+
+Neither form alone survives a holder that is paused past its lease or whose lock file was
+removed: the lock says who may start, and the session records of `forge.io.journal` fence
+what is published, so a commit of a holder that lost the directory never counts.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from abc import ABC, abstractmethod
 from datetime import datetime, timezone
 from pathlib import Path
 
-from forge.errors import ForgeError
+from forge.errors import ForgeError, LockLost
 from forge.io.location import Location
 
 LOCK_FILE = "lock.json"
@@ -65,7 +72,7 @@ class RunLock(ABC):
 
     @abstractmethod
     def check(self) -> None:
-        """Raise OSError if the lock may no longer be ours (a commit must not happen then)."""
+        """Raise LockLost if the lock may no longer be ours (a commit must not happen then)."""
 
     @abstractmethod
     def release(self) -> None: ...
@@ -78,7 +85,8 @@ class FileLock(RunLock):
         import fcntl
 
         root.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        self._path = root / LOCK_FILE
+        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -94,11 +102,19 @@ class FileLock(RunLock):
 
     def check(self) -> None:
         if self._fd is None:
-            raise OSError("the run directory's lock was released")
+            raise LockLost("the run directory's lock was released")
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self._path)
+        except FileNotFoundError:
+            raise LockLost(f"{self._path} was removed while this run held it; nothing more is committed") from None
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise LockLost(f"{self._path} was replaced while this run held it; nothing more is committed")
 
     def release(self) -> None:
         if self._fd is not None:
             try:
+                self.check()  # a lock file removed or replaced is someone else's now: leave it as it is
                 os.ftruncate(self._fd, 0)  # no holder named once the run has ended
             except OSError:
                 pass
@@ -173,7 +189,7 @@ class LeaseLock(RunLock):
     def check(self) -> None:
         margin = self.ttl_s / 6
         if self.lost is not None or time.time() > self.confirmed_until - margin:
-            raise OSError(
+            raise LockLost(
                 f"the lease on output_dir={self.output_dir} is no longer ours "
                 f"({self.lost or 'not renewed in time'}); nothing more is committed"
             )

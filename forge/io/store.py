@@ -2,18 +2,27 @@
 
     run_dir/lock.json       who holds the directory (`forge.io.lock`): one run or resume at a time
     run_dir/run.json        fingerprint, status, sessions
-    run_dir/commits.jsonl   local disk: one line per committed shard: {"file", "index": [...], ...}
+    run_dir/sessions/SSS.json  one per session: its fencing token and what it sealed (`forge.io.journal`)
+    run_dir/commits.jsonl   local disk: one line per committed shard: {"file", "session", "index": [...], ...}
     run_dir/commits/SSS-NNNNNN.json   object store: one marker object per committed shard (same record)
-    run_dir/pending.jsonl   local disk: one line per shard about to be written: {"file"}
+    run_dir/pending.jsonl   local disk: one line per shard about to be written: {"file", "session"}
     run_dir/pending/SSS-NNNNNN.json   object store: the same, one marker per shard
     run_dir/<shards>        written by the function's sink through `write_shard`
 
 Model: the journal is the truth. Before a shard is written, its name is recorded as pending;
-the shard is then put in place whole, and only then is its commit record written. On resume,
-a pending shard without a commit record is an orphan of a crash and is removed, with its
-staged temporary file: resume deletes nothing else, so a file Forge did not stage itself is
-never touched. A resumed run skips every item whose input index the journal names, so nothing
-is recomputed or committed twice. All of it happens under the directory's lock.
+the shard is then put in place whole, the session's fencing token is verified, and only then
+is its commit record written. On resume, a pending shard of an earlier session without a
+commit record is an orphan of a crash and is removed, with its staged temporary file: resume
+deletes nothing else, so a file Forge did not stage itself is never touched. A resumed run
+skips every item whose input index the journal names, so nothing is recomputed or committed
+twice. All of it happens under the directory's lock.
+
+The lock can be defeated from outside (its file removed, a lease holder paused past its time),
+so it is not trusted alone. Each session takes the next fencing token and seals its
+predecessors' journals at what it read (`forge.io.journal`): a commit a defeated holder
+publishes late never counts, and a session that finds it no longer holds the directory (`fence`)
+stops before its next commit and writes and deletes nothing there again: not run.json, not the
+report, not another session's shards.
 
 A directory is a run's when it holds `run.json`. A fresh run refuses a non-empty directory
 that is not a run (before writing anything there) and a directory that already holds a run
@@ -22,32 +31,33 @@ that is not a run (before writing anything there) and a directory that already h
 `run_dir` is a local path or an fsspec URL (`forge.io.location`), and the journal takes the form
 the storage makes safe and fast:
 - local disk: the shard is written under a temporary name, flushed and renamed into place;
-  its record is appended to `commits.jsonl` and flushed. One append per commit; a torn last
-  line (a crash mid-append) is cut off on resume.
+  its record is appended to `commits.jsonl` and flushed. One append per commit; a torn line
+  (a crash mid-append) is skipped by readers.
 - object store (no rename, append or fsync): the shard is uploaded whole (a PUT is atomic:
   readers never see half an object), then its record is PUT as its own small marker object,
   named by session and commit number so that listing them in name order is commit order.
-  A marker is all there or absent, so there is no torn record to cut.
+  A marker is all there or absent, so there is no torn record.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forge.errors import ForgeError
+from forge.errors import ForgeError, LockLost
+from forge.io.journal import PENDING, SESSIONS, Sessions, check_journal_path, counted, open_journal
 from forge.io.location import TMP_SUFFIX, Location, check_output_dir, open_location, reach
-from forge.io.lock import LOCK_FILE, RunLock, acquire
+from forge.io.lock import LOCK_FILE, RunLock, acquire, holder_info
 
 RUN_FILE = "run.json"
-JOURNAL = "commits"  # commits.jsonl on a local disk, commits/ on an object store
-PENDING = "pending"  # pending.jsonl / pending/: shards about to be written
 SHARD_PREFIX = "shard-"
 #: what a directory may hold, and still be taken for a fresh run: what a refused or abandoned start
 #: left, or a start that is writing its run.json right now (under a temporary name)
-LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING, RUN_FILE + TMP_SUFFIX}
+LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING, SESSIONS, RUN_FILE + TMP_SUFFIX}
 
 
 def fingerprint_changes(old: dict, new: dict, where: str = "") -> list[str]:
@@ -60,116 +70,6 @@ def fingerprint_changes(old: dict, new: dict, where: str = "") -> list[str]:
         elif a != b:
             changes.append(f"{where}{key}: {a!r} -> {b!r}")
     return changes
-
-
-class _LineJournal:
-    """<name>.jsonl on a local disk: appended and flushed, one line per record."""
-
-    def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
-        self.path = Path(where.root) / f"{name}.jsonl"
-        self.durable = durable  # fsync each record (commits); pending records need only survive the process
-        self._file = None
-
-    def read(self, repair: bool = False) -> list[dict]:
-        """The records, in commit order; a torn last line is ignored (cut off with `repair`)."""
-        if not self.path.exists():
-            return []
-        records, good = [], 0
-        with open(self.path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    break
-                try:
-                    records.append(json.loads(raw))
-                except ValueError:
-                    break  # a torn last line: the shard it named is an orphan
-                good += len(raw)
-        if repair:
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-        return records
-
-    def append(self, record: dict, session: int, n: int) -> None:
-        import os
-
-        if self._file is None:
-            self._file = open(self.path, "a")
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self.durable:
-            os.fsync(self._file.fileno())
-
-    def clear(self) -> None:
-        """Drop every record (they have all been acted on)."""
-        self.close()
-        self.path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class _MarkerJournal:
-    """<name>/SSS-NNNNNN.json on an object store: one whole object per record."""
-
-    def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
-        self.where = where
-        self.folder = name
-
-    def _markers(self) -> list[tuple[tuple[int, ...], str]]:
-        found = []
-        for rel in self.where.files(self.folder):
-            folder, _, name = rel.rpartition("/")
-            if folder != self.folder or not name.endswith(".json"):
-                continue
-            try:
-                found.append((tuple(int(part) for part in name[:-5].split("-")), rel))
-            except ValueError:
-                continue
-        return sorted(found)
-
-    def read(self, repair: bool = False) -> list[dict]:
-        records = []
-        for _, rel in self._markers():
-            try:
-                records.append(json.loads(self.where.read_bytes(rel)))
-            except ValueError:  # never on an atomic store; a marker that does not parse commits nothing
-                if repair:
-                    self.where.remove(rel)
-        return records
-
-    def append(self, record: dict, session: int, n: int) -> None:
-        self.where.write_bytes(f"{self.folder}/{session:03d}-{n:06d}.json", json.dumps(record).encode())
-
-    def clear(self) -> None:
-        for _, rel in self._markers():
-            self.where.remove(rel)
-
-    def close(self) -> None:
-        pass
-
-
-def _journal(where: Location, name: str = JOURNAL, durable: bool = True):
-    return (_LineJournal if where.durable_rename else _MarkerJournal)(where, name, durable)
-
-
-def check_journal_path(rel: Any, run_dir) -> str:
-    """A journaled file name, if it stays inside the run directory (a relative path without
-    '..'); a corrupt or crafted journal is one line, never a read elsewhere."""
-    if (
-        not isinstance(rel, str)
-        or not rel
-        or rel.startswith("/")
-        or "\\" in rel
-        or ":" in rel
-        or any(part in ("", ".", "..") for part in rel.split("/"))
-    ):
-        raise ForgeError(
-            f"{run_dir}: its journal names {rel!r}, which is not a file inside the run directory; "
-            "the journal is damaged: restore commits from a copy, or run again into a new output_dir"
-        )
-    return rel
 
 
 class RunStore:
@@ -196,10 +96,12 @@ class RunStore:
         self.dir = self.where.root  # a Path for a local directory, else the URL (use `url` and `write_file`)
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as it reads back
         self.committed: set[int] = set()  # input indexes of committed items (earlier sessions)
-        self.shards: list[dict] = []  # journal records of earlier sessions
-        self.session = 0  # this session's number: shard names stay unique across crashes
-        self._journal = _journal(self.where)
-        self._pending = _journal(self.where, PENDING, durable=False)
+        self.shards: list[dict] = []  # journal records of earlier sessions that count
+        self.session = 0  # this session's number and fencing token: shard names stay unique across crashes
+        self.lost: str | None = None  # why the directory is no longer this session's (then nothing is written)
+        self._sessions = Sessions(self.where)
+        self._journal = open_journal(self.where)
+        self._pending = open_journal(self.where, PENDING, durable=False)
         self._commits = 0  # records this session wrote or tried to write
         self._written: set[str] = set()  # shards this session committed
         self._previous: bytes | None = None  # run.json as an earlier session left it
@@ -217,6 +119,8 @@ class RunStore:
     def _open(self, run_dir, resume: bool) -> None:
         previous = _previous_run(self.where, run_dir, resume)
         self._previous = None if previous is None else self.where.read_bytes(RUN_FILE)  # restored if abandoned
+        taken = self._sessions.numbers()  # a start that crashed before its run.json leaves its number taken
+        self.session = max(int((previous or {}).get("sessions", 0)), taken[-1] + 1 if taken else 0)
         if previous is None:
             self._refuse_foreign(run_dir)  # again, under the lock
         else:
@@ -226,63 +130,88 @@ class RunStore:
                     f"resume refused: {'; '.join(changes)} since the run in {run_dir} started; "
                     "run with its settings again, or choose a new output_dir"
                 )
-            self.session = int(previous.get("sessions", 0))
-            self.shards = self._journal.read(repair=True)
+            self.shards = counted(self._journal.read(repair=True), self._sessions.seals())
             for record in self.shards:
                 check_journal_path(record.get("file"), run_dir)
                 self.committed.update(record["index"])
-        self._remove_orphans()
+        # the token is taken after the journal is read: what it seals is exactly what this session counts
+        self._sessions.take(self.session, self.shards, holder_info(), run_dir)
+        self._remove_orphans({record["file"] for record in self.shards}, earlier=True)
         self.status = "running"
         self._save()
 
-    def _remove_orphans(self) -> None:
-        """Shards a crashed session recorded as pending but never committed, and their staged
-        files. Nothing else is removed: only what Forge staged, by the names it recorded."""
-        known = {record["file"] for record in self.shards} | self._written
-        for record in self._pending.read(repair=True):
-            rel = record.get("file")
-            if isinstance(rel, str) and rel not in known:
-                check_journal_path(rel, self.dir)
-                self.where.remove(rel)
-                if self.where.durable_rename:
-                    self.where.remove(rel + TMP_SUFFIX)
+    def _remove_orphans(self, known: set[str], earlier: bool) -> None:
+        """Shards recorded as pending but never committed, and their staged files: a crashed
+        earlier session's (`earlier`, on resume) or this session's own (at close). Nothing else
+        is removed: only what Forge staged, by the names it recorded, under the session's token."""
+        for record in self._pending.read(repair=earlier):
+            rel, session = record.get("file"), record.get("session")
+            mine = session == self.session
+            if not isinstance(rel, str) or rel in known or (mine if earlier else not mine):
+                continue
+            check_journal_path(rel, self.dir)
+            self.where.remove(rel)
+            if self.where.durable_rename:
+                self.where.remove(rel + TMP_SUFFIX)
         self._pending.clear()
+
+    # -- fencing ----------------------------------------------------------------
+    def fence(self) -> None:
+        """Raise LockLost unless the directory is still this session's: its lock held (the lock
+        file still the one locked, the lease renewed) and no later session started."""
+        if self.lost is None:
+            try:
+                if self.lock is not None:
+                    self.lock.check()
+                if self._sessions.superseded(self.session):
+                    raise LockLost(
+                        f"a later session of this run took output_dir={self.dir} over; nothing more is committed"
+                    )
+            except LockLost as exc:
+                self.lost = str(exc)
+        if self.lost is not None:
+            raise LockLost(self.lost)
 
     # -- writing ----------------------------------------------------------------
     def write_shard(self, rel_path: str, write: Callable[[Path], None], record: dict[str, Any]) -> None:
         """Write one shard whole, then journal it. `write(path)` writes the shard to a local
         path (a temporary name; the store puts it in place). `record` must hold "index"
         (input indexes of its items). Any failure (a full disk, a store error, the writer
-        library's own error) raises OSError, and nothing of the shard is committed."""
+        library's own error, the directory lost) raises OSError, and nothing of the shard is
+        committed. The commit is fenced: put in place, then the token verified, then published."""
         n, self._commits = self._commits, self._commits + 1  # never reused, even after a failure
-        staged = None
+        staged, placed = None, False
         try:
-            if self.lock is not None:
-                self.lock.check()
-            self._pending.append({"file": rel_path}, self.session, n)
+            self.fence()
+            self._pending.append({"file": rel_path, "session": self.session}, self.session, n)
             staged = self.where.staging(rel_path)
             write(staged)
             if self.fault is not None:
                 self.fault("write_shard")
             self.where.put(staged, rel_path)
-            staged = None
+            staged, placed = None, True
             if self.fault is not None:
                 self.fault("commit_record")
-            self._journal.append({"file": rel_path, **record}, self.session, n)
+            self.fence()
+            placed = False  # from here the record may be on disk even if the append fails: resume decides
+            self._journal.append({"file": rel_path, "session": self.session, **record}, self.session, n)
             self._written.add(rel_path)
         except OSError:
             raise
         except Exception as exc:  # noqa: BLE001 - a writer's or store package's own error: a write error all the same
             raise OSError(f"{type(exc).__name__}: {exc}") from exc
         finally:
-            if staged is not None:
+            # this session's own shard, named with its token and never journaled: nobody else's file
+            for leftover in ([staged] if staged is not None else []) + ([rel_path] if placed else []):
                 try:
-                    staged.unlink(missing_ok=True)
+                    (leftover.unlink(missing_ok=True) if isinstance(leftover, Path) else self.where.remove(leftover))
                 except OSError:
                     pass  # resume removes it: it is recorded as pending
 
     def write_file(self, rel_path: str, data: bytes | str) -> None:
-        """A small file of the run (metadata), replaced whole; not journaled."""
+        """A small file of the run (metadata), replaced whole; not journaled. Fenced: a run that
+        lost its directory writes nothing there (LockLost)."""
+        self.fence()
         self.where.write_bytes(rel_path, data.encode() if isinstance(data, str) else data)
 
     def add_missing(self, files: dict[str, bytes]) -> None:
@@ -301,14 +230,17 @@ class RunStore:
 
     # -- status -----------------------------------------------------------------
     def _save(self) -> None:
-        self.write_file(
-            RUN_FILE,
-            json.dumps(
-                {"fingerprint": self.fingerprint, "status": self.status, "sessions": self.session + 1},
-                indent=2,
-                default=str,
-            ),
-        )
+        data = json.dumps(
+            {"fingerprint": self.fingerprint, "status": self.status, "sessions": self.session + 1},
+            indent=2,
+            default=str,
+        ).encode()
+        try:
+            self.write_file(RUN_FILE, data)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not self.where.durable_rename:
+                raise
+            _overwrite_in_place(Path(self.where.root) / RUN_FILE, data)
 
     def _release(self) -> None:
         self._journal.close()
@@ -325,23 +257,55 @@ class RunStore:
         if self._commits:
             return self.close("interrupted")
         try:
+            self.fence()
             if self._previous is None:
                 self.where.remove(RUN_FILE)
+                self._sessions.drop(self.session)
+                self._remove_empty_folders()  # the directory was empty (or a refused start's) when it was taken
             else:
                 self.where.write_bytes(RUN_FILE, self._previous)
+        except LockLost:
+            pass  # someone else's directory now: leave it as it is
         finally:
             self._release()
 
+    def _remove_empty_folders(self) -> None:
+        if not self.where.durable_rename:
+            return  # an object store has no folders of its own
+        for folder in sorted(Path(self.where.root).rglob("*"), key=lambda p: -len(p.parts)):
+            if folder.is_dir() and not folder.is_symlink():
+                try:
+                    folder.rmdir()  # only an empty one: a file in it is never touched
+                except OSError:
+                    pass
+
     def close(self, status: str) -> None:
         """Record how this session ended (finished, interrupted, stopped: ...) and release the
-        directory. Call it after the report is written: the lock covers the report too."""
+        directory. Call it after the report is written: the lock covers the report too. A
+        session that lost the directory writes and deletes nothing there."""
         try:
+            self._journal.close()
+            self.fence()
             self.status = status
             self._save()
-            self._journal.close()
-            self._remove_orphans()  # a shard whose write failed this session; pending records go
+            # a shard whose write failed this session: the journal as it now stands decides
+            self._remove_orphans({r["file"] for r in counted(self._journal.read(), self._sessions.seals())}, False)
+        except LockLost:
+            pass
+        except OSError:
+            pass  # a clean-up on a failing disk: what it left is recorded as pending, and resume removes it
         finally:
             self._release()
+
+
+def _overwrite_in_place(path: Path, data: bytes) -> None:
+    """run.json rewritten in its own blocks, when a full disk has no room for a new copy: the
+    status must still say how the run ended. Not atomic, so only the fallback."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _refuse_foreign(where: Location, run_dir) -> None:
@@ -394,7 +358,8 @@ def check_sweep_dir(output_dir: str) -> None:
 def read_journal(run_dir: Path | str) -> list[dict]:
     """The committed shards of a run directory (a local path or a URL), in commit order. A
     record naming a file outside the run directory is refused (`check_journal_path`)."""
-    records = _journal(open_location(run_dir)).read()
+    where = open_location(run_dir)
+    records = counted(open_journal(where).read(), Sessions(where).seals())
     for record in records:
         check_journal_path(record.get("file"), run_dir)
     return records
