@@ -349,3 +349,42 @@ def test_batching_yaml_restates_its_packers_defaults():
         assert "merge_groups" in checked or mode == "item"
         for key in checked:
             assert data[key] == params[key], f"{mode}.yaml: {key}={data[key]!r}, the constructor says {params[key]!r}"
+
+
+STRICT = {
+    # a batching mode's own keys: typed and in range, as the schema's keys are
+    "batching.packed_row_tokens=-1": "config batching.packed_row_tokens=-1: must be a positive integer",
+    "batching.packed_row_tokens=1.5": "config batching.packed_row_tokens=1.5: expected an integer",
+    "batching.batch_overhead_tokens=-5": "config batching.batch_overhead_tokens=-5: must be 0 or more",
+    "batching.packing=tight": "config batching.packing='tight': choose one of: rows, packed",
+    "batching.merge_groups=2": "config batching.merge_groups=2: expected true or false",
+    "batching.merge_groups=null": "config batching.merge_groups=null: expected true or false "
+    "(null is not allowed here)",
+    "batching=item batching.batch_size=0": "config batching.batch_size=0: must be a positive integer",
+    "batching=item batching.order=random": "config batching.order='random': choose one of: arrival, length",
+    "batching=memory batching.default_memory_gb=-1": "config batching.default_memory_gb=-1: must be a positive number",
+    # a bool key takes true or false only (OmegaConf alone reads 2, 1 or 'yes' as true)
+    "fail_fast=2": "config fail_fast=2: expected true or false",
+    "resume=1": "config resume=1: expected true or false",
+    "check_disk=yes": "config check_disk='yes': expected true or false",
+    "batching.prefix_cache=2": "config batching.prefix_cache=2: expected true or false",
+    "devices.discover=0": "config devices.discover=0: expected true or false",
+    "model.trust_remote_code=1": "config model.trust_remote_code=1: expected true or false",
+}
+
+
+@pytest.mark.parametrize("overrides", list(STRICT))
+def test_a_value_omegaconf_would_coerce_or_leave_unchecked_is_one_line(overrides):
+    from forge.config.build import to_plain
+
+    with pytest.raises(ForgeError) as info:
+        to_plain(compose(*overrides.split()))
+    assert str(info.value) == STRICT[overrides]
+
+
+def test_bools_and_mode_keys_still_take_what_they_should():
+    spec = spec_for("fail_fast=true", "resume='false'", "batching.packed_row_tokens=256", "batching.merge_groups=false")
+    assert spec.fail_fast is True and spec.resume is False
+    assert spec.mode_options["packed_row_tokens"] == 256 and spec.mode_options["merge_groups"] is False
+    assert spec_for("batching.packed_row_tokens=null").mode_options["packed_row_tokens"] is None
+    assert spec_for("batching=memory", "batching.default_memory_gb=8").mode_options["default_memory_bytes"] == 8 << 30

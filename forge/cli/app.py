@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import signal
+import os
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
+from forge.cli import early
 from forge.cli.compose import compose, group_options, precheck
-from forge.cli.early import start_workers
+from forge.cli.early import STOPPED_STATUS, catch_stop_signals, start_workers, stop_workers, stopped_line
 from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
@@ -43,7 +44,36 @@ def run(ctx: typer.Context) -> None:
     the config). `output_dir=PATH` sets the run directory (default: a fresh one under outputs/);
     an fsspec URL (s3://bucket/run, gs://..., memory://...) works too.
     """
-    start_workers(ctx.args)  # a no-op when the entry point started them
+    ran: list[str] = []  # the run directory of each job whose run returned (a stop after it is no start-up's)
+    previous = catch_stop_signals()  # SIGTERM in start-up: as Ctrl-C ({} where the command's main did it)
+    try:
+        start_workers(ctx.args)  # a no-op when the entry point started them
+        task = _hydra_task(ran)
+        precheck(ctx.args)
+        saved = sys.argv
+        sys.argv = ["forge run", *ctx.args]
+        try:
+            task()
+        finally:
+            sys.argv = saved
+    except ForgeError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        if not ran:
+            stop_workers()  # no worker yet: the fork server would go on importing for seconds
+        _stopped(stopped_line() if not ran else stopped_line(f"after the run in {ran[-1]} returned", ran=True))
+        raise typer.Exit(STOPPED_STATUS) from None
+    finally:
+        early.restore_signals(previous)
+
+
+def _stopped(line: str) -> None:
+    """A `forge.cli.early.stopped_line`, its first word in the colour every stop line has."""
+    err.print(f"[bold red]interrupted[/]{escape(line.removeprefix('interrupted'))}", highlight=False, soft_wrap=True)
+
+
+def _hydra_task(ran: list[str]):
+    """The job `forge run` runs through Hydra (`hydra.main`): its run, report and exit status."""
     import hydra
 
     from forge.config.build import conf_dir
@@ -59,6 +89,7 @@ def run(ctx: typer.Context) -> None:
         try:
             with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as (run_dir, files):
                 report = _execute(cfg, run_dir, files, composed)
+                ran.append(str(run_dir))
         except ForgeError as exc:
             error_line(exc)
             raise SystemExit(2) from None  # not an Exception: Hydra lets it through without a traceback
@@ -67,29 +98,7 @@ def run(ctx: typer.Context) -> None:
             status_line(report)
             raise SystemExit(130 if report["status"] == "interrupted" else 2)
 
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # SIGTERM in start-up: as Ctrl-C
-    try:
-        precheck(ctx.args)
-        saved = sys.argv
-        sys.argv = ["forge run", *ctx.args]
-        try:
-            task()
-        finally:
-            sys.argv = saved
-    except ForgeError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        err.print(
-            "[bold red]interrupted[/] during start-up, before any work: nothing was committed; run the "
-            "command again (with resume=true if output_dir already holds the run)",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(130) from None
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    return task
 
 
 def _warm_up_workers(cfg) -> None:
@@ -106,10 +115,6 @@ def _warm_up_workers(cfg) -> None:
 
 #: whether this process was started as the `forge` command (not a test runner calling the app)
 _COMMAND = Path(sys.argv[0]).name in ("forge", "app.py", "entry.py")
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 @contextmanager
@@ -358,13 +363,26 @@ def _ref_name(ref: object) -> str:
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    """The `forge` command: the app, then `quick_exit` with its exit code."""
+    """The `forge` command: the app, then `quick_exit` with its exit code. SIGTERM is caught from
+    the start (a warm server's child, `python -m forge.cli.app` come here first, not through
+    `forge.cli.entry`); one that comes as the command exits ends it at once, with the status a
+    stop gets."""
     from forge.cli.exit import quick_exit
 
+    catch_stop_signals()
+    code: int | str | None = None
     try:
         app()
     except SystemExit as exc:  # typer always ends this way, with the command's exit code
-        quick_exit(exc.code)
+        code = exc.code
+    if code == STOPPED_STATUS and early.STOPPED_BY and not early.REPORTED:  # typer's silent 130 while it parsed
+        stop_workers()
+        _stopped(stopped_line())
+    try:
+        quick_exit(code)
+    except KeyboardInterrupt:
+        _stopped(stopped_line("as the command exited", ran=True))
+        os._exit(STOPPED_STATUS)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,9 +7,29 @@ command's own set-up. So the command starts the process executor's fork server
 the run will use it, before the CLI itself is imported: the entry point (`forge.cli.entry`)
 calls `start_workers` once no warm `forge server` took the command, and `forge.cli.app` calls
 it again for a command run another way (a test's `CliRunner`); the second call is a no-op.
+
+It also holds how a stop signal (SIGTERM, Ctrl-C) ends the command outside the run loop
+(`catch_stop_signals`, `stopped_line`): the entry point installs the handler before anything
+else, so a stop at any moment of start-up is one line naming the signal and exit status 130,
+never a silent death (SIGTERM's default) nor a silent 130 (typer's for Ctrl-C while it parses);
+the run loop (`forge.core.engine`) handles both from its start, and hands them back at its end.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from contextlib import suppress
+from typing import Any
+
+#: the status a command stopped by a signal exits with, whichever signal (as a Ctrl-C'd run does)
+STOPPED_STATUS = 130
+#: the name of each stop signal that arrived (SIGTERM, SIGINT), latest last
+STOPPED_BY: list[str] = []
+#: the stop lines built for printing (`stopped_line`): a stop that ends with none was swallowed
+REPORTED: list[str] = []
 
 #: what the worker needs besides torch and transformers, preloaded before the function is known
 RUNTIME_MODULES = ("forge.api", "forge.runtime.causal_lm", "forge.runtime.views")
@@ -31,3 +51,60 @@ def start_workers(args: list[str]) -> bool:
 
     warm_up(RUNTIME_MODULES)
     return True
+
+
+def catch_stop_signals() -> dict[int, Any]:
+    """Make SIGTERM raise KeyboardInterrupt, as Ctrl-C does, and both remember which signal came;
+    returns the handlers replaced (for `restore_signals`). A signal whose handler is not the
+    default (ignored, as a background job's Ctrl-C is, or already caught) is left alone, and
+    outside the main thread no handler can be set. Without it SIGTERM kills the command before
+    the CLI's own handling exists: no line, status -15, and the fork server goes on importing
+    torch, with the terminal's output, for seconds."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        signum: signal.signal(signum, _stop)
+        for signum in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler)
+    }
+
+
+def restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def _stop(signum: int, frame: object) -> None:
+    STOPPED_BY.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def stopped_line(during: str = "during start-up, before any work", ran: bool = False) -> str:
+    """The one line for a command stopped by a signal (its KeyboardInterrupt caught), naming the
+    signal; `ran`: a run had returned before it came."""
+    by = f", by {STOPPED_BY[-1]}" if STOPPED_BY else ""
+    then = (
+        "what it committed stays; run the command again with resume=true to finish what did not"
+        if ran
+        else "nothing was committed; run the command again (with resume=true if output_dir already holds the run)"
+    )
+    REPORTED.append(f"interrupted {during}{by}: {then}")
+    return REPORTED[-1]
+
+
+def stop_workers() -> None:
+    """Stop this process's fork server (and the resource tracker started with it) at once:
+    start-up was interrupted, and it would otherwise finish importing torch (seconds) before it
+    noticed, holding the terminal's output. No worker exists yet to lose."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is not None and pid is not None:
+        with suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with suppress(Exception):  # closes its pipe and reaps it
+            server._stop()
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    if tracker is not None and getattr(tracker, "_pid", None) is not None:
+        with suppress(Exception):  # it ends once its pipe closes; reaped here, not left a zombie
+            tracker._stop()

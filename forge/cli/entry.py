@@ -45,6 +45,7 @@ def run_warm(argv: list[str], address: Path | None = None) -> int | None:
         }
         child: list[int] = []  # the command's pid (and process group), once the server forked it
         pending: list[int] = []  # signals that came before it
+        previous = {signum: signal.getsignal(signum) for signum in FORWARDED}
         for signum in FORWARDED:
             signal.signal(signum, lambda s, _f: _forward(child[0], s) if child else pending.append(s))
         try:
@@ -54,12 +55,14 @@ def run_warm(argv: list[str], address: Path | None = None) -> int | None:
         except (OSError, ValueError):
             reply = {}
         if "pid" not in reply:  # a server that stopped between connect and fork: nothing ran
-            for signum in FORWARDED:
-                signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
-            return None if not pending else 128 + pending[0]
+            for forwarded, handler in previous.items():  # the command's own handling (main's), as it was
+                signal.signal(forwarded, handler if handler is not None else signal.SIG_DFL)
+            if pending:
+                signal.raise_signal(pending[0])  # as if it came now: main's handler says so in one line
+            return None
         child.append(int(reply["pid"]))
-        for signum in pending:
-            _forward(child[0], signum)
+        for early_signal in pending:
+            _forward(child[0], early_signal)
         signal.signal(signal.SIGTSTP, lambda _s, _f: _suspend(child[0]))
         signal.signal(signal.SIGCONT, lambda _s, _f: _forward(child[0], signal.SIGCONT))
         try:
@@ -107,19 +110,29 @@ def serve_here(argv: list[str]) -> None:  # pragma: no cover - the server proces
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    """`forge ...`: warm through this environment's server when one runs, else here."""
+    """`forge ...`: warm through this environment's server when one runs, else here. SIGTERM and
+    Ctrl-C are caught from here on (`forge.cli.early.catch_stop_signals`): at any moment before
+    the command's own handling, a stop is one line naming the signal, and status 130."""
+    from forge.cli import early
+
+    previous = early.catch_stop_signals()
     argv = sys.argv[1:]
-    if argv and argv[0] not in LOCAL_COMMANDS and not argv[0].startswith("-"):
-        code = run_warm(argv)
-        if code is not None:
-            sys.exit(code)
-    if argv and argv[0] == "run":  # cold: the workers' imports start before the CLI's own
-        from forge.cli.early import start_workers
+    try:
+        if argv and argv[0] not in LOCAL_COMMANDS and not argv[0].startswith("-"):
+            code = run_warm(argv)
+            if code is not None:
+                sys.exit(code)
+        if argv and argv[0] == "run":  # cold: the workers' imports start before the CLI's own
+            early.start_workers(argv[1:])
+        from forge.cli.app import main as run_here
 
-        start_workers(argv[1:])
-    from forge.cli.app import main as run_here
-
-    run_here()
+        run_here()
+    except KeyboardInterrupt:
+        early.stop_workers()
+        print(early.stopped_line(), file=sys.stderr, flush=True)
+        os._exit(early.STOPPED_STATUS)  # nothing to tear down: no run began
+    finally:  # reached only where main returns (a test calling it): the caller's handlers back
+        early.restore_signals(previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

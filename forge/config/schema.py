@@ -29,7 +29,17 @@ from omegaconf.errors import (
 )
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
-from forge.config.checks import CHECK, non_negative, one_of, positive, share  # one_of, positive: functions' schemas too
+from forge.config.checks import (  # one_of, positive: functions' schemas too
+    CHECK,
+    check_bools,
+    check_mode_options,
+    non_negative,
+    one_of,
+    positive,
+    share,
+    show,
+    unwrap_optional,
+)
 from forge.config.unknown_key import explain_unknown_key, unknown_key_line
 from forge.core.geometry import DEFAULT_WINDOW
 from forge.errors import ForgeError
@@ -198,7 +208,9 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
         raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
     except OmegaConfBaseException as exc:
         raise ForgeError(_explain(exc, schema_cls, cfg)) from None
+    check_bools(schema_cls, cfg)
     _check_values(schema_cls, plain, "")
+    check_mode_options(plain.get("batching") or {})
     _check_executor((plain.get("runtime") or {}).get("executor"))
     return plain
 
@@ -210,7 +222,7 @@ def _check_executor(name) -> None:
     offered = executors(make_plugin_manager())
     if name is not None and name not in offered:
         raise ForgeError(
-            f"config runtime.executor={_show(name)}: choose one of: {', '.join(sorted(offered))} "
+            f"config runtime.executor={show(name)}: choose one of: {', '.join(sorted(offered))} "
             "(plugins add more through forge_executors)"
         )
 
@@ -225,7 +237,7 @@ def explain_compose_error(exc: BaseException) -> str | None:
     if isinstance(cause, ValidationError) and key:
         expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
         if expected:
-            return f"config {key}={_show(_raw(cause.value))}: expected {expected}"
+            return f"config {key}={show(_raw(cause.value))}: expected {expected}"
     return None
 
 
@@ -265,25 +277,10 @@ def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
         check: Callable | None = f.metadata.get(CHECK)
         problem = check(value) if check else None
         if problem:
-            raise ForgeError(f"config {key}={_show(value)}: {problem}")
-        inner = _unwrap_optional(hints[f.name])
+            raise ForgeError(f"config {key}={show(value)}: {problem}")
+        inner = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
             _check_values(inner, value, f"{key}.")
-
-
-def _unwrap_optional(tp):
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if args and type(None) in typing.get_args(tp):
-        return args[0]
-    return tp
-
-
-def _show(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
 
 
 NODE_TYPES = {
@@ -304,7 +301,7 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> 
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False) if key else None
         expected = _expected(_field_type(schema_cls, key)) if key else None
         if expected:
-            return f"config {key}={_show(_raw(value))}: expected {expected}"
+            return f"config {key}={show(_raw(value))}: expected {expected}"
         return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
     if isinstance(exc, ConfigKeyError):
         return explain_unknown_key(key, exc, OPEN_NODES, RUNTIMES)
@@ -314,7 +311,7 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> 
         expected = expected or _expected(_field_type(schema_cls, key))
         if expected:
             null_ok = "" if value is not None else " (null is not allowed here)"
-            return f"config {key}={_show(value)}: expected {expected}{null_ok}"
+            return f"config {key}={show(value)}: expected {expected}{null_ok}"
     return f"config {key}: {str(exc).splitlines()[0]}"
 
 
@@ -345,7 +342,7 @@ def _field_type(schema_cls: type, key: str):
     """The declared type at a dotted key like `devices.limits.max_rows` or `layers[1]`."""
     tp: Any = schema_cls
     for part in re.findall(r"[^.\[\]]+", key):
-        tp = _unwrap_optional(tp)
+        tp = unwrap_optional(tp)
         if dataclasses.is_dataclass(tp):
             hints = typing.get_type_hints(tp)
             if part not in hints:
@@ -355,13 +352,13 @@ def _field_type(schema_cls: type, key: str):
             tp = typing.get_args(tp)[0] if typing.get_args(tp) else Any
         else:
             return None
-    return _unwrap_optional(tp)
+    return unwrap_optional(tp)
 
 
 def _expected(tp) -> str | None:
     if tp is None:
         return None
-    tp = _unwrap_optional(tp)
+    tp = unwrap_optional(tp)
     if tp in PLAIN_TYPES:
         return PLAIN_TYPES[tp]
     if typing.get_origin(tp) is list:

@@ -112,8 +112,8 @@ def check_input(path: Path, key: str = "input.path", columns: Mapping[str, Colum
         raise ForgeError(f"{key}={path}: unknown format {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
     if path.stat().st_size == 0:
         raise ForgeError(f"{key}={path} is empty; it needs at least one row with a 'text' field")
-    if columns and path.suffix.lower() == ".parquet":
-        check_parquet_schema(path, columns, key)
+    if path.suffix.lower() == ".parquet":
+        check_parquet_schema(path, columns or {}, key)  # with no columns: still readable, names unique
     return path
 
 

@@ -94,9 +94,67 @@ def hydra_dir(output_dir: str) -> str:
     folder of this process, never the run directory itself. Forge copies the job's .hydra/ into
     the run directory once the run owns it (`forge.io.store.RunStore`), so a directory that another
     run holds, or that is not a Forge run, is never written into. Registered as the
-    `forge_hydra_dir` resolver."""
+    `forge_hydra_dir` resolver; one answer per output_dir all through a process."""
     key = hashlib.sha1(f"{os.getpid()}:{output_dir}".encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "forge-hydra", key)
+    if os.getpid() not in _STAGED:  # what Hydra leaves there (a sweep's multirun.yaml) goes at the process's end
+        import atexit
+
+        atexit.register(_remove_staged)
+        _STAGED[os.getpid()] = set()
+    where = (os.environ.get("XDG_RUNTIME_DIR") or "", tempfile.gettempdir(), os.getuid())
+    if where not in _STAGING:
+        _STAGING[where] = _staging_root(*where)
+    _STAGED[os.getpid()].add(os.path.join(_STAGING[where], key))
+    return os.path.join(_STAGING[where], key)
+
+
+_STAGING: dict[tuple[str, str, int], str] = {}  # ($XDG_RUNTIME_DIR, temp dir, uid) -> staging root
+_STAGED: dict[int, set[str]] = {}  # pid -> its staging folders (a forked child inherits, not owns, them)
+
+
+def staging_problem(path: str | Path, uid: int) -> str | None:
+    """Why `path` may not hold user `uid`'s staging folders, or None: it must be a folder (not a
+    link) of `uid`'s that no one else may write to (who made it first could swap a job's files)."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not {uid}"
+    return f"is writable by others (mode {st.st_mode & 0o7777:04o})" if st.st_mode & 0o022 else None
+
+
+def _staging_root(runtime_dir: str, temp_dir: str, uid: int) -> str:
+    """`forge-hydra` in $XDG_RUNTIME_DIR when that is usable, else `forge-hydra-<uid>` (0700) in the
+    temp dir: one name for all users there would be the first one's alone. A folder that another
+    user made, or that others may write to, is not used: a fresh private one is, with a note."""
+    import sys
+
+    folders = [os.path.join(temp_dir, f"forge-hydra-{uid}")]
+    if runtime_dir and staging_problem(runtime_dir, uid) is None and os.access(runtime_dir, os.W_OK | os.X_OK):
+        folders.insert(0, os.path.join(runtime_dir, "forge-hydra"))
+    for folder in folders:
+        try:
+            os.mkdir(folder, 0o700)
+        except OSError:
+            pass  # there already (checked next), or not makeable here
+        problem = staging_problem(folder, uid) or (None if os.access(folder, os.W_OK | os.X_OK) else "is not writable")
+        if problem is None:
+            return folder
+    fresh = tempfile.mkdtemp(prefix="forge-hydra-", dir=temp_dir)
+    _STAGED.setdefault(os.getpid(), set()).add(fresh)
+    note = f"forge: note: {folder} {problem}; staging Hydra's files in {fresh} (remove {folder} to stop this note)"
+    print(note, file=sys.stderr)
+    return fresh
+
+
+def _remove_staged() -> None:  # at exit, the process's own only
+    for folder in sorted(_STAGED.pop(os.getpid(), ()), reverse=True):  # a fresh root after what it holds
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_dir_of(output_dir: str, hydra_output_dir: str | Path) -> str | Path:
@@ -202,8 +260,12 @@ class LocalLocation(Location):
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + TMP_SUFFIX)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: no half-written temporary left behind
+            raise
 
     def create(self, rel: str, data: bytes) -> bool:
         path = self.root / rel

@@ -49,6 +49,7 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
         schema = pq.read_schema(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
+    check_unique_columns(path, schema.names, key)
     kinds = {"string": is_string_type, "integer": pa.types.is_integer}
     for name, column in columns.items():
         if name not in schema.names:
@@ -68,6 +69,20 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
                 f"{key}={path}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
                 f"(cast it, e.g. with pyarrow or pandas, and write the file again)"
             )
+
+
+def check_unique_columns(path: Path, names: list[str], key: str = "input.path") -> None:
+    """One ForgeError line if two columns share a name: a row is read as a mapping of column
+    names, so one of them would be dropped unseen (or, for a column Forge reads, which one is
+    meant is unknown)."""
+    repeated = sorted({n for n in names if names.count(n) > 1}, key=names.index)
+    if repeated:
+        name, n = repeated[0], names.count(repeated[0])
+        others = f" (and {', '.join(map(repr, repeated[1:]))} too)" if len(repeated) > 1 else ""
+        raise ForgeError(
+            f"{key}={path}: its Parquet schema has {n} columns named {name!r}{others}; rename or drop "
+            f"{'one' if n == 2 else 'all but one'} of them and write the file again"
+        )
 
 
 def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
@@ -206,6 +221,7 @@ def parquet_records(path: Path, cap: int) -> Iterator[Record]:
         file = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise ForgeError(f"input.path={path}: not a readable Parquet file ({first_line(exc)})") from None
+    check_unique_columns(path, file.schema_arrow.names)
     start = 0
     for group in range(file.metadata.num_row_groups):
         n = file.metadata.row_group(group).num_rows
