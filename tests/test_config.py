@@ -388,3 +388,14 @@ def test_bools_and_mode_keys_still_take_what_they_should():
     assert spec.mode_options["packed_row_tokens"] == 256 and spec.mode_options["merge_groups"] is False
     assert spec_for("batching.packed_row_tokens=null").mode_options["packed_row_tokens"] is None
     assert spec_for("batching=memory", "batching.default_memory_gb=8").mode_options["default_memory_bytes"] == 8 << 30
+
+
+@pytest.mark.parametrize("override", ["runtime.read_ahead=2", "runtime.keep_freed_memory=yes", "+runtime.read_ahead=1"])
+def test_a_runtime_bool_given_anything_but_true_or_false_is_one_line(override):
+    """The runtime group is typed while Hydra composes it: 2 would become true unseen."""
+    from forge.cli.compose import compose
+
+    key, _, value = override.lstrip("+").partition("=")
+    with pytest.raises(ForgeError, match=rf"^config {key}={value}: expected true or false$"):
+        compose([override])
+    compose(["runtime.read_ahead=false", "runtime.keep_freed_memory=True"])  # true and false still are

@@ -124,6 +124,7 @@ def compose(overrides: list[str], config_dir: Path | None = None):
     flags = [o for o in overrides if o.startswith("-")]
     if flags:
         raise ForgeError(f"unknown option(s) {' '.join(flags)}; see --help")
+    _check_runtime_bools(overrides)
     if config_dir is not None:
         if not Path(config_dir).is_dir():
             raise ForgeError(f"--config-dir {config_dir}: no such directory")
@@ -136,3 +137,19 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         from forge.config.schema import explain_compose_error
 
         raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
+
+
+def _check_runtime_bools(overrides: list[str]) -> None:
+    """A runtime bool given anything but true or false on the command line. The runtime group is
+    composed onto its typed schema, so Hydra turns `runtime.read_ahead=2` into true before
+    `validate` could see the 2."""
+    import dataclasses
+
+    from forge.config.schema import RayRuntime
+
+    bools = {f.name for f in dataclasses.fields(RayRuntime) if f.type in (bool, "bool")}
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        name = key.removeprefix("runtime.")
+        if sep and key.startswith("runtime.") and name in bools and value.strip().lower() not in ("true", "false"):
+            raise ForgeError(f"config {key}={value}: expected true or false")
