@@ -9,6 +9,12 @@ its deadline (TIMEOUT; the worker gets no more work and is killed unless it answ
 `kill_grace_s`). A dead or killed worker is replaced up to `max_restarts` times per device;
 then the device is retired and the others finish the work. The timing and replacement
 bookkeeping is `forge.executors.base.SlotExecutor`'s, shared with the Ray executor.
+
+The fork server the workers fork from can die too (kill -9, the out-of-memory killer). Its
+workers run on: they are processes of their own, which it only reports the exits of, so from
+then on a worker's pipe reaching end of file is its exit ("orphaned"), and killing one is a
+signal to its pid. The next worker start gets a new fork server (`warm_fork`); if none will
+start, the device is retired with the reason, as after too many restarts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from multiprocessing.process import BaseProcess
 
 from forge.core.geometry import Batch, Device
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
+from forge.executors.warm_fork import forget_dead_fork_server
 
 # Workers fork from a server process that imported torch and the function's module once, so a
 # replacement starts in well under a second; fork from the driver would copy its threads and
@@ -40,6 +47,9 @@ COMMON_MODULES = (
     "transformers.modeling_utils",
     "forge.executors.fork_server_warm",
 )
+#: starts of one worker tried before its device is retired: the fork server died during one (a
+#: new one starts on the next, once the dead one has exited)
+START_TRIES = 4
 
 
 def warm_up(modules: tuple[str, ...] = ()) -> None:
@@ -58,6 +68,7 @@ class _Slot(Slot):
     process: BaseProcess
     conn: Connection
     load_error: str | None = None  # why the worker could not load its model
+    orphaned: bool = False  # its fork server died: only its pipe's end of file tells of its exit
 
 
 class ProcessExecutor(SlotExecutor[_Slot]):
@@ -111,32 +122,55 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             self._spawn(device)
 
     def _spawn(self, device: Device) -> None:
-        parent, child = _ctx.Pipe()
-        process = _ctx.Process(
-            target=worker_main,
-            name=f"forge-worker-{device.name}",
-            daemon=True,
-            args=(
-                child,
-                self.function,
-                device,
-                self.cache_tokens,
-                self.plugins,
-                self._threads,
-                self.keep_freed_memory,
-                dict(os.environ),
-            ),
-        )
-        asked = time.monotonic()  # start() waits for the fork server to finish its imports
-        process.start()
-        child.close()
-        self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=asked)
+        why = ""
+        for attempt in range(START_TRIES):
+            parent, child = _ctx.Pipe()  # a fresh pipe each try: a worker forked by a failed one must not share it
+            process = _ctx.Process(
+                target=worker_main,
+                name=f"forge-worker-{device.name}",
+                daemon=True,
+                args=(
+                    child,
+                    self.function,
+                    device,
+                    self.cache_tokens,
+                    self.plugins,
+                    self._threads,
+                    self.keep_freed_memory,
+                    dict(os.environ),
+                ),
+            )
+            asked = time.monotonic()  # start() waits for the fork server to finish its imports
+            try:
+                process.start()
+            except (OSError, EOFError) as exc:  # the fork server died before it told the worker's pid
+                parent.close()  # a worker it forked all the same finds its pipe closed and exits
+                child.close()
+                why = one_line(exc)
+                time.sleep(0.1 * (attempt + 1))  # for the dead server to exit: the next start replaces it
+                forget_dead_fork_server()
+                continue
+            child.close()
+            self.slots[device.name] = _Slot(device=device, process=process, conn=parent, started=asked)
+            return
+        self.slots.pop(device.name, None)
+        self.retired[device.name] = f"device {device.name} retired: its worker could not start: {why}"
 
     @staticmethod
     def _kill(slot: _Slot) -> None:
-        if slot.process.is_alive():
-            slot.process.kill()
-        slot.process.join(10)
+        if not slot.orphaned and not slot.process.is_alive() and _outlives_server(slot.process):
+            slot.orphaned = True  # its fork server died unnoticed: process.kill() would skip it
+        if slot.orphaned:  # its fork server is gone, and with it the exit status: its pipe tells
+            if not _ended(slot.conn, 0.0) and slot.process.pid is not None:
+                try:
+                    os.kill(slot.process.pid, signal.SIGKILL)  # its pid is not reused while its pipe is open
+                except ProcessLookupError:
+                    pass
+                _ended(slot.conn, 10.0)
+        else:
+            if slot.process.is_alive():
+                slot.process.kill()
+            slot.process.join(10)
         slot.conn.close()
 
     def close(self, grace_s: float = 5.0) -> None:
@@ -147,7 +181,9 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                 pass
         deadline = time.monotonic() + grace_s
         for slot in self.slots.values():
-            slot.process.join(max(0.0, deadline - time.monotonic()))
+            slot.process.join(max(0.0, deadline - time.monotonic()))  # at once for an orphan: it reads "dead"
+            if slot.orphaned or _outlives_server(slot.process):
+                _ended(slot.conn, max(0.0, deadline - time.monotonic()))
             self._kill(slot)
         self.slots.clear()
 
@@ -172,7 +208,8 @@ class ProcessExecutor(SlotExecutor[_Slot]):
         waitables: dict[Connection | int, _Slot] = {}  # a worker's pipe, and its sentinel (a handle)
         for slot in self.slots.values():
             waitables[slot.conn] = slot
-            waitables[slot.process.sentinel] = slot
+            if not slot.orphaned:  # an orphan's sentinel stays ready (end of file) for good
+                waitables[slot.process.sentinel] = slot
         if waitables:
             wait_any(list(waitables), timeout=max(0.0, deadline - now))
         for slot in list(self.slots.values()):
@@ -185,6 +222,9 @@ class ProcessExecutor(SlotExecutor[_Slot]):
 
     def _read(self, slot: _Slot) -> None:
         name = slot.device.name
+        # asked before the pipe is read: a worker whose exit the fork server reported has closed its pipe by then
+        alive = slot.orphaned or slot.process.is_alive()
+        ended = False
         try:
             while slot.conn.poll():
                 msg = slot.conn.recv()
@@ -210,16 +250,47 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                     )
                 )
         except (EOFError, OSError):
-            pass
-        if not slot.process.is_alive():
+            ended = True
+        if not alive and not ended and _outlives_server(slot.process):
+            slot.orphaned = alive = True
+            forget_dead_fork_server()  # reaped now; the next worker start runs a new one
+        if alive and not (slot.orphaned and ended):
+            return
+        if slot.orphaned:
+            why = "exit code unknown: its fork server had died"
+        else:
             code = slot.process.exitcode
             why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            self._replace(
-                slot,
-                f"worker of {name} could not load the model: {slot.load_error}"
-                if slot.load_error
-                else f"worker of {name} died ({why})",
-            )
+        self._replace(
+            slot,
+            f"worker of {name} could not load the model: {slot.load_error}"
+            if slot.load_error
+            else f"worker of {name} died ({why})",
+        )
+
+
+def _outlives_server(process: BaseProcess) -> bool:
+    """Whether a worker reported dead lives on, its fork server dead: multiprocessing reads exit
+    code 255 when the server's status pipe ends without one, yet the worker's pid still runs."""
+    if process.exitcode != 255 or process.pid is None:
+        return False
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _ended(conn: Connection, timeout: float) -> bool:
+    """Whether the worker at the other end of `conn` has exited (its end closed: end of file),
+    waiting up to `timeout` seconds; what it still sends is dropped."""
+    deadline = time.monotonic() + timeout
+    while wait_any([conn], max(0.0, deadline - time.monotonic())):
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------- the worker process
@@ -253,9 +324,9 @@ def worker_main(
         hook = make_plugin_manager(load_entry_points=False, modules=plugins).hook
         worker = function.open_worker(device, cache_tokens)
     except Exception as exc:  # noqa: BLE001 - the driver says why the device cannot run
-        conn.send(("load_failed", one_line(exc)))
+        _send(conn, ("load_failed", one_line(exc)))
         return
-    conn.send(("ready", time.perf_counter() - t0, time.time()))
+    _send(conn, ("ready", time.perf_counter() - t0, time.time()))
     while True:
         msg = inbox.get()
         if msg is None:
@@ -268,14 +339,23 @@ def worker_main(
             hook.forge_fault(point="after_forward", device=device, batch=batch)
         except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
             status = classify_error(exc)
-            conn.send((status.value, ticket, one_line(exc), time.perf_counter() - t0))
+            _send(conn, (status.value, ticket, one_line(exc), time.perf_counter() - t0))
             if status == Status.OOM:
                 _free_device_memory(device)
             elif "CUDA error" in str(exc) or "device-side assert" in str(exc):
                 break  # a sticky device error: this process is done; the driver starts another
             continue
-        conn.send((Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
+        _send(conn, (Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
     worker.close()
+
+
+def _send(conn, msg) -> None:
+    """Send to the driver. A closed pipe means nobody reads: the driver died, or gave up on this
+    worker (one its dying fork server forked without telling the pid); the worker ends quietly."""
+    try:
+        conn.send(msg)
+    except OSError:
+        os._exit(0)
 
 
 def _read_into(conn, inbox: queue.SimpleQueue) -> None:
@@ -285,7 +365,9 @@ def _read_into(conn, inbox: queue.SimpleQueue) -> None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            msg = None  # the driver is gone
+            # the driver is gone or gave up on this worker (it asks a worker to stop with None, and
+            # closes the pipe only on one it killed or never knew the pid of): nothing to finish for
+            os._exit(0)
         inbox.put(msg)
         if msg is None:
             return

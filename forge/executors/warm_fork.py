@@ -7,6 +7,10 @@ workers start warm as well. The fork server is the command's own child with the 
 listening socket and "alive" pipe as one multiprocessing starts (Python 3.10-3.12's
 `multiprocessing.forkserver`, whose private state this fills in), so everything after is
 multiprocessing's: workers connect to it, and it exits when the command and its workers have.
+
+A fork server can die (a kill -9, the out-of-memory killer). multiprocessing's `ensure_running`,
+which every worker start calls, starts another once it has reaped the dead one, a cold one
+(`forget_dead_fork_server` covers what it does not: a server that is no child of this process).
 """
 
 from __future__ import annotations
@@ -49,4 +53,26 @@ def fork_server_here() -> bool:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
+    return True
+
+
+def forget_dead_fork_server() -> bool:
+    """Forget this process's fork server if it has exited, as `ensure_running` does before it
+    starts another: its "alive" pipe closed, its pid reaped. Also when the pid is no child of
+    this process (reaped elsewhere), where `ensure_running`'s own check would raise instead.
+    True if it was forgotten; False while it runs, or when none was started."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # private: the state ensure_running checks
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is None:
+            return False
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                return False  # still running (or killed, and not yet exited)
+        except ChildProcessError:
+            pass
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
     return True
