@@ -1,8 +1,8 @@
 """Forge: GPU batch functions scheduled, packed and accounted in tokens."""
 
-from forge.core.geometry import Batch, Device, Item, Limits
 from forge.errors import ForgeError
 from forge.hookspecs import hookimpl
+from forge.vocab.geometry import Batch, Device, Item, Limits
 
 __all__ = [
     "Batch",

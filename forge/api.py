@@ -37,10 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.batching.memory import CostModel
+from forge.batching.cost import CostModel
 from forge.config.schema import positive
-from forge.core.geometry import Device, Item
-from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.io.inputs import Column, InputFile, InputSpec, Row
@@ -50,6 +48,8 @@ from forge.runtime.cost_models import check_layers
 from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
+from forge.vocab.geometry import Device, Item
+from forge.vocab.records import Rejected, Skipped
 
 __all__ = [
     "CausalLMFunction",

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from forge.batching.memory import CostModel
-from forge.core.geometry import Batch, Device, Item
-from forge.core.run import Rejected
+from forge.batching.cost import CostModel
+from forge.vocab.geometry import Batch, Device, Item
+from forge.vocab.records import Rejected, ResultColumns  # noqa: F401 (ResultColumns: the generic output)
 
 if TYPE_CHECKING:
     from forge.io.results import ResultSchema
@@ -41,15 +40,6 @@ if TYPE_CHECKING:
 class BatchOutput(Protocol):
     prefix_computed_tokens: int  # prefix tokens run this step (0 on a prefix-cache hit)
     cache_hit: bool  # the prefix came from the device's cache
-
-
-@dataclass
-class ResultColumns:
-    """A batch's output for the generic sink: one value per item for each result field."""
-
-    columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
-    prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
-    cache_hit: bool = False  # the prefix came from the device's cache
 
 
 class Worker(Protocol):

@@ -9,7 +9,7 @@ points tests use. The annotations are what Forge passes and expects (`TYPE_CHECK
 importing this module stays light); an implementation may take any subset of a hook's
 parameters, by name.
 
-Each run hook gets the `run` it belongs to (`forge.core.run.RunContext`); plugins keep their
+Each run hook gets the `run` it belongs to (`forge.vocab.records.RunContext`); plugins keep their
 per-run state in `run.state[<plugin name>]`, never in module globals.
 """
 
@@ -22,10 +22,10 @@ import pluggy
 
 if TYPE_CHECKING:
     from forge.batching.base import Packer
-    from forge.core.geometry import Batch, Device, Item
-    from forge.core.run import BatchStats, RunContext, Skipped
     from forge.executors.base import Executor
     from forge.function import Function
+    from forge.vocab.geometry import Batch, Device, Item
+    from forge.vocab.records import BatchStats, RunContext, Skipped
 
 hookspec = pluggy.HookspecMarker("forge")
 hookimpl = pluggy.HookimplMarker("forge")
@@ -146,7 +146,7 @@ def forge_input_skipped(run: RunContext, record: Skipped) -> None:
     `input.duplicate_ids=first|last` drops). It counts as received and skipped, with zero tokens.
 
     :param run: the `RunContext`.
-    :param record: the `forge.core.run.Skipped`: its id, its reason (where, why, what is kept
+    :param record: the `forge.vocab.records.Skipped`: its id, its reason (where, why, what is kept
         instead), its reason's kind (what the report counts) and its line where known.
     """
 
@@ -171,7 +171,7 @@ def forge_batch_completed(run: RunContext, batch: Batch, device: Device, stats: 
     :param run: the `RunContext`.
     :param batch: the `forge.Batch`.
     :param device: the `forge.Device` that ran it.
-    :param stats: `forge.core.run.BatchStats`: seconds, prefix tokens computed and served from cache.
+    :param stats: `forge.vocab.records.BatchStats`: seconds, prefix tokens computed and served from cache.
     """
 
 

@@ -69,9 +69,9 @@ _COMPOSED: dict[tuple, Any] = {}
 
 def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """`forge run function=<function>` in this process (`run_dir`: a path or an fsspec URL); returns the report."""
+    from forge.cli.build import build_spec
     from forge.cli.compose import compose
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     key = (function, str(rows_path), tuple(overrides))

@@ -55,7 +55,7 @@ def compose(*overrides):
 
 
 def spec_for(*overrides, run_dir: Path | None = None):
-    from forge.config.build import build_spec
+    from forge.cli.build import build_spec
 
     return build_spec(compose(*overrides), run_dir)
 
@@ -64,7 +64,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
     """A run, in this process unless the overrides pick an executor (tests of isolation do)."""
     if not any(o.startswith(("runtime.executor=", "runtime=")) for o in overrides):
         overrides = ("runtime.executor=inprocess", *overrides)
-    from forge.core.engine import execute
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     spec = spec_for(*overrides, run_dir=tmp_path)
@@ -72,7 +72,7 @@ def run_forge(tmp_path: Path, *overrides, pm=None):
 
 
 def plan_forge(*overrides, pm=None, keep_batches=False):
-    from forge.core.plan import plan
+    from forge.driver.plan import plan
     from forge.pluginmanager import make_plugin_manager
 
     return plan(spec_for(*overrides), pm or make_plugin_manager(), keep_batches=keep_batches)

@@ -19,8 +19,8 @@ def test_rows_within_always_leaves_a_row_to_go_back_when_room_is_a_rounding_erro
 
 
 def _two_cards(seconds_per_step: float):
-    from forge.core.geometry import Batch, Device, Item, Limits, StepTime
     from forge.scheduling.balancer import Balancer
+    from forge.vocab.geometry import Batch, Device, Item, Limits, StepTime
 
     sim = StepTime(seconds_per_step=seconds_per_step, seconds_per_slot=0.001)
     cards = [Device(name, Limits(8192, 64, 512), sim=sim) for name in ("a", "b")]

@@ -13,9 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.core.geometry import Batch, Item  # noqa: E402
 from forge.runtime.causal_lm import CausalLMRunner, reference_pooled  # noqa: E402
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
+from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 TOL = 1e-4
 NUM_LAYERS = 3

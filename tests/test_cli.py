@@ -162,8 +162,8 @@ def test_plan_plot_draws_item_beside_token(cli, tmp_path):
 
 
 def test_calibration_batches_and_fit():
-    from forge.core.geometry import Device, Item, Limits
     from forge.runtime.calibrate import calibration_batches, fit
+    from forge.vocab.geometry import Device, Item, Limits
 
     items = [Item(str(i), 20 + i % 3) for i in range(200)]
     batches = calibration_batches(items, Device("d", Limits(2048, 64, 64)))

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import DictConfig
 
 from conftest import compose, spec_for
-from forge.config.build import conf_dir
+from forge.cli.build import conf_dir
 from forge.errors import ForgeError
 
 GROUPS = {
@@ -74,8 +74,8 @@ def test_bad_device_limits_say_which_limit():
 
 
 def test_inventory_from_a_user_config_dir(tmp_path: Path):
+    from forge.cli.build import build_spec
     from forge.cli.compose import compose as cli_compose
-    from forge.config.build import build_spec
 
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "lab.yaml").write_text(
@@ -92,7 +92,7 @@ def test_inventory_from_a_user_config_dir(tmp_path: Path):
 
 
 def test_a_non_causal_function_cannot_share_prefixes(pm):
-    from forge.core.engine import prepare
+    from forge.driver.engine import prepare
 
     spec = spec_for("batching=token")
     assert spec.function.causal  # the embedded Llama is a causal decoder
@@ -105,7 +105,7 @@ def test_a_non_causal_function_cannot_share_prefixes(pm):
 
 
 def test_memory_mode_checks_budgets_before_any_work(pm):
-    from forge.core.engine import prepare
+    from forge.driver.engine import prepare
 
     spec = spec_for("batching=memory", "devices=cpu", "devices.inventory.0.memory_gb=0.001")
     with pytest.raises(ForgeError, match="device cpu has 0.001 GB, not more than the model's"):
@@ -159,7 +159,7 @@ BAD = {
 
 @pytest.mark.parametrize("override", list(BAD))
 def test_bad_config_is_one_line_naming_key_value_and_fix(override):
-    from forge.config.build import to_plain
+    from forge.cli.build import to_plain
 
     with pytest.raises(ForgeError) as info:
         to_plain(compose(override))
@@ -193,8 +193,8 @@ def test_an_unknown_key_without_plus_is_one_line_naming_the_key_meant(override):
 
 
 def test_schema_types_values_and_keeps_interpolations(pm):
-    from forge.config.build import to_plain
-    from forge.core.engine import prepare
+    from forge.cli.build import to_plain
+    from forge.driver.engine import prepare
 
     plain = to_plain(compose("budget.tokens_per_step='4096'", "batching=item", "batching.batch_size=8"))
     assert plain["budget"]["tokens_per_step"] == 4096  # a quoted number becomes the declared int
@@ -254,7 +254,7 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
 
     import yaml
 
-    from forge.config.build import conf_dir
+    from forge.cli.build import conf_dir
     from forge.config.schema import RayRuntime, Runtime
 
     for path, schema in (
@@ -274,19 +274,19 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
 def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
     """A batching YAML may restate a key of forge.config.schema.Batching only with the schema's value
     (Hydra overrides only keys a YAML has, so `window` is written there), and window's default
-    is forge.core.geometry.DEFAULT_WINDOW everywhere it is a default."""
+    is forge.vocab.geometry.DEFAULT_WINDOW everywhere it is a default."""
     import dataclasses
     import inspect
 
     import yaml
     from omegaconf import MISSING
 
-    from forge.config.build import conf_dir
+    from forge.cli.build import conf_dir
     from forge.config.schema import Batching
-    from forge.core.engine import RunSpec
-    from forge.core.geometry import DEFAULT_WINDOW
     from forge.core.scheduler import Scheduler
-    from forge.core.simulate import plan_geometry
+    from forge.driver.engine import RunSpec
+    from forge.driver.simulate import plan_geometry
+    from forge.vocab.geometry import DEFAULT_WINDOW
 
     unset = (None, dataclasses.MISSING, MISSING)  # no default, or the mode's own
     defaults = {f.name: f.default for f in dataclasses.fields(Batching) if f.default not in unset}
@@ -313,7 +313,7 @@ def test_function_yaml_and_constructor_agree_with_the_config_schema(name):
     import yaml
     from omegaconf import MISSING
 
-    from forge.config.build import conf_dir
+    from forge.cli.build import conf_dir
     from forge.pluginmanager import function_class
 
     data = yaml.safe_load((conf_dir() / "function" / f"{name}.yaml").read_text())
@@ -337,7 +337,7 @@ def test_batching_yaml_restates_its_packers_defaults():
     import yaml
 
     from forge.batching import ItemPacker, MemoryPacker, TokenPacker
-    from forge.config.build import conf_dir
+    from forge.cli.build import conf_dir
 
     packers = {"item": [ItemPacker], "token": [TokenPacker], "memory": [MemoryPacker, TokenPacker]}
     for mode, classes in packers.items():
@@ -375,7 +375,7 @@ STRICT = {
 
 @pytest.mark.parametrize("overrides", list(STRICT))
 def test_a_value_omegaconf_would_coerce_or_leave_unchecked_is_one_line(overrides):
-    from forge.config.build import to_plain
+    from forge.cli.build import to_plain
 
     with pytest.raises(ForgeError) as info:
         to_plain(compose(*overrides.split()))

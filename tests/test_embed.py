@@ -219,8 +219,8 @@ def test_packed_encoder_rows_restart_positions(tiny_bert):
     positions on from the first (no restart) would change it, so this test would catch that."""
     from transformers import BertModel
 
-    from forge.core.geometry import Batch, Item
     from forge.runtime.encoder import EncoderRunner, encoder_capabilities, reference_embedding
+    from forge.vocab.geometry import Batch, Item
 
     model = BertModel.from_pretrained(tiny_bert).eval()
     caps = encoder_capabilities(model.config, "sdpa")

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from forge.core.geometry import Device, Limits
 from forge.executors.base import Slot
 from forge.executors.process import ProcessExecutor
+from forge.vocab.geometry import Device, Limits
 
 CPU = Device("cpu", Limits(max_batch_tokens=64, max_rows=4, max_seq_len=64))
 

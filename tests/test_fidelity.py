@@ -230,8 +230,8 @@ _COMPOSED: dict[tuple, object] = {}
 
 def _run(tmp_path, path, rows, mode, pooling, *extra):
     """`forge run` in-process; Hydra composes each (mode, pooling, extra) once, the model name is set after."""
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
+    from forge.cli.build import build_spec
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     key = (mode, pooling, extra)
@@ -366,14 +366,14 @@ def test_fidelity_reduced_precision(tmp_path, data, name, dtype, mode, pooling):
 
 # -- capabilities, refusals and the stated path -------------------------------------------------
 def test_path_is_stated(tmp_path, data):
-    from forge.core.plan import plan
+    from forge.driver.plan import plan
     from forge.pluginmanager import make_plugin_manager
 
     path, _ = family("gemma2", data)
     report = _run(tmp_path, path, data[1], "token-packed", "last")
     assert report["path"].startswith("gemma2: eager attention (auto: no SDPA support); prefix run once")
     assert "packed rows on" in report["path"] and "sliding window 16 masked per layer type" in report["path"]
-    from forge.config.build import build_spec
+    from forge.cli.build import build_spec
 
     cfg = compose(
         *SMALL, "batching=token", "model=hf", f"model.name={family('llama', data)[0]}", f"input.path={data[1]}"
@@ -588,8 +588,8 @@ def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
         )
     cfg = copy.deepcopy(_COMPOSED[key])
     cfg.model.name = str(path)
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
+    from forge.cli.build import build_spec
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     if (name, mode) in REFUSED:

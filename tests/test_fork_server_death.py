@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from forge import load_activations
-from forge.core.geometry import Device, Limits
 from forge.executors import process as process_executor
 from forge.executors.base import Status
 from forge.executors.process import ProcessExecutor
+from forge.vocab.geometry import Device, Limits
 
 TESTS = Path(__file__).resolve().parent
 # a device that is no CPU: its worker sets up no torch threads (it imports no torch)

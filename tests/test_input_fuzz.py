@@ -9,11 +9,11 @@ import json
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
-from forge.core.geometry import Item
-from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.io.inputs import InputFile, Row
 from forge.io.readers import BOM
+from forge.vocab.geometry import Item
+from forge.vocab.records import Rejected, Skipped
 
 FUZZ = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -107,8 +107,8 @@ def _as_item(record):
 def _account(source: InputFile) -> tuple[list[Item], dict]:
     """The records through admission and the ledger, as a run counts them."""
     from forge.core.admission import AdmissionRules, admit
-    from forge.core.run import RunContext
     from forge.pluginmanager import make_plugin_manager
+    from forge.vocab.records import RunContext
 
     pm = make_plugin_manager()
     run = RunContext(function="fuzz", batching="none", devices=[], run_dir=None)

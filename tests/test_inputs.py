@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from forge.core.geometry import Item
-from forge.core.run import Rejected
 from forge.errors import ForgeError
 from forge.io.inputs import read_rows
+from forge.vocab.geometry import Item
+from forge.vocab.records import Rejected
 
 N = 5000
 
@@ -178,7 +178,7 @@ def test_an_integer_and_a_string_of_the_same_text_are_one_id_and_repeats_are_ref
 def test_first_and_last_keep_one_row_of_each_id_and_skip_the_others_with_their_line(
     tmp_path, policy, kept_line, dropped_line
 ):
-    from forge.core.run import Skipped
+    from forge.vocab.records import Skipped
 
     path = _write(tmp_path / "in.jsonl", MIXED_IDS)
     records = list(probe_gen(path, duplicate_ids=policy).records())
@@ -227,7 +227,7 @@ def test_parquet_ids_follow_the_same_rule(tmp_path):
     path = _parquet(tmp_path / "in.parquet", text=["a", "b", "c"], id=pa.array([1, None, 1]))
     with pytest.raises(ForgeError, match=r"e\.g\. '1' at rows 0 and 2"):
         probe_gen(path)
-    from forge.core.run import Skipped
+    from forge.vocab.records import Skipped
 
     records = list(probe_gen(path, duplicate_ids="last").records())
     assert [r.id for r in records if isinstance(r, Item)] == ["#1", "1"]
@@ -266,7 +266,7 @@ def test_every_function_yaml_takes_its_input_defaults_from_the_schema():
     import yaml
 
     from conftest import compose
-    from forge.config.build import conf_dir, to_plain
+    from forge.cli.build import conf_dir, to_plain
     from forge.io.inputs import InputSpec
 
     defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}

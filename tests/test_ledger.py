@@ -139,8 +139,8 @@ def _dataset():
 
 def test_an_item_with_nothing_after_its_prefix_fails_alone(pm):
     from forge.core.admission import AdmissionRules, admit
-    from forge.core.geometry import Device, Item, Limits
-    from forge.core.run import RunContext
+    from forge.vocab.geometry import Device, Item, Limits
+    from forge.vocab.records import RunContext
 
     run = RunContext("probe_gen", "token", [Device("cpu", Limits(2048, 64, 1024))], None)
     pm.hook.forge_run_start(run=run)
@@ -157,13 +157,13 @@ def test_an_item_with_nothing_after_its_prefix_fails_alone(pm):
 
 
 def _batch_of(items):
-    from forge.core.geometry import Batch
+    from forge.vocab.geometry import Batch
 
     return Batch(rows=[[it] for it in items], padded_len=8)
 
 
 def _stats():
-    from forge.core.run import BatchStats
+    from forge.vocab.records import BatchStats
 
     return BatchStats(0.0, 0, 0, 16)
 

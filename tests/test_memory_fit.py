@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from forge.batching.memory import CostModel
+from forge.batching.cost import CostModel
 from forge.runtime import memory_fit
 from forge.runtime.memory_fit import DEFAULT_MARGIN, FIT_SHAPES, FakeModel, Shape, Target, fit, fitted_cost_model
 
@@ -112,11 +112,11 @@ def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep(monkey
     from transformers import AutoModelForCausalLM
 
     from forge.batching.memory import MemoryPacker
-    from forge.core.geometry import Device, Limits
     from forge.errors import ForgeError
     from forge.functions.probe_gen import ProbeGen
     from forge.runtime.causal_lm import CausalLMRunner
     from forge.runtime.embedded import materialize_model
+    from forge.vocab.geometry import Device, Limits
 
     def make(layers):
         return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=layers)
@@ -167,7 +167,7 @@ def test_cuda_budget_is_free_memory_times_the_fraction(monkeypatch):
     import torch
 
     from forge.config.devices import discover
-    from forge.core.geometry import Limits
+    from forge.vocab.geometry import Limits
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

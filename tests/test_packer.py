@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
-from forge.batching.base import NO_PREFIX, Urgency
+from forge.batching.base import Urgency
 from forge.core.columns import GeometryFeed, ItemFeed
-from forge.core.geometry import Batch, Device, Item, Limits, broken_limit
 from forge.core.scheduler import Scheduler
+from forge.vocab.geometry import NO_PREFIX, Batch, Device, Item, Limits, broken_limit
 
 
 @st.composite
@@ -212,7 +212,7 @@ def test_the_packer_side_never_imports_torch():
     import sys
 
     code = (
-        "import sys, forge, forge.batching, forge.core.scheduler, forge.core.admission, forge.core.plan, "
+        "import sys, forge, forge.batching, forge.core.scheduler, forge.core.admission, forge.driver.plan, "
         "forge.builtin.batching, "
         "forge.builtin.ledger; print('torch' in sys.modules)"
     )
@@ -334,9 +334,9 @@ def test_last_rows_match_the_plain_worst_fit(runs, n_rows, fill):
 
 @given(st.lists(st.integers(0, 10**6), max_size=300))
 def test_stable_order_is_a_stable_argsort(values):
-    from forge.batching.token import _stable_order
+    from forge.batching.groups import stable_order
 
     key = np.array(values, np.int64)
-    assert np.array_equal(_stable_order(key), np.argsort(key, kind="stable"))
+    assert np.array_equal(stable_order(key), np.argsort(key, kind="stable"))
     huge = np.array([1 << 61, 5, 1 << 61, 0, 5], np.int64)  # key x n would overflow: argsort itself
-    assert _stable_order(huge).tolist() == [3, 1, 4, 0, 2]
+    assert stable_order(huge).tolist() == [3, 1, 4, 0, 2]

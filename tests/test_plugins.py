@@ -1,7 +1,7 @@
 """Plugins: built-ins come from entry points; a third-party mode plugs in the same way."""
 
 from conftest import spec_for
-from forge.core.plan import plan
+from forge.driver.plan import plan
 from forge.pluginmanager import batching_modes, make_plugin_manager
 
 
@@ -36,16 +36,16 @@ def test_every_hookspec_is_typed_and_documents_its_parameters():
     import typing
 
     import forge.batching.base
-    import forge.core.geometry
-    import forge.core.run
     import forge.executors.base
     import forge.function
     import forge.hookspecs
+    import forge.vocab.geometry
+    import forge.vocab.records
 
     names = {
         **vars(forge.hookspecs),
-        **vars(forge.core.geometry),
-        **vars(forge.core.run),
+        **vars(forge.vocab.geometry),
+        **vars(forge.vocab.records),
         "Packer": forge.batching.base.Packer,
         "Executor": forge.executors.base.Executor,
         "Function": forge.function.Function,

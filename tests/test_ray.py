@@ -70,7 +70,7 @@ def same_output(run_dir, clean):
 
 
 def test_runtime_ray_without_ray_is_one_line(monkeypatch):
-    from forge.core.engine import make_executor
+    from forge.driver.engine import make_executor
     from forge.pluginmanager import make_plugin_manager
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails

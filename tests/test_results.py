@@ -93,11 +93,11 @@ def test_one_reader_streams_shards_and_reads_ragged_fields(tmp_path):
     (a variable number of values per item) round-trip in Parquet and safetensors."""
     import numpy as np
 
-    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
     from forge.io.results import Field, ResultSchema, load, shards
     from forge.io.sinks import open_sink
     from forge.io.store import RunStore
+    from forge.vocab.geometry import Batch, Item
 
     for fmt in ("parquet", "safetensors"):
         run = tmp_path / fmt
@@ -151,11 +151,11 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
     import torch
     from safetensors import safe_open
 
-    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
     from forge.io.results import Field, ResultSchema, load
     from forge.io.sinks import open_sink
     from forge.io.store import RunStore
+    from forge.vocab.geometry import Batch, Item
 
     store = RunStore(tmp_path, {"function": "test"})
     schema = ResultSchema((Field("states", dtype, (3,), ragged=True), Field("n", "int32")), format=fmt, folder="res")
@@ -178,11 +178,11 @@ def test_ragged_fields_of_vectors_round_trip(tmp_path, fmt, dtype):
 def test_a_shaped_ragged_value_of_the_wrong_width_is_refused(tmp_path):
     import numpy as np
 
-    from forge.core.geometry import Batch, Item
     from forge.function import ResultColumns
     from forge.io.results import Field, ResultSchema
     from forge.io.sinks import open_sink
     from forge.io.store import RunStore
+    from forge.vocab.geometry import Batch, Item
 
     sink = open_sink(
         RunStore(tmp_path, {"function": "test"}),

@@ -9,17 +9,17 @@ from benchmarks.workloads import geometry, items as workload_items
 from forge.batching import TokenPacker
 from forge.builtin import ledger
 from forge.config.schema import Runtime
-from forge.core.column_batch import ColumnBatch
 from forge.core.columns import ColumnFeed
-from forge.core.geometry import Device, Limits, broken_limit
-from forge.core.indexset import IndexSet
 from forge.core.loop import Committer, RunLoop
-from forge.core.run import RunContext
 from forge.core.scheduler import Scheduler
 from forge.executors import SimExecutor
 from forge.executors.base import Outcome, Status
 from forge.hookspecs import hookimpl
 from forge.pluginmanager import make_plugin_manager
+from forge.vocab.column_batch import ColumnBatch
+from forge.vocab.geometry import Device, Limits, broken_limit
+from forge.vocab.indexset import IndexSet
+from forge.vocab.records import RunContext
 
 DEVICES = [Device(f"card{gb}{k}", Limits(8192, 256, 2048, 8), memory_bytes=gb << 30) for gb in (16, 80) for k in "ab"]
 

@@ -3,8 +3,8 @@
 import numpy as np
 
 from forge.batching import TokenPacker
-from forge.core.geometry import Device, Item, Limits
 from forge.core.scheduler import Scheduler
+from forge.vocab.geometry import Device, Item, Limits
 
 
 def workload(n, n_prefixes, seed=0):

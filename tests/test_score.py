@@ -203,8 +203,8 @@ _COMPOSED: dict[tuple, object] = {}
 
 
 def _run(tmp_path, source, rows_path, mode, *extra):
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
+    from forge.cli.build import build_spec
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
     key = (mode, extra)

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forge.core.geometry import Batch, Item
 from forge.errors import ForgeError
 from forge.function import ResultColumns
 from forge.hookspecs import hookimpl
@@ -18,6 +17,7 @@ from forge.io.results import Field, ResultSchema, load
 from forge.io.sinks import open_sink
 from forge.io.store import RunStore
 from forge.pluginmanager import batching_modes, function_class, functions, make_plugin_manager
+from forge.vocab.geometry import Batch, Item
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -250,7 +250,7 @@ def test_wheel_installs_everything_under_forge(tmp_path):
         cwd=tmp_path,
     )
     code = (
-        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.config.build import conf_dir; "
+        "import forge.functions.assets, forge.builtin.ledger, forge.conf; from forge.cli.build import conf_dir; "
         "print(forge.functions.assets.__file__); print(forge.builtin.ledger.__file__); print(conf_dir())"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -340,7 +340,7 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
 
 def test_the_import_map_has_no_cycles_and_no_arrows_back_up():
     graph = _import_map()
-    assert {"forge.core.engine", "forge.io.store", "forge.config.schema", "forge.cli.app"} <= set(graph)
+    assert {"forge.driver.engine", "forge.io.store", "forge.config.schema", "forge.cli.app"} <= set(graph)
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
     upward = sorted(

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from forge.batching.memory import CostModel
+from forge.batching.cost import CostModel
 from forge.config.devices import from_inventory, resolve_devices
-from forge.core.geometry import Device, Item, Limits, StepTime
-from forge.core.simulate import plan_geometry
+from forge.driver.simulate import plan_geometry
 from forge.errors import ForgeError
 from forge.executors.base import Status
+from forge.vocab.geometry import Device, Item, Limits, StepTime
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "devices"
 # The measured memory model of examples/models/llama-2-7b in bfloat16 (layers [1,2,4], pooling
@@ -93,8 +93,8 @@ def test_an_inventory_written_as_a_mapping_is_one_line_naming_it(tmp_path):
 
 
 def test_simulated_and_plain_devices_do_not_mix_and_forge_run_refuses_simulated_ones(tmp_path):
-    from forge.core.engine import RunSpec, execute
-    from forge.core.simulate import GeometryFunction
+    from forge.driver.engine import RunSpec, execute
+    from forge.driver.simulate import GeometryFunction
     from forge.pluginmanager import make_plugin_manager
 
     lim = Limits(4096, 64, 1024)
@@ -150,7 +150,7 @@ def test_per_device_batch_sizes_scale_with_the_budget():
 def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
     """Batches lost on the large card go back; re-routed, none lands on the small card
     over its budget (they are re-padded, split or sent where they fit)."""
-    import forge.core.plan
+    import forge.driver.plan
     from forge import hookimpl
     from forge.executors.sim import SimExecutor
     from forge.pluginmanager import make_plugin_manager
@@ -184,7 +184,7 @@ def test_no_batch_predicted_over_its_devices_budget_is_ever_routed(monkeypatch):
         def forge_batch_routed(self, run, batch, device):
             routed.append((device, batch))
 
-    monkeypatch.setattr(forge.core.plan, "SimExecutor", LosesOnTheLargeCard)
+    monkeypatch.setattr(forge.driver.plan, "SimExecutor", LosesOnTheLargeCard)
     pm = make_plugin_manager()
     pm.register(Spy())
     report = plan_geometry(reference(1500), inventory("mix_16g_32g"), "memory", cost=COST_7B, pm=pm)
@@ -229,7 +229,7 @@ def test_a_simulated_out_of_memory_error_splits_and_retries_with_nothing_lost(pa
 def test_a_heavy_tail_over_the_mix_places_every_item_or_says_why(packing):
     """Lengths from tens to thousands of tokens, some longer than any card takes: each item
     completes or is skipped at admission with its reason; the ledger balances; both cards work."""
-    from benchmarks.bench_mix import heavy_tail
+    from benchmarks.workloads import heavy_tail
 
     items = heavy_tail(600)
     too_long = sum(it.num_tokens > 4096 for it in items)

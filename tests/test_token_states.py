@@ -181,7 +181,7 @@ def test_plan_states_the_bytes_the_run_writes(tmp_path, data):
 def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypatch):
     import shutil
 
-    from forge.io import output_size
+    from forge.driver import output_size
 
     free = shutil.disk_usage(tmp_path)._replace(free=100_000)
     monkeypatch.setattr(output_size.shutil, "disk_usage", lambda path: free)

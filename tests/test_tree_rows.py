@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from forge.batching import TokenPacker
-from forge.core.geometry import Device, Item, Limits, broken_limit, row_used
 from forge.core.scheduler import Scheduler
 from forge.testing import check_modes
+from forge.vocab.geometry import Device, Item, Limits, broken_limit, row_used
 
 LIMITS = Limits(max_batch_tokens=4096, max_rows=64, max_seq_len=1024, pad_multiple=8)
 
@@ -106,7 +106,7 @@ def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheape
 
 def test_packer_merges_only_where_the_cost_is_lower():
     """Same items, merging on and off, through the simulated step cost: merging never costs more."""
-    from forge.core.geometry import step_cost
+    from forge.vocab.geometry import step_cost
 
     def cost(batches, overhead=256):
         return sum(overhead + step_cost(b).tokens for b in batches)
@@ -151,7 +151,7 @@ def test_the_rows_that_pay_cost_no_more_than_full_batches_of_the_longest(monkeyp
     import random
 
     from forge.batching.merged import MergedPlanning
-    from forge.core.geometry import step_cost
+    from forge.vocab.geometry import step_cost
 
     pay = MergedPlanning._rows_that_pay
     rng = random.Random(0)

@@ -16,9 +16,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.core.geometry import Batch, Item  # noqa: E402
 from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
+from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 TOL = 1e-4
 LAYERS = [0, 2, 3]

@@ -16,13 +16,11 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from forge.core.geometry import Batch, Device, Item
 from forge.errors import ForgeError
+from forge.vocab.geometry import Batch, Device, Item
 
 if TYPE_CHECKING:
-    from forge.batching.memory import CostModel
-
-NO_PREFIX = -1  # prefix code of an item without a shared prefix
+    from forge.batching.cost import CostModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
-from forge.core.geometry import Device
+from forge.batching.base import Chunk, Cut, GroupInfo, Packer, Urgency
 from forge.errors import ForgeError
+from forge.vocab.geometry import NO_PREFIX, Device
 
 
 class ItemPacker(Packer):

@@ -40,11 +40,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Cut, GroupInfo, Urgency
-from forge.core.geometry import Device
-
-if TYPE_CHECKING:
-    from forge.batching.token import _Group
+from forge.batching.base import Cut, GroupInfo, Urgency
+from forge.batching.groups import Group
+from forge.vocab.geometry import NO_PREFIX, Device
 
 MERGED = -2  # the group key of the pool of merged prefix groups (never a prefix code)
 TREE_ROW_CAP = 512  # the longest tree row (and merged group) unless batching.packed_row_tokens says otherwise
@@ -106,7 +104,7 @@ class MergedPlanning:
             self._ran.extend(bytes(code + 1 - len(self._ran) + len(self._ran) // 2))
         self._ran[code] = 1
 
-    def _merges(self, g: _Group, device: Device) -> bool:
+    def _merges(self, g: Group, device: Device) -> bool:
         """Whether group `g` (merged, its arrays sorted) costs less in a tree batch than in its own."""
         if not self.merge_groups or g.code == NO_PREFIX or not g.offset or not len(g.lengths):
             return False
@@ -121,7 +119,7 @@ class MergedPlanning:
         own = overhead + own_slots + (0 if ran else g.offset)
         return unit * (lim.max_batch_tokens + overhead) < own * lim.max_batch_tokens
 
-    def _pool_add(self, g: _Group) -> None:
+    def _pool_add(self, g: Group) -> None:
         self._pool_put(_Unit(g.code, g.offset, g.lengths, g.ids))
         self._pool_items += len(g.lengths)
         self._pool_tokens += int(g.offset) + int(g.lengths.sum())

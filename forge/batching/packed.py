@@ -18,10 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from forge.batching.base import Cut, Urgency
-from forge.core.geometry import Device
-
-if TYPE_CHECKING:
-    from forge.batching.token import _Group
+from forge.batching.groups import Group
+from forge.vocab.geometry import Device
 
 
 class PackedPlanning:
@@ -36,7 +34,7 @@ class PackedPlanning:
         def row_cap(self, padded_len: int, prefix_len: int, device: Device) -> int: ...
         def _profile_of(self, device: Device) -> tuple: ...
 
-    def _packed_shape(self, longest: int, g: _Group, device: Device) -> tuple[int, int]:
+    def _packed_shape(self, longest: int, g: Group, device: Device) -> tuple[int, int]:
         """(rows, tokens a row may hold) for a packed batch whose longest item is `longest`."""
         lim = device.limits
         limit = lim.max_seq_len - g.offset
@@ -51,7 +49,7 @@ class PackedPlanning:
             n_rows = min(lim.max_rows, self.row_cap(row_len, g.offset, device))
         return n_rows, min(row_len, limit)  # padding may round a row past `limit`; its tokens may not
 
-    def _plan_packed(self, g: _Group, device: Device, urgency: Urgency) -> None:
+    def _plan_packed(self, g: Group, device: Device, urgency: Urgency) -> None:
         # Best fit decreasing, a run at a time: into each row goes the longest length that
         # fits, as many of it as fit, until the row is full or nothing fits. Items of a run
         # are interchangeable, so a take is (run, how many), drawn from the run's top end;
@@ -181,7 +179,7 @@ def _fill_row(
     return room, placed
 
 
-def _keep_plan(g: _Group, take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
+def _keep_plan(g: Group, take_q: list[int], take_end: list[int], taken: int, batches: list[tuple]) -> None:
     """The planned takes gathered in one numpy pass into the group's ready Cuts; what is left
     stays waiting in the group."""
     lengths = g.lengths

@@ -39,88 +39,16 @@ for; a device with another profile returns them to the group and plans again.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut, GroupInfo, Packer, Urgency
+from forge.batching.base import Chunk, Cut, GroupInfo, Packer, Urgency
+from forge.batching.groups import EMPTY, Group, stable_order
 from forge.batching.merged import MERGED, MergedPlanning
 from forge.batching.packed import PackedPlanning
-from forge.core.geometry import Device
 from forge.errors import ForgeError
-
-_EMPTY = np.zeros(0, np.int64)
-
-
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """`np.argsort(key, kind="stable")`, faster: a plain sort of key x n + position (unique
-    values, so ties keep their order) when that cannot overflow."""
-    n = len(key)
-    if not n or int(key.max()) >= (1 << 62) // n or int(key.min()) < 0:
-        return np.argsort(key, kind="stable")
-    return np.sort(key * n + np.arange(n)) % n
-
-
-class _Group:
-    """Waiting items of one prefix code: row lengths sorted ascending, ids aligned."""
-
-    __slots__ = (
-        "code",
-        "offset",
-        "split",
-        "lengths",
-        "ids",
-        "pending",
-        "ready",
-        "ready_for",
-        "count",
-        "tokens",
-        "planned_for",
-        "arrived",
-        "info",
-    )
-
-    def __init__(self, code: int, offset: int, split: bool):
-        self.code = code
-        self.offset = offset  # tokens of each item outside its row (the split prefix)
-        self.split = split  # batches run the prefix once (rows hold suffixes)
-        self.lengths = _EMPTY  # row lengths not yet planned, ascending
-        self.ids = _EMPTY  # their ids
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # arrivals (lengths, ids), each sorted
-        self.ready: deque[Cut] = deque()  # batches planned for profile `ready_for`, in order
-        self.ready_for: tuple | None = None
-        self.count = 0  # items waiting, planned ones included
-        self.tokens = 0  # row tokens waiting, planned ones included
-        # the profile of the last plan, and the row tokens that arrived since: the same items
-        # plan the same way, so the group is planned again for that profile once
-        # `replan_batches` batches' worth has arrived
-        self.planned_for: tuple | None = None
-        self.arrived = 0
-        self.info: GroupInfo | None = None  # what `groups()` reports; None once out of date
-
-    def merge(self) -> None:
-        """Fold arrivals, and batches planned for another profile, into the sorted arrays."""
-        parts = self.pending + [(c.lengths, c.ids) for c in self.ready]
-        if not parts:
-            return
-        if len(self.pending) == 1 and not self.ready and not len(self.lengths):  # one sorted arrival
-            (self.lengths, self.ids), self.pending = self.pending[0], []
-            return
-        lengths = np.concatenate([self.lengths, *(p[0] for p in parts)])
-        ids = np.concatenate([self.ids, *(p[1] for p in parts)])
-        order = np.argsort(lengths, kind="stable")  # merges the sorted pieces
-        self.lengths, self.ids = lengths[order], ids[order]
-        self.pending = []
-        self.ready.clear()
-
-    def runs(self) -> tuple[list[int], list[int], list[int]]:
-        """Runs of equal lengths, ascending: (first position, length, row tokens below it);
-        the token list has one more entry, the total."""
-        lengths = self.lengths
-        starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
-        below = np.concatenate(([0], np.cumsum(lengths)))
-        return starts.tolist(), lengths[starts].tolist(), [*below[starts].tolist(), int(below[-1])]
+from forge.vocab.geometry import NO_PREFIX, Device
 
 
 class TokenPacker(PackedPlanning, MergedPlanning, Packer):
@@ -150,7 +78,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         self.replan_batches = 3 if packing == "packed" else 2
         # packed rows always split the prefix: it is what every sequence in a row attends to
         self.split_prefix = self.prefix_cache or packing == "packed"
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, Group] = {}
         self._count = 0
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length
         self._shapes: dict[tuple, dict[int, tuple[int, int]]] = {}  # ... -> packed shape by longest item
@@ -181,7 +109,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         if self.split_prefix:
             rows = chunk.num_tokens - chunk.prefix_len
             # by prefix code, then row length: one stable sort of a combined key
-            order = _stable_order((chunk.prefix + 1) * (int(rows.max()) + 1) + rows)
+            order = stable_order((chunk.prefix + 1) * (int(rows.max()) + 1) + rows)
             codes = chunk.prefix[order]
             edges = [0, *(np.flatnonzero(codes[1:] != codes[:-1]) + 1).tolist(), n]
             offsets = chunk.prefix_len[order][edges[:-1]].tolist()
@@ -190,7 +118,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
             # Rows hold whole sequences and every row runs its own prefix: sharing one buys
             # nothing, so one group sorted by total length packs tightest.
             rows = chunk.num_tokens
-            order = _stable_order(rows)
+            order = stable_order(rows)
             edges, offsets, group_codes = [0, n], [0], [NO_PREFIX]
         rows, ids = rows[order], chunk.ids[order]
         tokens = np.diff(np.concatenate(([0], np.cumsum(rows)))[edges]).tolist()  # row tokens per group
@@ -199,7 +127,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
         for code, s, e, t, offset in zip(group_codes, edges, edges[1:], tokens, offsets):
             g = groups.get(code)
             if g is None:
-                g = groups[code] = _Group(code, offset, bool(offset) or packed)
+                g = groups[code] = Group(code, offset, bool(offset) or packed)
             g.pending.append((rows[s:e], ids[s:e]))
             g.count += e - s
             g.tokens += t
@@ -306,7 +234,7 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
     def batch_fits(self, rows: int, padded_len: int, prefix_len: int, device: Device) -> bool:
         return rows <= self.row_cap(padded_len, prefix_len, device)
 
-    def _plan_rows(self, g: _Group, device: Device, urgency: Urgency) -> None:
+    def _plan_rows(self, g: Group, device: Device, urgency: Urgency) -> None:
         # A batch is a run of consecutive lengths padded to its head, the longest. From a
         # head it grows downward one run of equal lengths at a time while the next length l
         # still pays for its slot, that is while l > head x (useful / cost) of the batch so
@@ -389,5 +317,5 @@ class TokenPacker(PackedPlanning, MergedPlanning, Packer):
             a, b = spans[0]
             return lengths[a:b], ids[a:b]
         if not spans:
-            return _EMPTY, _EMPTY
+            return EMPTY, EMPTY
         return (np.concatenate([lengths[a:b] for a, b in spans]), np.concatenate([ids[a:b] for a, b in spans]))

@@ -1,4 +1,4 @@
-"""`forge`: run, plan and list. Thin: config goes through Hydra, work through forge.core.engine."""
+"""`forge`: run, plan and list. Thin: config goes through Hydra, work through forge.driver.engine."""
 
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def _hydra_task(ran: list[str]):
     """The job `forge run` runs through Hydra (`hydra.main`): its run, report and exit status."""
     import hydra
 
-    from forge.config.build import conf_dir
-    from forge.config.searchpath import register
+    from forge.cli.build import conf_dir
+    from forge.cli.searchpath import register
 
     register()
 
@@ -141,10 +141,10 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
 def _execute(cfg, run_dir, files: dict[str, bytes], composed_at: float) -> dict[str, Any]:
     from dataclasses import replace
 
+    from forge.cli.build import build_spec
     from forge.cli.wire import CLIENT_STARTED
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
-    from forge.core.report import process_started
+    from forge.driver.engine import execute
+    from forge.driver.report import process_started
     from forge.pluginmanager import make_plugin_manager
 
     _warm_up_workers(cfg)
@@ -170,8 +170,8 @@ def plan(
     compare: bool = typer.Option(False, "--compare", help="Plan every batching mode and print them side by side."),
 ) -> None:
     """Dry run: tokenize, pack and route; print the geometry. Loads no model weights."""
-    from forge.config.build import build_spec
-    from forge.core.plan import plan as make_plan
+    from forge.cli.build import build_spec
+    from forge.driver.plan import plan as make_plan
     from forge.pluginmanager import make_plugin_manager
 
     if compare:
@@ -207,8 +207,8 @@ def plan(
 
 def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
     """One plan per batching mode with a config file, side by side."""
-    from forge.config.build import build_spec
-    from forge.core.plan import plan as make_plan
+    from forge.cli.build import build_spec
+    from forge.driver.plan import plan as make_plan
     from forge.pluginmanager import make_plugin_manager
 
     plans = {}
@@ -249,9 +249,9 @@ def calibrate(
     """Measure each device's per-step overhead in token-equivalents (for batch_overhead_tokens)."""
     from itertools import islice
 
-    from forge.config.build import build_spec
-    from forge.core.geometry import Item
+    from forge.cli.build import build_spec
     from forge.runtime.calibrate import calibrate as measure
+    from forge.vocab.geometry import Item
 
     try:
         spec = build_spec(compose(ctx.args, config_dir), None)
@@ -316,7 +316,7 @@ def ls(
 ) -> None:
     """List functions and batching modes (with the plugin providing each, and whether a config
     selects it) and the devices found."""
-    from forge.config.build import to_plain
+    from forge.cli.build import to_plain
     from forge.config.devices import resolve_devices
     from forge.pluginmanager import batching_modes, functions, make_plugin_manager
 

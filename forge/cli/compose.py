@@ -19,7 +19,7 @@ def precheck(args: list[str]) -> None:
     choice, key or value is one clear line. With -m, every combination of the sweep is checked
     (beyond MAX_SWEEP_CHECKS, every swept value). Hydra's other flags (--cfg, --info, ...) are
     left to Hydra."""
-    from forge.config.build import to_plain
+    from forge.cli.build import to_plain
     from forge.io.location import check_output_dir
 
     overrides, config_dir, multirun, i = [], None, False, 0
@@ -94,12 +94,12 @@ def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> 
 
 def group_options(group: str, config_dir: Path | None = None) -> list[str]:
     """The options of a config group on Hydra's whole search path: Forge's conf/, installed
-    plugins' config modules (forge.config.searchpath) and `--config-dir`."""
+    plugins' config modules (forge.cli.searchpath) and `--config-dir`."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from forge.config.build import conf_dir
-    from forge.config.searchpath import register
+    from forge.cli.build import conf_dir
+    from forge.cli.searchpath import register
 
     register()
     overrides = [] if config_dir is None else [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
@@ -117,8 +117,8 @@ def compose(overrides: list[str], config_dir: Path | None = None):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    from forge.config.build import conf_dir
-    from forge.config.searchpath import register
+    from forge.cli.build import conf_dir
+    from forge.cli.searchpath import register
 
     register()
     flags = [o for o in overrides if o.startswith("-")]

@@ -12,7 +12,7 @@ It also holds how a stop signal (SIGTERM, Ctrl-C) ends the command outside the r
 (`catch_stop_signals`, `stopped_line`): the entry point installs the handler before anything
 else, so a stop at any moment of start-up is one line naming the signal and exit status 130,
 never a silent death (SIGTERM's default) nor a silent 130 (typer's for Ctrl-C while it parses);
-the run loop (`forge.core.engine`) handles both from its start, and hands them back at its end.
+the run loop (`forge.driver.engine`) handles both from its start, and hands them back at its end.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The `forge` command's entry point: hand the command to a warm `forge server` of this exact
 environment when one runs, else run it here (`forge.cli.app`).
 
-Light on purpose (the standard library, `forge.cli.wire` and `forge.core.report`): on the warm
+Light on purpose (the standard library, `forge.cli.wire` and `forge.driver.report`): on the warm
 path this module is all the command imports. The server (`forge.cli.server`) forks a child
 that *is* the command: it gets this process's arguments, working directory, environment and
 stdin/stdout/stderr, so it writes to the terminal itself; this process forwards the signals a
@@ -28,7 +28,7 @@ LOCAL_COMMANDS = frozenset({"server"})
 def run_warm(argv: list[str], address: Path | None = None) -> int | None:
     """Run `forge ARGV` in the server at `address` (this environment's by default) and return
     its exit code; None when no server took it (the caller runs the command itself)."""
-    from forge.core.report import process_started
+    from forge.driver.report import process_started
 
     sock = connect(address or server_address())
     if sock is None:

@@ -65,7 +65,7 @@ PRELOAD = (
     "typer",
     "rich",
     "forge.api",
-    "forge.core.engine",
+    "forge.driver.engine",
     "forge.runtime.causal_lm",
     "forge.runtime.views",
     "forge.executors.process",

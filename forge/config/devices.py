@@ -9,7 +9,7 @@ An inventory entry (see README, "Devices"):
       batch_overhead_tokens: 256  # optional: per-step cost, calibrated per device
 
 A simulated device (`forge plan` only: no model, no sleeping, virtual time) adds a `sim`
-block, its step time in seconds `a + b x tokens + c x scores` (see `forge.core.geometry.StepTime`;
+block, its step time in seconds `a + b x tokens + c x scores` (see `forge.vocab.geometry.StepTime`;
 `forge calibrate` prints one measured on a real device), and needs no `device`:
 
     - name: card16
@@ -26,8 +26,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from forge.core.geometry import Device, Limits, StepTime
 from forge.errors import ForgeError
+from forge.vocab.geometry import Device, Limits, StepTime
 
 GB = 1 << 30
 LIMIT_KEYS = ("max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,8 @@ from forge.config.checks import (  # one_of, positive: functions' schemas too
     unwrap_optional,
 )
 from forge.config.unknown_key import explain_unknown_key, unknown_key_line
-from forge.core.geometry import DEFAULT_WINDOW
 from forge.errors import ForgeError
+from forge.vocab.geometry import DEFAULT_WINDOW
 
 # -- the core's keys -----------------------------------------------------------------
 
@@ -91,8 +91,8 @@ class Devices:
 class Runtime:
     """Where and how batches run, and how the run loop reacts to time and failure: the one
     home of every runtime setting and its default. conf/runtime/local.yaml extends it (its
-    defaults list names `schema_local`, registered by `forge.config.searchpath.store_schemas`) and only selects;
-    core code gets an instance of it (`forge.config.build.build_runtime`)."""
+    defaults list names `schema_local`, registered by `forge.cli.searchpath.store_schemas`) and only selects;
+    core code gets an instance of it (`forge.cli.build.build_runtime`)."""
 
     executor: str = "process"  # a registered executor (forge_executors): process | inprocess | ray
     max_in_flight: int = positive(2)  # batches queued per worker (one runs while the next waits)
@@ -178,27 +178,18 @@ def runtime_schema(cfg: DictConfig) -> type:
     return RUNTIMES.get(executor, Runtime) if isinstance(executor, str) else Runtime
 
 
-def function_schema(cfg: DictConfig) -> type | None:
-    """The dataclass of root keys that the configured function declares, if any."""
-    from forge.pluginmanager import function_class
-
-    node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
-    if not isinstance(node, DictConfig):
-        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
-    ref = {k: OmegaConf.select(node, k, default=None, throw_on_missing=False) for k in ("_target_", "name")}
-    return getattr(function_class(ref), "config_schema", None)
-
-
 # -- validation ---------------------------------------------------------------------
 
 
-def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
+def validate(cfg: DictConfig, fn_schema: type | None, executors: Iterable[str], resolve: bool = True) -> dict[str, Any]:
     """The config as plain typed containers, or one ForgeError line naming what is wrong.
 
-    `resolve=False` checks without resolving interpolations (values that are interpolations
-    are then checked only for their type once resolved, by a later `validate`)."""
+    `fn_schema` is the dataclass of root keys the configured function declares (None: its keys
+    go unchecked); `executors`, the names `runtime.executor` may take. The edge looks both up in
+    the plugins' registries (`forge.cli.build.to_plain`). `resolve=False` checks without
+    resolving interpolations (values that are interpolations are then checked only for their
+    type once resolved, by a later `validate`)."""
     cfg = _without_hydra(cfg)
-    fn_schema = function_schema(cfg)
     schema_cls = schema_for(fn_schema, runtime_schema(cfg))
     schema = _structured(schema_cls, typed_root=fn_schema is not None)
     try:
@@ -211,15 +202,12 @@ def validate(cfg: DictConfig, resolve: bool = True) -> dict[str, Any]:
     check_bools(schema_cls, cfg)
     _check_values(schema_cls, plain, "")
     check_mode_options(plain.get("batching") or {})
-    _check_executor((plain.get("runtime") or {}).get("executor"))
+    _check_executor((plain.get("runtime") or {}).get("executor"), executors)
     return plain
 
 
-def _check_executor(name) -> None:
+def _check_executor(name, offered: Iterable[str]) -> None:
     """runtime.executor must name an executor a plugin registers (forge_executors)."""
-    from forge.pluginmanager import executors, make_plugin_manager
-
-    offered = executors(make_plugin_manager())
     if name is not None and name not in offered:
         raise ForgeError(
             f"config runtime.executor={show(name)}: choose one of: {', '.join(sorted(offered))} "

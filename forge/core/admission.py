@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from forge.core.geometry import Item
 from forge.core.read_ahead import ReadAhead
-from forge.core.run import Rejected, RunContext, Skipped, reason_kind
 from forge.errors import ForgeError
+from forge.vocab.geometry import Item
+from forge.vocab.records import Rejected, RunContext, Skipped, reason_kind
 
 TOO_LONG_POLICIES = ("skip", "truncate", "error")
 

@@ -22,10 +22,10 @@ from operator import attrgetter
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX, Chunk, Cut, Feed  # noqa: F401 (Feed: re-exported, the protocol these implement)
-from forge.core.column_batch import ColumnBatch, ItemColumns, LazyRows
-from forge.core.geometry import Batch, Item
+from forge.batching.base import Chunk, Cut, Feed  # noqa: F401 (Feed: re-exported, the protocol these implement)
 from forge.errors import ForgeError
+from forge.vocab.column_batch import ColumnBatch, ItemColumns, LazyRows
+from forge.vocab.geometry import NO_PREFIX, Batch, Item
 
 _num_tokens, _prefix_key, _prefix_len = attrgetter("num_tokens"), attrgetter("prefix_key"), attrgetter("prefix_len")
 

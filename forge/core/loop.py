@@ -25,13 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from forge.core.column_batch import ItemColumns
-from forge.core.geometry import Batch, Device, Item
-from forge.core.indexset import IndexSet
-from forge.core.run import BatchStats, FailureWindow, RunContext, batch_stats
 from forge.core.scheduler import Scheduler
 from forge.errors import LockLost
 from forge.executors.base import Executor, Outcome, Status
+from forge.vocab.column_batch import ItemColumns
+from forge.vocab.geometry import Batch, Device, Item
+from forge.vocab.indexset import IndexSet
+from forge.vocab.records import BatchStats, FailureWindow, RunContext, batch_stats
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime  # the policy: timeouts, recurring failures, commits, drain

@@ -46,12 +46,12 @@ from collections.abc import Iterable
 from dataclasses import replace
 from operator import attrgetter
 
-from forge.batching.base import NO_PREFIX, Cut, Feed, GroupInfo, Packer, Urgency
+from forge.batching.base import Cut, Feed, GroupInfo, Packer, Urgency
 from forge.core.columns import ItemFeed
-from forge.core.geometry import DEFAULT_WINDOW, Batch, Device, Item, pad_to_limits
-from forge.core.lru import TokenLRU
 from forge.executors.base import Outcome, Status
 from forge.scheduling import Balancer, DeviceBudgets, PrefixCacheModel, RetryQueue
+from forge.vocab.geometry import DEFAULT_WINDOW, NO_PREFIX, Batch, Device, Item, pad_to_limits
+from forge.vocab.lru import TokenLRU
 
 _new_tokens = attrgetter("new_tokens")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
-from forge.core.geometry import Batch, Device
+from forge.vocab.geometry import Batch, Device
 
 
 class Status(str, Enum):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from forge.core.geometry import Batch, Device
 from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.vocab.geometry import Batch, Device
 
 
 class InProcessExecutor(Executor):

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait as wait_any
 from multiprocessing.process import BaseProcess
 
-from forge.core.geometry import Batch, Device
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
 from forge.executors.warm_fork import forget_dead_fork_server
+from forge.vocab.geometry import Batch, Device
 
 # Workers fork from a server process that imported torch and the function's module once, so a
 # replacement starts in well under a second; fork from the driver would copy its threads and

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from forge.core.geometry import Batch, Device
 from forge.errors import ForgeError
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
+from forge.vocab.geometry import Batch, Device
 
 ENV_PREFIXES = ("FORGE_", "HF_")  # driver variables actors get (cache, offline mode, test faults)
 

@@ -22,9 +22,9 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from forge.core.geometry import Batch, Device, step_cost
 from forge.errors import ForgeError
 from forge.executors.base import Executor, Outcome, Status
+from forge.vocab.geometry import Batch, Device, step_cost
 
 
 @dataclass(frozen=True, slots=True)

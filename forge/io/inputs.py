@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 
 from forge.config.schema import MISSING, one_of, positive
-from forge.core.run import Rejected, Skipped, reason_kind
 from forge.errors import ForgeError
 from forge.io.ids import canonical_id, good_id, id_token, short
 from forge.io.readers import (
     MAX_ROW_BYTES,
+    Column,
     Record,
     check_parquet_schema,
     count_rows,
@@ -49,6 +49,7 @@ from forge.io.readers import (
     parse_line,
     place,
 )
+from forge.vocab.records import Rejected, Skipped, reason_kind
 
 SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")
 DUPLICATE_POLICIES = ("error", "first", "last")
@@ -59,20 +60,12 @@ _ID_KEY = re.compile(rb'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?[0-9]+)')  # an "id" key
 class InputSpec:
     """The `input` keys every model function reads, and the one home of their defaults: each
     function YAML extends it (`- /schema_input@input` in its defaults list, registered by
-    `forge.config.searchpath.store_schemas`) and sets only `path`."""
+    `forge.cli.searchpath.store_schemas`) and sets only `path`."""
 
     path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
     limit: int | None = positive(None)  # take only the first N rows
     duplicate_ids: str = one_of("error", *DUPLICATE_POLICIES)  # a repeated id: refuse | keep first | keep last
     max_row_bytes: int = positive(MAX_ROW_BYTES)  # a longer row fails before it is parsed or tokenized
-
-
-@dataclass(frozen=True)
-class Column:
-    """What a function needs of one input column: whether it must exist, and its kinds of value."""
-
-    required: bool = False
-    kinds: tuple[str, ...] = ("string",)  # among "string", "integer"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from forge.errors import ForgeError
 
-if TYPE_CHECKING:
-    from forge.io.inputs import Column
+
+@dataclass(frozen=True)
+class Column:
+    """What a function needs of one input column: whether it must exist, and its kinds of value."""
+
+    required: bool = False
+    kinds: tuple[str, ...] = ("string",)  # among "string", "integer"
+
 
 BOM = b"\xef\xbb\xbf"
 MAX_ROW_BYTES = 1 << 20  # input.max_row_bytes' default: 1 MiB

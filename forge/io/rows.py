@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from forge.core.run import Rejected, Skipped
 from forge.errors import ForgeError
 from forge.io.ids import short, unencodable
 from forge.io.inputs import Column, InputFile, Row
 from forge.io.readers import first_line
+from forge.vocab.records import Rejected, Skipped
 
 T = TypeVar("T")
 

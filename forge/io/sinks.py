@@ -31,8 +31,8 @@ from forge.io.results import (
 )
 
 if TYPE_CHECKING:
-    from forge.core.geometry import Batch
     from forge.io.store import RunStore
+    from forge.vocab.geometry import Batch
 
 
 class ShardBuffer:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forge.core.geometry import Batch, Device, Item
 from forge.errors import ForgeError
+from forge.vocab.geometry import Batch, Device, Item
 
 
 @dataclass(frozen=True)

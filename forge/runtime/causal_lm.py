@@ -1,4 +1,4 @@
-"""Run one `forge.core.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
+"""Run one `forge.vocab.geometry.Batch` through a Hugging Face causal LM; return pooled hidden states.
 
 Three row layouts (see `Batch`):
 
@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from forge.core.geometry import Batch, Item
 from forge.runtime import hf_compat, shared_prefix
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
@@ -52,6 +51,7 @@ from forge.runtime.reference import (
     reference_pooled,  # noqa: F401  (tests import it from here)
 )
 from forge.runtime.tree_rows import NO_CONTEXT, prefix_places, tree_layout, write_prefix_spans
+from forge.vocab.geometry import Batch, Item
 
 # ----------------------------------------------------------------------------- runner
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from forge.batching.memory import CostModel
+from forge.batching.cost import CostModel
 from forge.errors import ForgeError
 from forge.runtime.modelspec import DTYPES, first_line
 

@@ -1,4 +1,4 @@
-"""Run a `forge.core.geometry.Batch` through a bidirectional encoder (BERT-style); return pooled vectors.
+"""Run a `forge.vocab.geometry.Batch` through a bidirectional encoder (BERT-style); return pooled vectors.
 
 Model: an encoder's token sees every token of its own text, before and after it, and
 nothing else. Two row layouts give exactly what a one-text forward pass gives:
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from forge.core.geometry import Batch
 from forge.errors import ForgeError
 from forge.runtime.capabilities import MASK_IMPLS, choose_attn
 from forge.runtime.class_facts import ClassFacts, class_facts
 from forge.runtime.hf_compat import text_config
+from forge.vocab.geometry import Batch
 
 POOLINGS = ("mean", "cls", "last")
 # Position of a text's first token, per family whose packed rows were measured exact (tiny

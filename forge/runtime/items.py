@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from forge.core.geometry import Batch, Item
+from forge.vocab.geometry import Batch, Item
 
 
 def resolve_layers(layers: Sequence[int], num_layers: int, allow_empty: bool = False) -> list[int]:

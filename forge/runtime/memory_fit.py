@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.batching.memory import CostModel
+from forge.batching.cost import CostModel
 from forge.errors import ForgeError
 
 SCALE_MIN_LAYERS = 8  # deeper models with uniform layers are measured at two shallow depths and extrapolated

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.core.lru import TokenLRU
+from forge.vocab.lru import TokenLRU
 
 
 @dataclass(slots=True)

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from forge.core.geometry import Item
-from forge.core.run import Rejected
 from forge.errors import ForgeError
 from forge.runtime.modelspec import first_line
 from forge.runtime.views import ItemMeta
+from forge.vocab.geometry import Item
+from forge.vocab.records import Rejected
 
 
 def tokenized(tokenize: Callable[[list[Any]], list[Any]], prompts: list[Any]) -> list[Any]:

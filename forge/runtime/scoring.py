@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.core.geometry import Batch
 from forge.runtime.hf_compat import text_config
+from forge.vocab.geometry import Batch
 
 HEAD_CHUNK_TOKENS = 1024  # positions per LM-head call: bounds the [tokens, vocab] float32 block
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge.core.geometry import Item
+from forge.vocab.geometry import Item
 
 NO_CONTEXT = -3  # the context segment of an item without a prefix span: no key carries it
 

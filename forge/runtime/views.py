@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.core.geometry import Batch, Item
 from forge.runtime.scoring import HEAD_CHUNK_TOKENS, LogitHead
+from forge.vocab.geometry import Batch, Item
+from forge.vocab.records import ResultColumns
 
 
 @dataclass(slots=True)
@@ -223,8 +224,6 @@ class ReducingWorker:
     names: list[str] = field(default_factory=list)  # the result fields, in schema order
 
     def run(self, batch: Batch):
-        from forge.function import ResultColumns
-
         out = self.views.run(batch)
         with torch.inference_mode():
             values = [self.reduce(view) for view in out.views]

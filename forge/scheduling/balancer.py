@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from forge.batching.base import GroupInfo
-from forge.core.geometry import Batch, Device, StepTime, pad_to_limits, step_cost
 from forge.scheduling.prefix_cache import PrefixCacheModel
+from forge.vocab.geometry import Batch, Device, StepTime, pad_to_limits, step_cost
 
 
 @dataclass(frozen=True, slots=True)

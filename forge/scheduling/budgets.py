@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from forge.core.geometry import Batch, Device, Limits
+from forge.vocab.geometry import Batch, Device, Limits
 
 
 class DeviceBudgets:

@@ -1,7 +1,7 @@
 """The predicted prefix caches: which prefixes each device's cache holds, as the scheduler sees it.
 
 Model: a device keeps the KV of its recent prefixes in an LRU bounded by `cache_tokens`
-prefix tokens (`forge.core.lru.TokenLRU`). The scheduler keeps the same LRU, with the same policy
+prefix tokens (`forge.vocab.lru.TokenLRU`). The scheduler keeps the same LRU, with the same policy
 and capacity, per device, and routes every batch with a split prefix through it in the order
 the device will run them, so a predicted hit is the hit the device will see. A miss is
 counted where it is predicted (and uncounted when the batch does not run there after all);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import KeysView
 
-from forge.core.lru import TokenLRU
+from forge.vocab.lru import TokenLRU
 
 
 class PrefixCacheModel:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from forge.core.geometry import Batch, Device, Item, pad_to_limits
+from forge.vocab.geometry import Batch, Device, Item, pad_to_limits
 
 Fits = Callable[[Batch, Device], "Batch | None"]  # the batch padded for a device, or None if it may not run there
 

@@ -24,22 +24,22 @@ import pluggy
 from forge.batching.base import Packer, create_packer
 from forge.config.schema import Runtime
 from forge.core.admission import AdmissionRules, admit
-from forge.core.geometry import DEFAULT_WINDOW, Device, Item
 from forge.core.loop import Committer, RunLoop, Stop
-from forge.core.run import RunContext
 from forge.core.scheduler import Scheduler
+from forge.driver.output_size import check_space
 from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
 from forge.io.location import local_path
-from forge.io.output_size import check_space
 from forge.io.store import RunStore
 from forge.pluginmanager import batching_modes, executors, load_object
+from forge.vocab.geometry import DEFAULT_WINDOW, Device, Item
+from forge.vocab.records import RunContext
 
 
 @dataclass
 class RunSpec:
-    """Everything a run needs, as plain values. Built from config at the edge (forge.config.build)."""
+    """Everything a run needs, as plain values. Built from config at the edge (forge.cli.build)."""
 
     function: Function  # the function instance
     mode: str  # batching mode name
@@ -175,7 +175,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
     (a recurring failure, a write error, every device retired) or stalled; `error` says why.
     Every status but finished leaves a run that `resume=true` finishes.
     """
-    from forge.core.report import finish_report
+    from forge.driver.report import finish_report
 
     assert spec.run_dir is not None
     simulated = [d.name for d in spec.devices if d.sim is not None]

@@ -13,6 +13,8 @@ from typing import Any
 
 from forge.errors import ForgeError
 
+NO_PREFIX = -1  # prefix code of an item without a shared prefix
+
 #: `batching.window`'s default, defined here once: the most items the scheduler holds waiting
 #: for a batch (its bounded look-ahead). forge.config.schema.Batching, the Scheduler, RunSpec and
 #: plan_geometry all take it from here.

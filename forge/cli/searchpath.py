@@ -21,7 +21,7 @@ PROVIDER = "forge-plugin"  # search-path provider names: forge-plugin:<plugin na
 
 def _is_forge(search_path: ConfigSearchPath) -> bool:
     """Whether the primary config is Forge's (its conf/ directory, or the forge.conf module)."""
-    from forge.config.build import conf_dir
+    from forge.cli.build import conf_dir
 
     ours = conf_dir()
     for entry in search_path.get_path():

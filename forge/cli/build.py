@@ -13,10 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from forge.config.devices import resolve_devices
 from forge.config.schema import RUNTIMES, Runtime, validate
-from forge.core.engine import RunSpec
-from forge.core.geometry import DEFAULT_WINDOW
+from forge.driver.engine import RunSpec
 from forge.errors import ForgeError
 from forge.io.location import hydra_dir
+from forge.vocab.geometry import DEFAULT_WINDOW
 
 # conf/config.yaml: Hydra's own files go to output_dir when it is local, else to a local staging folder
 OmegaConf.register_new_resolver("forge_hydra_dir", hydra_dir, replace=True)
@@ -33,8 +33,22 @@ def conf_dir() -> Path:
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    """The composed config checked against its typed schema (forge.config.schema), as plain containers."""
-    return validate(cfg)
+    """The composed config checked against its typed schema (forge.config.schema), with the
+    configured function's own keys and the registered executors, as plain containers."""
+    from forge.pluginmanager import executors, make_plugin_manager
+
+    return validate(cfg, function_schema(cfg), executors(make_plugin_manager()))
+
+
+def function_schema(cfg: DictConfig) -> type | None:
+    """The dataclass of root keys that the configured function declares, if any."""
+    from forge.pluginmanager import function_class
+
+    node = OmegaConf.select(cfg, "function", default=None, throw_on_missing=False)
+    if not isinstance(node, DictConfig):
+        raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
+    ref = {k: OmegaConf.select(node, k, default=None, throw_on_missing=False) for k in ("_target_", "name")}
+    return getattr(function_class(ref), "config_schema", None)
 
 
 def build_function(cfg: dict[str, Any]):

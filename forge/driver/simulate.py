@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from forge.batching.memory import CostModel
-from forge.core.engine import RunSpec
-from forge.core.geometry import DEFAULT_WINDOW, Device, Item
+from forge.batching.cost import CostModel
+from forge.driver.engine import RunSpec
 from forge.errors import ForgeError
 from forge.function import Function
+from forge.vocab.geometry import DEFAULT_WINDOW, Device, Item
 
 
 class GeometryFunction(Function):
@@ -59,7 +59,7 @@ def plan_geometry(
     pm=None,
 ) -> dict[str, Any]:
     """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
-    from forge.core.plan import plan
+    from forge.driver.plan import plan
     from forge.pluginmanager import make_plugin_manager
 
     options = dict(options or {})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge.core.geometry import Device
+from forge.vocab.geometry import Device
 
 
 @dataclass
@@ -81,7 +81,8 @@ class FailureWindow:
     holds; `stop` says which kind fills `share` of the window, with an example reason."""
 
     def __init__(self, size: int, share: float):
-        self.recent: deque[str | None] = deque(maxlen=max(1, size))
+        self.size = max(1, size)
+        self.recent: deque[str | None] = deque(maxlen=self.size)
         self.counts: Counter = Counter()
         self.share = share
         self.examples: dict[str, str] = {}  # kind -> the first full reason of it in the window
@@ -95,7 +96,7 @@ class FailureWindow:
             recent.extend(kinds)  # all fine and no failure in the window: nothing to count (C speed)
             return
         for kind in kinds:
-            if len(recent) == recent.maxlen:
+            if len(recent) == self.size:
                 old = recent.popleft()
                 if old is not None:
                     counts[old] -= 1
@@ -108,11 +109,11 @@ class FailureWindow:
                 if examples and kind in examples:
                     self.examples.setdefault(kind, examples[kind])  # the first one seen
         if any(kinds):
-            self._judge(recent.maxlen, what)
+            self._judge(self.size, what)
 
     def judge_partial(self, what: str = "items") -> None:
         """At the end of the input: a window never filled is judged over what it holds."""
-        if self.recent and len(self.recent) < self.recent.maxlen:
+        if self.recent and len(self.recent) < self.size:
             self._judge(len(self.recent), what)
 
     def _judge(self, size: int, what: str) -> None:
@@ -139,3 +140,12 @@ def batch_stats(batch, seconds: float, prefix_computed_tokens: int) -> BatchStat
         prefix_computed_tokens, hit = batch.prefix_tokens, 0
     extra = prefix_computed_tokens if batch.split_prefix else 0
     return BatchStats(seconds, prefix_computed_tokens, hit, batch.padded_slots + extra)
+
+
+@dataclass
+class ResultColumns:
+    """A batch's output for the generic sink: one value per item for each result field."""
+
+    columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
+    prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
+    cache_hit: bool = False  # the prefix came from the device's cache

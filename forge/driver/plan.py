@@ -16,14 +16,14 @@ from typing import Any
 
 import pluggy
 
-from forge.core.engine import RunSpec, prepare
-from forge.core.geometry import Batch
 from forge.core.loop import Committer, RunLoop, Stop
-from forge.core.report import finish_report
+from forge.driver.engine import RunSpec, prepare
+from forge.driver.output_size import describe
+from forge.driver.report import finish_report
 from forge.executors import SimExecutor
 from forge.executors.sim import time_unit
 from forge.hookspecs import hookimpl
-from forge.io.output_size import describe
+from forge.vocab.geometry import Batch
 
 
 class _Kept:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forge.batching.base import NO_PREFIX
-from forge.core.geometry import Batch, Item
+from forge.vocab.geometry import NO_PREFIX, Batch, Item
 
 
 class ItemColumns(Sequence):
@@ -108,19 +107,19 @@ class ColumnBatch(Batch):
 
     @property
     def items(self):
-        return self.columns if self.columns is not None else Batch.items.fget(self)
+        return self.columns if self.columns is not None else Batch.__dict__["items"].fget(self)
 
     @property
     def num_tokens(self) -> int:
-        return self.totals[0] if self.columns is not None else Batch.num_tokens.fget(self)
+        return self.totals[0] if self.columns is not None else Batch.__dict__["num_tokens"].fget(self)
 
     @property
     def row_tokens(self) -> int:
-        return self.totals[1] if self.columns is not None else Batch.row_tokens.fget(self)
+        return self.totals[1] if self.columns is not None else Batch.__dict__["row_tokens"].fget(self)
 
     @property
     def prefix_tokens(self) -> int:
-        return self.totals[2] if self.columns is not None else Batch.prefix_tokens.fget(self)
+        return self.totals[2] if self.columns is not None else Batch.__dict__["prefix_tokens"].fget(self)
 
     def as_items(self) -> Batch:
         return Batch(

@@ -1,0 +1,45 @@
+"""The house's shape, measured by tests/import_map.py: no import cycle, at most three arrows that
+run back up its floors, every module on a floor, and the size budgets (benchmarks included)."""
+
+import ast
+from pathlib import Path
+
+import import_map
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_UPWARD = 3
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def test_no_import_cycle():
+    assert import_map.cycles(import_map.graph()) == []
+
+
+def test_at_most_three_arrows_run_back_up():
+    arrows = import_map.upward(import_map.graph())
+    assert len(arrows) <= MAX_UPWARD, arrows
+
+
+def test_every_module_stands_on_a_floor():
+    assert import_map.unplaced(import_map.graph()) == []
+
+
+def test_the_map_sees_a_cycle_and_an_upward_arrow():
+    """The checks above can fail: a made-up graph with both is caught."""
+    edges = {"forge.errors": {"forge.cli.app"}, "forge.cli.app": {"forge.errors"}}
+    assert import_map.cycles(edges) == [["forge.cli.app", "forge.errors"]]
+    assert import_map.upward(edges) == [("forge.errors", "forge.cli.app")]
+
+
+def test_no_module_over_400_lines_or_function_over_80_benchmarks_included():
+    over = []
+    for folder in ("forge", "functions", "plugins", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name, source = str(path.relative_to(ROOT)), path.read_text()
+            if len(source.splitlines()) > MAX_MODULE_LINES:
+                over.append(name)
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                        over.append(f"{name}:{node.name}")
+    assert over == [], f"over the budget of {MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function"
