@@ -23,7 +23,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from forge.errors import ForgeError
 from forge.io.location import Location
@@ -39,7 +39,7 @@ class LineJournal:
     def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
         self.path = Path(where.root) / f"{name}.jsonl"
         self.durable = durable  # fsync each record (commits); pending records need only survive the process
-        self._file = None
+        self._file: TextIO | None = None
         self.broken = False  # an append failed part-way: nothing more is appended this session
 
     def read(self, repair: bool = False) -> list[dict]:

@@ -246,6 +246,7 @@ class Location(ABC):
 
 class LocalLocation(Location):
     durable_rename = True
+    root: Path
 
     def __init__(self, path: Path):
         self.root = Path(path)

@@ -40,7 +40,7 @@ _CHUNK = 1 << 20  # an over-long JSONL line is skipped this many bytes at a time
 class Record(NamedTuple):
     """What a format reader yields: a row's fields, or why it has none."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index: NamedTuple allows it
     line: int | None
     data: dict | None
     problem: str | None = None  # one line, starting with the place ("line N" or "row N")

@@ -237,7 +237,7 @@ def load(run_dir, folder: str | None = None) -> Results:
     index = np.concatenate([part.index for part in parts]) if parts else np.zeros(0, np.int64)
     order = np.argsort(index, kind="stable")
     columns = {f.name: _concat([part.columns[f.name] for part in parts], f)[order] for f in fields}
-    meta = [m for part in parts for m in part.meta] if info.get("meta_key") else None
+    meta = [m for part in parts for m in (part.meta or ())] if info.get("meta_key") else None
     return Results([ids[i] for i in order], index[order], columns, [meta[i] for i in order] if meta else meta, info)
 
 

@@ -103,19 +103,19 @@ class ShardBuffer:
                     )
             return ragged_array(values)
         if f.dtype == BFLOAT16:
-            values = to_storage(columns[f.name], f.dtype)
+            array = to_storage(columns[f.name], f.dtype)
         else:
-            values = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
+            array = np.asarray(columns[f.name], dtype=object if f.dtype == STRING else None)
         if f.dtype not in (STRING, BFLOAT16):
-            if not np.can_cast(values.dtype, np.dtype(f.dtype), casting="same_kind"):
-                raise ForgeError(f"result field {f.name!r}: the worker gave {values.dtype}, the schema says {f.dtype}")
-            values = values.astype(f.dtype, copy=False)
-        shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, values.shape[1:])
-        if values.shape != (n, *shape):
+            if not np.can_cast(array.dtype, np.dtype(f.dtype), casting="same_kind"):
+                raise ForgeError(f"result field {f.name!r}: the worker gave {array.dtype}, the schema says {f.dtype}")
+            array = array.astype(f.dtype, copy=False)
+        shape = f.shape if f.shape is not None else self._shapes.setdefault(f.name, array.shape[1:])
+        if array.shape != (n, *shape):
             raise ForgeError(
-                f"result field {f.name!r}: the worker gave shape {values.shape} for {n} item(s), expected {(n, *shape)}"
+                f"result field {f.name!r}: the worker gave shape {array.shape} for {n} item(s), expected {(n, *shape)}"
             )
-        return values
+        return array
 
     def flush(self) -> None:
         """Commit the buffered rows as one shard (raises OSError when the write fails)."""

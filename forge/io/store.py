@@ -340,7 +340,12 @@ def check_run_dir(run_dir: Path | str, resume: bool) -> None:
     """The refusals a run would give for this directory, checked before anything (Hydra
     included) writes there. Read-only; the run checks again under the lock."""
     where = open_location(run_dir)
-    reach(run_dir, lambda: (_refuse_foreign(where, run_dir), _previous_run(where, run_dir, resume)))
+
+    def check() -> None:
+        _refuse_foreign(where, run_dir)
+        _previous_run(where, run_dir, resume)
+
+    reach(run_dir, check)
 
 
 def check_sweep_dir(output_dir: str) -> None:

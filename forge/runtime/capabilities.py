@@ -142,8 +142,8 @@ def _layer_types(cfg: Any) -> tuple[list[str], list[int | None]]:
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        types, kwargs = get_layer_types_and_kwargs(cfg)
-        return list(types), [k.get("sliding_window") if t == SLIDING else None for t, k in zip(types, kwargs)]
+        found, kwargs = get_layer_types_and_kwargs(cfg)
+        return list(found), [k.get("sliding_window") if t == SLIDING else None for t, k in zip(found, kwargs)]
     except ImportError:  # older transformers
         n = num_layers(cfg)
         types = getattr(cfg, "layer_types", None)

@@ -358,7 +358,7 @@ class CausalLMRunner:
             rows_d = item_row[has].to(dev)
             cols_d = (starts + lens - 1)[has].to(dev)
             for i in self._hs_select:
-                out = None
+                out: torch.Tensor | None = None
                 if hidden:
                     vals = hidden[i][rows_d, cols_d].float().cpu()
                     out = torch.empty(n, vals.shape[-1], dtype=torch.float32)
@@ -368,12 +368,15 @@ class CausalLMRunner:
                         p_row, p_col = states.prefix_at
                         last = hidden[i][p_row[~has].to(dev), p_col[~has].to(dev)].float().cpu()
                     else:
+                        assert entry is not None  # an item all prefix has its prefix's cache entry
                         last = entry.last_hidden[i]
                     if out is None:
                         out = torch.empty(n, last.shape[-1], dtype=torch.float32)
                     out[~has] = last
+                assert out is not None  # n > 0: some item has states or is all prefix
                 result[i] = out
         else:
+            assert tok is not None  # mean pooling runs only over row tokens, which exist (n > 0)
             tok_item, tok_within, tok_row, tok_col = tok
             sel = tok_within >= pool_from[tok_item]
             sel_item = tok_item[sel].to(dev)

@@ -139,7 +139,8 @@ def _takes_mask_mapping(model_class: type) -> bool:
     base = getattr(model_class, "base_model_prefix", "")
     for cls in (model_class, *_base_classes(model_class, base)):
         try:
-            if "causal_mask_mapping := attention_mask, dict" in inspect.getsource(cls.forward):
+            forward = cls.forward  # type: ignore[attr-defined]  # a model class: it has one
+            if "causal_mask_mapping := attention_mask, dict" in inspect.getsource(forward):
                 return True
         except (OSError, TypeError):
             pass

@@ -200,8 +200,10 @@ class EncoderRunner:
         if batch.packed:
             seg = torch.full((B, S), -1, dtype=torch.long)  # -1: padding, which sees only padding
             seg[tok_row, tok_col] = tok_item
-            position_ids = torch.full((B, S), self.caps.first_position, dtype=torch.long)
-            position_ids[tok_row, tok_col] = self.caps.first_position + tok_within
+            first = self.caps.first_position
+            assert first is not None  # packed rows give explicit positions: the family's first one is known
+            position_ids = torch.full((B, S), first, dtype=torch.long)
+            position_ids[tok_row, tok_col] = first + tok_within
             allowed = seg[:, None, :, None] == seg[:, None, None, :]  # (B, 1, S, S): same text
             mask = torch.zeros(B, 1, S, S, dtype=self.dtype)
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
@@ -212,7 +214,7 @@ class EncoderRunner:
         if layers:
             kwargs["output_hidden_states"] = True
         out = self.model(input_ids=input_ids.to(self.device), **kwargs)
-        hidden = {None: out.last_hidden_state}
+        hidden: dict[int | None, torch.Tensor] = {None: out.last_hidden_state}
         for layer in layers or ():
             hidden[layer] = out.hidden_states[layer]
         return hidden, (tok_item, tok_row, tok_col), rows_t, starts_t, lens
@@ -225,7 +227,7 @@ class EncoderViews:
     def __init__(self, model: Any, caps: EncoderCaps, layers: list[int], pad_token_id: int = 0):
         from forge.runtime.hf_compat import num_layers
 
-        self.runner = EncoderRunner(model, caps, "mean", False, pad_token_id)
+        self.runner: EncoderRunner | None = EncoderRunner(model, caps, "mean", False, pad_token_id)
         self.layers = list(layers)
         n = num_layers(model.config)
         # the final index is last_hidden_state itself: other layers need output_hidden_states
@@ -239,6 +241,7 @@ class EncoderViews:
             return ViewBatch([], 0, False)
         with torch.inference_mode():
             fetch = sorted({i for i in self.source.values() if i is not None})
+            assert self.runner is not None, "run after close"
             hidden, _, rows_t, starts_t, lens = self.runner.forward(batch, fetch)
         views = []
         empty = torch.empty(0, dtype=torch.long)

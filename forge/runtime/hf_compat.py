@@ -85,7 +85,7 @@ def plain_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
     try:
         return DynamicCache(ddp_cache_data=kv)
     except TypeError:  # transformers 4.x
-        return DynamicCache.from_legacy_cache(tuple(kv))
+        return DynamicCache.from_legacy_cache(tuple(kv))  # type: ignore[attr-defined]  # gone in 5's stubs  # gone from transformers 5's stubs
 
 
 def cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

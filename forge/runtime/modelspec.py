@@ -56,12 +56,12 @@ def resolve_model_source(name: str) -> str:
         return str(path)
     if not name.startswith(("/", "./", "../", "~")):
         return name  # a Hub id (or a relative directory transformers resolves)
-    path = os.path.expanduser(name)  # unchanged for an unknown ~user, never raises
-    if not Path(path).is_dir():  # a path, not a Hub id: say so, not "repo id must be in the form ..."
+    expanded = os.path.expanduser(name)  # unchanged for an unknown ~user, never raises
+    if not Path(expanded).is_dir():  # a path, not a Hub id: say so, not "repo id must be in the form ..."
         raise ForgeError(
             f"model.name={name}: no such directory; point it at a model directory (its config.json) or a Hub id"
         )
-    return path
+    return expanded
 
 
 def resolve_module_dir(name: str) -> str:
@@ -106,7 +106,7 @@ class HFModel:
         self.source = resolve_model_source(spec.name)
         self.loaded_from: str | None = None  # the directory weights were loaded from (after `load`)
         self._config = None
-        self._tokenizer = None
+        self._tokenizer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokenizer": None}

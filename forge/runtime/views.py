@@ -115,8 +115,11 @@ class CausalViews:
                     continue
                 if in_row is not None:  # tree rows: the prefix's last token sits in the row
                     prefix_state[layer] = states.hidden[i][in_row[0][k], in_row[1][k]]
+                elif offs[k]:  # the prefix ran apart (or came from the cache)
+                    prefix_state[layer] = prefix_split[layer]
                 else:
-                    prefix_state[layer] = prefix_split[layer] if offs[k] else span[own_from - 1]
+                    assert span is not None  # the prefix is in the row: the row's span holds it
+                    prefix_state[layer] = span[own_from - 1]
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
             views.append(
                 ItemView(
@@ -172,9 +175,11 @@ class CausalViews:
                 h[from_prefix.to(dev)] = states.entry.last_state.to(dtype)
         logprob = torch.empty(total, dtype=torch.float32, device=dev)
         best = torch.empty(total, dtype=torch.bool, device=dev)
+        head = self.head
+        assert head is not None  # a scoring function's views are built with the model's head
         for lo in range(0, total, HEAD_CHUNK_TOKENS):
             hi = min(lo + HEAD_CHUNK_TOKENS, total)
-            logp = torch.log_softmax(self.head(h[lo:hi]).float(), dim=-1)
+            logp = torch.log_softmax(head(h[lo:hi]).float(), dim=-1)
             tgt = targets[lo:hi].to(dev)
             logprob[lo:hi] = logp.gather(1, tgt[:, None])[:, 0]
             best[lo:hi] = logp.argmax(dim=-1) == tgt

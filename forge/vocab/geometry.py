@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from forge.errors import ForgeError
 
@@ -71,7 +74,7 @@ class Item:
     num_tokens: int  # whole sequence, shared prefix included
     prefix_key: str | None = None  # identity of the shared prefix; None when there is none
     prefix_len: int = 0  # tokens of the sequence that belong to the shared prefix
-    tokens: Sequence[int] | None = None  # the token ids (prefix first); None for geometry-only work
+    tokens: Sequence[int] | np.ndarray | None = None  # the token ids (prefix first); None for geometry-only work
     meta: Any = None  # opaque to Forge: passed through to the function (label, row index, ...)
     index: int = -1  # position of its record in the input: the key output is committed under
 
