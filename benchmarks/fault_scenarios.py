@@ -1,8 +1,8 @@
 """The fault scenarios of tests/test_faults.py, run once each, with their figures as a table.
 
-    python -m benchmarks.fault_scenarios [--n 48]
+    python -m benchmarks faults [--rows 48]
 
-Each scenario runs the embedded model on the first N statements with the test-only fault
+Each scenario runs the embedded model on the first `--rows` statements with the test-only fault
 plugin (tests/faults.py) and prints what the report says happened: items, retried and
 discarded tokens, timeouts, lost workers, out-of-memory splits and restarts. Not a test: the
 assertions live in tests/test_faults.py.
@@ -10,20 +10,19 @@ assertions live in tests/test_faults.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+from benchmarks import harness
+
+TESTS = harness.ROOT / "tests"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=48)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, rows=48).parse_args(argv)
     sys.path.insert(0, str(TESTS))
     from conftest import run_forge
 
@@ -33,7 +32,7 @@ def main() -> None:
         "devices.limits.max_seq_len=512",
         "budget.tokens_per_step=1024",
         "layers=[1,4]",
-        f"input.limit={args.n}",
+        f"input.limit={args.rows}",
         "batching.window=16",
         "plugins=[faults]",
     ]
@@ -74,11 +73,8 @@ def main() -> None:
         ),
         ("first shard write fails (disk full)", {"fail_write": 1}, ["runtime.executor=inprocess", "shard_size=16"]),
     ]
-    print(
-        "| scenario | status | items completed / failed / unfinished | tokens retried | tokens discarded "
-        "| timeouts | lost | oom splits | late results | restarts |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rep = harness.Report(args)
+    lines = []
     for name, plan, extra in scenarios:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "markers").mkdir()
@@ -86,12 +82,15 @@ def main() -> None:
             r = run_forge(Path(tmp) / "run", *base, *extra)
             i, t, a = r["items"], r["tokens"], r["attempts"]
             assert r["balanced"], r["imbalance"]
-            print(
-                f"| {name} | {r['status']} | {i['completed']} / {i['failed']} / {i['unfinished']} | "
-                f"{t['retried']:,} | {t['discarded']:,} | {a['timeout']} | {a['lost']} | {a['oom_splits']} | "
-                f"{a['late_results']} | {sum(r['restarts'].values())} |",
-                flush=True,
+            lines.append(
+                [name, r["status"], f"{i['completed']} / {i['failed']} / {i['unfinished']}", f"{t['retried']:,}"]
+                + [f"{t['discarded']:,}", a["timeout"], a["lost"], a["oom_splits"], a["late_results"]]
+                + [sum(r["restarts"].values())]
             )
+            harness.note(f"{name}: {r['status']}")
+    header = ["scenario", "status", "items completed / failed / unfinished", "tokens retried", "tokens discarded"]
+    rep.table([*header, "timeouts", "lost", "oom splits", "late results", "restarts"], lines)
+    rep.save()
 
 
 if __name__ == "__main__":

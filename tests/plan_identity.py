@@ -109,9 +109,9 @@ def canonical(seen: list[tuple[str, Any]], report: dict[str, Any]) -> str:
 
 def _reference(overrides: list[str]) -> Callable[[], dict]:
     def run() -> dict:
+        from forge.cli.build import build_spec
         from forge.cli.compose import compose
-        from forge.config.build import build_spec
-        from forge.core.plan import plan
+        from forge.driver.plan import plan
         from forge.pluginmanager import make_plugin_manager
 
         cfg = compose(["devices=sim_16g_32g", "input.limit=600", *overrides])
@@ -122,8 +122,9 @@ def _reference(overrides: list[str]) -> Callable[[], dict]:
 
 def _heavy(mode: str, options: dict) -> Callable[[], dict]:
     def run() -> dict:
-        from benchmarks.bench_mix import heavy_tail, mix
-        from forge.core.simulate import plan_geometry
+        from benchmarks.scale.bench_mix import mix
+        from benchmarks.workloads import heavy_tail
+        from forge.driver.simulate import plan_geometry
         from tests.test_sim import COST_7B
 
         return plan_geometry(heavy_tail(HEAVY_ITEMS), mix(), mode, cost=COST_7B, options=options)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import cold_start, floor
+from benchmarks import floor
+from benchmarks.peers import cold_start
 
 
 def test_it_measures_quantiles_of_the_workloads_own_lengths_and_the_grid():
@@ -64,7 +65,7 @@ def test_the_floor_at_another_moment_scales_with_the_probes_speed_then():
     assert floor.at_speed(8.0, probe_then=2_000.0, probe_now=2_000.0) == pytest.approx(8.0)
 
 
-# -- the cold start any exact tool pays (benchmarks/cold_start.py) ---------------------------------
+# -- the cold start any exact tool pays (benchmarks/peers/cold_start.py) ---------------------------------
 
 
 def test_a_cold_start_is_read_from_the_childs_moments_and_the_best_is_taken_phase_by_phase():

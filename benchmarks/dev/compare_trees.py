@@ -1,8 +1,11 @@
-"""The built-in functions before and after a change, side by side: one tree against another.
+"""A developer's check, not a benchmark: the built-ins before and after a change, one source tree against another.
 
     git archive main | tar -x -C /tmp/forge-main
-    python -m benchmarks.bench_functions --trees /tmp/forge-main,. [--rounds 3] [--set functions|strategies|all]
+    python -m benchmarks compare-trees --trees /tmp/forge-main,. [--rounds 3] [--set functions|strategies|all]
         [--only 1,4] [--cli]
+
+It measures Forge against itself at another commit, to review a change; its ratios are not
+figures of Forge (docs/benchmarks.md holds those), so it lives in benchmarks/dev/.
 
 `--set functions` (the default) runs each built-in once; `--set strategies` runs `probe_gen` under
 every batching strategy a user picks from the YAML (item in arrival and length order, token with
@@ -14,8 +17,9 @@ Each workload runs through the engine as `forge run` drives it (compose, `build_
 `execute`; in-process executor, the embedded 4-layer Llama, float32, one torch thread) in a
 fresh process whose path starts with that install, so that tree's `forge` is imported. The
 clock covers `execute` (input, packing, the model's load, every batch and the commit), with
-transformers' Llama modeling code imported before it in every tree. Trees alternate A B B A
-A B (this machine's speed drifts); the table reports medians, the ratio of the first tree's
+transformers' Llama modeling code imported before it in every tree. Trees are interleaved (the
+harness: A B, B A, ...; this machine's speed drifts); `score`'s questions are written once, by
+this tree, for every tree. The table reports medians, the ratio of the first tree's
 median to each tree's, every run, and each tree's batches and padded slots (the plan; a tree
 that completes a different number of items stops the benchmark). With `--cli` each run is
 instead that tree's own `forge run` command as a user types it (process executor, `devices=cpu`:
@@ -25,16 +29,15 @@ one worker on 2 threads), timed from its start to its exit, start-up included, e
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks import harness, workloads
 
 WORKLOADS = {
     "probe_gen, token rows, last": ["function=probe_gen", "input.limit=2500", "batching=token", "layers=[1,2,4]"],
@@ -77,20 +80,19 @@ import json, shutil, sys, tempfile, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-sys.path.append(sys.argv[2])  # the tree, after its install: benchmarks.bench_score
 from forge.cli.compose import compose
-from forge.config.build import build_spec
-from forge.core.engine import execute
+try:
+    from forge.cli.build import build_spec
+    from forge.driver.engine import execute
+except ImportError:  # a tree from before the driver's move out of forge.core and forge.config
+    from forge.config.build import build_spec
+    from forge.core.engine import execute
 try:
     from forge.pluginmanager import make_plugin_manager
 except ImportError:  # a tree from before the plugin manager's rename
     from forge.plugins import make_plugin_manager
 over = json.loads(sys.argv[1])
 tmp = Path(tempfile.mkdtemp(prefix="bench-functions-"))
-if "input.path=MC" in over:
-    from benchmarks.bench_score import workload
-    workload(tmp / "mc.jsonl", 300, 10)
-    over = [o if o != "input.path=MC" else f"input.path={tmp / 'mc.jsonl'}" for o in over]
 spec = build_spec(compose([*over, "runtime.executor=inprocess", "devices=auto", "shard_size=100000"]), tmp / "run")
 # the embedded model's modeling code is imported before the clock starts, whatever the tree:
 # trees differ in which side of execute() imports it (since 2026-12-01 the driver imports none)
@@ -127,17 +129,18 @@ def install(tree: str, into: Path) -> Path:
     return target
 
 
-def run(tree: str, site: Path, overrides: list[str]) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(overrides), tree],
+def with_questions(overrides: list[str], questions: Path) -> list[str]:
+    return [o if o != "input.path=MC" else f"input.path={questions}" for o in overrides]
+
+
+def run(tree: str, site: Path, overrides: list[str], questions: Path) -> dict:
+    child = harness.timed(
+        [sys.executable, "-c", CHILD, json.dumps(with_questions(overrides, questions))],
         cwd=site,
-        capture_output=True,
-        text=True,
         env={**os.environ, "PYTHONPATH": str(site)},
-        check=True,
     )
-    done = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"wall": done["wall"], **plan_of(done)}
+    done = harness.last_json(child.stdout)
+    return {"wall_s": done["wall"], **plan_of(done)}
 
 
 def plan_of(report: dict) -> dict:
@@ -150,88 +153,64 @@ def plan_of(report: dict) -> dict:
     }
 
 
-def run_cli(tree: str, site: Path, overrides: list[str]) -> dict:
+def run_cli(tree: str, site: Path, overrides: list[str], questions: Path) -> dict:
     """`forge run OVERRIDES` as a user types it, with that tree's `forge` command (the process
     executor, one CPU device, 2 threads), timed from the command's start to its exit."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-functions-cli-"))
     try:
-        if "input.path=MC" in overrides:
-            from benchmarks.bench_score import workload
-
-            workload(tmp / "mc.jsonl", 300, 10)
-            overrides = [o if o != "input.path=MC" else f"input.path={tmp / 'mc.jsonl'}" for o in overrides]
         env = {**os.environ, "PYTHONPATH": str(site), "FORGE_CACHE": str(site.parent / "cache")}
-        cmd = [str(site / "bin" / "forge"), "run", *overrides, "devices=cpu", f"output_dir={tmp / 'run'}"]
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env)
-        if done.returncode:
-            raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr[-3000:]}")
-        wall = time.perf_counter() - t0
-        return {"wall": wall, **plan_of(json.loads((tmp / "run" / "report.json").read_text()))}
+        cmd = [str(site / "bin" / "forge"), "run", *with_questions(overrides, questions), "devices=cpu"]
+        child = harness.timed([*cmd, f"output_dir={tmp / 'run'}"], cwd=tmp, env=env)
+        return {"wall_s": child.wall_s, **plan_of(json.loads((tmp / "run" / "report.json").read_text()))}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, rounds=3, only=None)
     ap.add_argument("--trees", default=".", help="comma-separated source trees; the first is the base")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--set", choices=tuple(SETS), default="functions", help="which workloads (see above)")
     ap.add_argument(
         "--cli",
         action="store_true",
         help="time each run as `forge run` from the command's start to its exit (process executor, 2 threads)",
     )
-    ap.add_argument("--only", default=None, help="comma-separated workload numbers of the set to run (1-based)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
-    todo = list(SETS[args.set].items())
-    if args.only:
-        todo = [todo[int(i) - 1] for i in args.only.split(",")]
+    todo = list(harness.pick(SETS[args.set], args.only).items())
     root = Path(tempfile.mkdtemp(prefix="bench-functions-"))  # the installs (and, with --cli, their caches)
     try:
+        questions = workloads.write_jsonl(root / "mc.jsonl", workloads.questions(300, shots=10))
         sites = {t: install(t, root / str(i)) for i, t in enumerate(trees)}
-        compare(trees, sites, todo, args.rounds, run_cli if args.cli else run)
+        runner = run_cli if args.cli else run
+        compare(args, trees, todo, lambda tree, overrides: runner(tree, sites[tree], overrides, questions))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def compare(trees: list[str], sites: dict[str, Path], todo: list, rounds: int, runner) -> None:
-    """Each workload of `todo` on every tree, alternating, `rounds` times; one table row each."""
+def compare(args, trees: list[str], todo: list, runner) -> None:
+    """Each workload of `todo` on every tree, interleaved; one table row each."""
     names = [Path(t).name for t in trees]
-    print(
-        "| workload | "
-        + " | ".join(f"{n} s" for n in names)
-        + " | "
-        + " | ".join(f"{names[0]} / {n}" for n in names[1:])
-        + " | rounds s | "
-        + " | ".join(f"{n}: batches, padded slots" for n in names)
-        + " |"
-    )
-    print("| --- |" + " --- |" * (3 * len(trees)))
+    rep = harness.Report(args)
+    lines = []
     for name, overrides in todo:
-        walls: dict[str, list[float]] = {t: [] for t in trees}
-        shape: dict[str, tuple[int, int, int]] = {}
-        for r in range(rounds):
-            for tree in trees if r % 2 == 0 else trees[::-1]:
-                out = runner(tree, sites[tree], overrides)
-                walls[tree].append(out["wall"])
-                shape[tree] = (out["completed"], out["batches"], out["padded_slots"])
+        trials = harness.interleave(
+            {t: lambda r, t=t, o=overrides: runner(t, o) for t in trees}, args.rounds, label=f"{name}: "
+        )
+        last = {t: trials.last(t) for t in trees}
+        shape = {t: (s["completed"], s["batches"], s["padded_slots"]) for t, s in last.items()}
         if len({s[0] for s in shape.values()}) != 1:
             raise SystemExit(f"{name}: the trees completed different item counts: {shape}")
-        med = {t: statistics.median(v) for t, v in walls.items()}
-        print(
-            f"| {name} | "
-            + " | ".join(f"{med[t]:.2f}" for t in trees)
-            + " | "
-            + " | ".join(f"{med[trees[0]] / med[t]:.2f}" for t in trees[1:])
-            + " | "
-            + "; ".join(", ".join(f"{w:.1f}" for w in walls[t]) for t in trees)
-            + " | "
-            + " | ".join(f"{shape[t][1]:,}, {shape[t][2]:,}" for t in trees)
-            + " |",
-            flush=True,
+        lines.append(
+            [name, *(f"{trials.median(t):.2f}" for t in trees)]
+            + [f"{trials.median(trees[0]) / trials.median(t):.2f}" for t in trees[1:]]
+            + ["; ".join(", ".join(f"{w:.1f}" for w in trials.values(t)) for t in trees)]
+            + [f"{shape[t][1]:,}, {shape[t][2]:,}" for t in trees]
         )
+        rep.data[name] = trials.samples
+    header = ["workload", *(f"{n} s" for n in names), *(f"{names[0]} / {n}" for n in names[1:]), "rounds s"]
+    rep.table([*header, *(f"{n}: batches, padded slots" for n in names)], lines)
+    rep.save()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Batching strategies side by side on the reference workload, with the embedded model.
 
-    python -m benchmarks.bench_strategies [--rounds 3] [--n 3000] [--only 3] [--executors process,inprocess]
+    python -m benchmarks strategies [--rounds 3] [--rows 3000] [--only 4] [--executors process,inprocess]
 
 Every strategy runs through the real engine (run loop, scheduler, executor, hooks) on one CPU
 (or CUDA) device; with several `--executors`, each strategy runs under each of them (the cost
-of process isolation is the ratio of the two). Strategies are interleaved (A B C D E, A B C D E,
-...) because this machine's speed drifts by up to 1.4x; the table reports medians and ratios to
-the first strategy.
+of process isolation is the ratio of the two). Strategies are interleaved (the harness: A B C,
+C B A, ...) because this machine's speed drifts; the table reports medians and ratios to the
+first strategy. `--only` numbers the strategies from 1, as `STRATEGIES` lists them.
 
 The oracle: zero-padding batches of one uniform length (16,384 tokens), measured per length
 every round, the fastest rate kept; each item is costed at the rate of its own length. It is
@@ -16,8 +16,8 @@ computing prefix tokens at all).
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import harness
 from benchmarks.workloads import items as workload_items
 from forge.config.schema import Runtime
-from forge.core.engine import RunSpec, execute
-from forge.core.geometry import Batch, Device, Item, Limits
+from forge.driver.engine import RunSpec, execute
 from forge.function import Function
 from forge.pluginmanager import make_plugin_manager
 from forge.runtime.causal_lm import CausalLMRunner
+from forge.vocab.geometry import Batch, Device, Item, Limits
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
 # Item-count baselines as users write them: 32 rows whatever their length, no token cap.
@@ -186,23 +187,10 @@ def oracle_seconds(items: list[Item], rates: dict[int, float]) -> float:
     return float(np.sum(lens / np.interp(lens, xs, ys)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--n", type=int, default=3000)
-    ap.add_argument("--only", default="", help="comma-separated strategy indexes (0-based) to run")
-    ap.add_argument("--out", default="/tmp/forge-bench")
-    ap.add_argument("--executors", default="process", help="comma-separated: process, inprocess")
-    args = ap.parse_args()
-
-    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
-    device = Device(dev, LIMITS, torch_device=dev)
-    model = load_model(dev)
-    items = workload_items(args.n, 12, vocab=model.config.vocab_size)
-    fn = BenchFunction(items)
-    chosen = [STRATEGIES[int(i)] for i in args.only.split(",")] if args.only else STRATEGIES
-    executors = args.executors.split(",")
-    strategies = [
+def strategies(only: str | None, executors: list[str]) -> list[Strategy]:
+    """The chosen strategies (1-based `--only`), each under each executor."""
+    chosen = harness.pick({s.name: s for s in STRATEGIES}, only).values()
+    return [
         Strategy(
             f"{s.name} [{ex}]" if len(executors) > 1 else s.name,
             s.mode,
@@ -215,49 +203,70 @@ def main() -> None:
         for s in chosen
         for ex in executors
     ]
-    tmp = Path(args.out)
-    results: dict[str, list[dict]] = {s.name: [] for s in strategies}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, rounds=3, rows=3000, seed=0, only=None)
+    ap.add_argument("--work", default=None, help="the runs' directories (default: a temp dir)")
+    ap.add_argument("--executors", default="process", help="comma-separated: process, inprocess")
+    args = ap.parse_args(argv)
+
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = Device(dev, LIMITS, torch_device=dev)
+    model = load_model(dev)
+    items = workload_items(args.rows, 12, seed=args.seed, vocab=model.config.vocab_size)
+    fn = BenchFunction(items)
+    chosen = strategies(args.only, args.executors.split(","))
+    tmp = Path(args.work or tempfile.mkdtemp(prefix="bench-strategies-"))
     oracle: list[float] = []
     rates: dict[int, list[float]] = {}
-    print(
+    harness.note(
         f"device {dev}, torch threads {torch.get_num_threads()}, {len(items):,} items, "
         f"{sum(it.num_tokens for it in items):,} tokens, {args.rounds} rounds"
     )
-    for r in range(args.rounds):
-        measured = oracle_rates(model, dev)
-        for n, v in measured.items():
+
+    def measure_oracle(r: int) -> None:
+        for n, v in oracle_rates(model, dev).items():
             rates.setdefault(n, []).append(v)
         # the fastest rate seen per length, so the oracle stays a lower bound as speed drifts
         oracle.append(oracle_seconds(items, {n: max(v) for n, v in rates.items()}))
-        for s in strategies if r % 2 == 0 else strategies[::-1]:  # A B, B A, ...: drift cancels
-            rep = run_strategy(s, fn, device, tmp, s.executor)
-            results[s.name].append(rep)
-            print(f"  round {r + 1}: {s.name}: {rep['wall_s']:.2f} s", flush=True)
 
-    base = statistics.median(r["wall_s"] for r in results[strategies[0].name])
-    oracle_s = oracle[-1]
-    print()
-    print(
-        "| strategy | wall s (median) | useful tok/s | x first | padding waste | cache hit rate | batches "
-        "| oracle / wall | scheduler share |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in strategies:
-        reps = results[s.name]
-        wall = statistics.median(r["wall_s"] for r in reps)
-        rate = statistics.median(r["useful_tokens_per_s"] for r in reps)
+    def variant(s: Strategy):
+        return lambda r: run_strategy(s, fn, device, tmp, s.executor)
+
+    trials = harness.interleave({s.name: variant(s) for s in chosen}, args.rounds, before_round=measure_oracle)
+    report(args, trials, oracle[-1], rates)
+
+
+def report(args, trials: harness.Trials, oracle_s: float, rates: dict[int, list[float]]) -> None:
+    rep = harness.Report(args)
+    lines = []
+    first = trials.names[0]
+    for name in trials.names:
+        reps, wall = trials.samples[name], trials.median(name)
         last = reps[-1]
         sched = statistics.median(r["scheduler_s"] / r["wall_s"] for r in reps)
         hit = last["cache_hit_rate"]
-        print(
-            f"| {s.name} | {wall:.2f} | {rate:,.0f} | {base / wall:.2f} | {100 * last['padding_waste']:.2f}% | "
-            f"{'-' if not hit else f'{100 * hit:.2f}%'} | {last['batches']} | {oracle_s / wall:.2f} | "
-            f"{100 * sched:.2f}% |"
+        lines.append(
+            [
+                name,
+                f"{wall:.2f}",
+                f"{trials.median(name, 'useful_tokens_per_s'):,.0f}",
+                f"{trials.ratio(name, first):.2f}",
+            ]
+            + [f"{100 * last['padding_waste']:.2f}%", "-" if not hit else f"{100 * hit:.2f}%", last["batches"]]
+            + [f"{oracle_s / wall:.2f}", f"{100 * sched:.2f}%"]
         )
-    print(
-        f"\noracle (zero padding, every token computed): {oracle_s:.2f} s; zero-padding tok/s by length: "
-        + ", ".join(f"{n}: {max(v):,.0f}" for n, v in sorted(rates.items()))
+    header = ["strategy", "wall s (median)", "useful tok/s", "x first", "padding waste", "cache hit rate", "batches"]
+    rep.table([*header, "oracle / wall", "scheduler share"], lines)
+    rep.text(
+        "",
+        f"oracle (zero padding, every token computed): {oracle_s:.2f} s; zero-padding tok/s by length: "
+        + ", ".join(f"{n}: {max(v):,.0f}" for n, v in sorted(rates.items())),
     )
+    rep.data["oracle_s"] = oracle_s
+    rep.trials(trials)
+    rep.save()
 
 
 if __name__ == "__main__":

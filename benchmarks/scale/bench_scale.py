@@ -1,6 +1,9 @@
-"""The whole scheduler and run loop at scale, in virtual time: `python -m benchmarks.bench_scale`.
+"""The whole scheduler and run loop at scale, in virtual time: ten million items over eight simulated cards.
 
-N items (default 10,000,000) stream as numpy column chunks (`forge.core.columns.ColumnFeed`; the
+    python -m benchmarks scale [--rows 10000000] [--modes "token rows,token packed"] [--variants loop,scheduler]
+                               [--window 65536] [--rounds 1]
+
+N items (`--rows`, default 10,000,000) stream as numpy column chunks (`forge.core.columns.ColumnFeed`; the
 reference workload's distribution, 50 prefixes, a fresh seed per chunk) through the real
 `Scheduler` and `RunLoop` with the simulated executor (`SimExecutor`), over eight cards of
 mixed memory (`conf/devices/mix8.yaml` when present), as `forge plan` drives them; the
@@ -10,7 +13,7 @@ variant asks the same scheduler for batches directly (no loop, executor or hooks
 ratio of the two is the loop's own cost.
 
 Each configuration runs in its own subprocess, so its peak RSS (`ru_maxrss`) is its own;
-configurations are interleaved over rounds. Reported per run: items/s over the whole loop
+configurations are interleaved over rounds (the harness). Reported per run: items/s over the whole loop
 (generating the columns included, and without it), items per CPU-second (this process's
 user + system time: the figure to read on a shared machine), peak RSS, batches, and the
 spread of the devices' virtual finish times.
@@ -20,22 +23,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from benchmarks import harness
 
 MODES = {"token rows": {"packing": "rows"}, "token packed": {"packing": "packed"}}
-MIX8 = Path(__file__).resolve().parent.parent / "conf" / "devices" / "mix8.yaml"
+MIX8 = harness.ROOT / "conf" / "devices" / "mix8.yaml"
 
 
 def devices():
     """Eight cards: `conf/devices/mix8.yaml` when present, else the same mix declared here: two
     each of 16, 24, 32 and 80 GB, one set of limits (65,536 tokens, 512 rows, 4,096 long)."""
-    from forge.core.geometry import Device, Limits
+    from forge.vocab.geometry import Device, Limits
 
     if MIX8.exists():
         from omegaconf import OmegaConf
@@ -71,10 +72,10 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from forge.config.schema import Runtime
     from forge.core.columns import ColumnFeed
     from forge.core.loop import Committer, RunLoop
-    from forge.core.run import RunContext
     from forge.core.scheduler import Scheduler
     from forge.executors import SimExecutor
     from forge.pluginmanager import make_plugin_manager
+    from forge.vocab.records import RunContext
 
     devs, source = devices()
     pm = make_plugin_manager(load_entry_points=False, modules=("forge.builtin.ledger",))
@@ -155,10 +156,8 @@ def _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source) -> 
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=10_000_000)
-    ap.add_argument("--rounds", type=int, default=1)
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, rounds=1, rows=10_000_000)
     ap.add_argument("--window", type=int, default=65536)
     ap.add_argument("--chunk", type=int, default=262144)
     ap.add_argument("--modes", default=",".join(MODES))
@@ -168,62 +167,50 @@ def main() -> None:
         help="loop: the run loop with the simulator and the ledger; scheduler: the scheduler alone",
     )
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: run this configuration, print JSON
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         mode, variant = args.one.split("/")
-        print(json.dumps(run_one(mode, args.n, args.window, args.chunk, variant)))
+        print(json.dumps(run_one(mode, args.rows, args.window, args.chunk, variant)))
         return
     modes = [f"{m}/{v}" for m in args.modes.split(",") for v in args.variants.split(",")]
-    results: dict[str, list[dict]] = {m: [] for m in modes}
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    for _ in range(args.rounds):  # interleaved: A B A B ...
-        for m in modes:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.bench_scale",
-                    "--one",
-                    m,
-                    "--n",
-                    str(args.n),
-                    "--window",
-                    str(args.window),
-                    "--chunk",
-                    str(args.chunk),
-                ],
-                capture_output=True,
-                text=True,
-                env=env,
-                check=True,
-            )
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            results[m].append(r)
-            print(
-                f"# {m}: {r['items_per_s']:,.0f} items/s, {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
-                f"balanced={r['balanced']}",
-                file=sys.stderr,
-            )
-    first = results[modes[0]][0]
-    print(
-        f"\n{args.n:,} items, 50 prefixes, window {args.window:,}, eight devices ({first['devices']}), "
-        f"{args.rounds} round(s), medians\n"
+    child = [sys.executable, "-m", "benchmarks.scale.bench_scale", "--rows", str(args.rows)]
+    child += ["--window", str(args.window), "--chunk", str(args.chunk), "--one"]
+
+    def config(m: str):
+        return lambda r: harness.last_json(harness.timed([*child, m]).stdout)  # its wall_s: the loop's own
+
+    trials = harness.interleave({m: config(m) for m in modes}, args.rounds)
+    report(args, trials)
+
+
+def report(args, trials: harness.Trials) -> None:
+    rep = harness.Report(args)
+    first = trials.samples[trials.names[0]][0]
+    rep.text(
+        f"{args.rows:,} items, 50 prefixes, window {args.window:,}, eight devices ({first['devices']}), "
+        f"{args.rounds} round(s), medians",
+        "",
     )
-    print(
-        "| mode / variant | items/s (wall) | items/s without generating columns | items per CPU-second | wall s "
-        "| peak RSS MiB | RSS before the loop MiB | batches | ledger balanced | finish spread |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for m in modes:
-        rs = results[m]
-        med = lambda k, rs=rs: statistics.median(r[k] for r in rs)  # noqa: E731
-        print(
-            f"| {m} | {med('items_per_s'):,.0f} | {med('items_per_s_without_gen'):,.0f} | "
-            f"{med('items_per_cpu_s'):,.0f} | {med('wall_s'):.1f} | "
-            f"{max(r['peak_rss_mib'] for r in rs):.0f} | {med('rss_before_mib'):.0f} | {rs[0]['batches']:,} | "
-            f"{all(r['balanced'] for r in rs)} | {100 * med('finish_spread'):.2f}% |"
+    lines = []
+    for m in trials.names:
+        rs = trials.samples[m]
+        med = lambda k, m=m: trials.median(m, k)  # noqa: E731
+        lines.append(
+            [
+                m,
+                f"{med('items_per_s'):,.0f}",
+                f"{med('items_per_s_without_gen'):,.0f}",
+                f"{med('items_per_cpu_s'):,.0f}",
+            ]
+            + [f"{med('wall_s'):.1f}", f"{max(r['peak_rss_mib'] for r in rs):.0f}", f"{med('rss_before_mib'):.0f}"]
+            + [f"{rs[0]['batches']:,}", all(r["balanced"] for r in rs), f"{100 * med('finish_spread'):.2f}%"]
         )
-    bad = [r for rs in results.values() for r in rs if not r["balanced"] or r["items"]["completed"] != args.n]
+    header = ["mode / variant", "items/s (wall)", "items/s without generating columns", "items per CPU-second"]
+    header += ["wall s", "peak RSS MiB", "RSS before the loop MiB", "batches", "ledger balanced", "finish spread"]
+    rep.table(header, lines)
+    rep.trials(trials)
+    rep.save()
+    bad = [r for rs in trials.samples.values() for r in rs if not r["balanced"] or r["items"]["completed"] != args.rows]
     if bad:
         raise SystemExit(f"ledger does not balance: {bad[0]['imbalance']} {bad[0]['items']}")
 

@@ -1,14 +1,18 @@
 """The real peers, each run as its own process the way a user runs it (issue 20, item 5).
 
-    python -m benchmarks.peers lm-eval --rows MC.jsonl --model DIR --batch-size 32 --out OUT.json
-    python -m benchmarks.peers nnsight --rows ROWS.jsonl --model DIR --order length --layers 1,2,4 --out OUT.npz
-    python -m benchmarks.peers transformer-lens --rows ROWS.jsonl --model DIR --layers 1,2,4 --out OUT.npz
-    python -m benchmarks.peers sentence-transformers --rows TEXTS.jsonl --model DIR --out OUT.npz
+    python -m benchmarks.peers.tools lm-eval --rows MC.jsonl --model DIR --batch-size 32 --out OUT.json
+    python -m benchmarks.peers.tools nnsight --rows ROWS.jsonl --model DIR --order length --layers 1,2,4 --out OUT.npz
+    python -m benchmarks.peers.tools transformer-lens --rows ROWS.jsonl --model DIR --layers 1,2,4 --out OUT.npz
+    python -m benchmarks.peers.tools sentence-transformers --rows TEXTS.jsonl --model DIR --out OUT.npz
+    python -m benchmarks.peers.tools nnsight-states --rows ROWS.jsonl --model DIR --layers 2 --out DIR
+    python -m benchmarks.peers.tools saelens --rows ROWS.jsonl --model DIR --layers 2 --out DIR
 
-`benchmarks/bench_peers.py` times each as a subprocess from its start to its exit (imports,
-model load, tokenizing and the work included), 2 torch threads, float32, CPU. Each writes its
-outputs for the comparison with Forge's. Needs the `bench` extra (`pip install -e '.[bench]'`);
-never imported by the tests.
+`benchmarks/peers/bench_peers.py` (the first four) and `benchmarks/peers/bench_token_states.py`
+(the last two) time each as a subprocess from its start to its exit (imports, model load,
+tokenizing and the work included), 2 torch threads, float32, CPU. Each writes its outputs for
+the comparison with Forge's. Needs the `bench` extra (`pip install -e '.[bench]'`), or for the
+last two `bench-token-states`; never imported by the tests. Nothing of Forge or the benchmarks
+is imported here: a peer's process pays for its own tool alone, as a user's script would.
 """
 
 from __future__ import annotations
@@ -146,6 +150,79 @@ def run_transformer_lens(a) -> dict:
     }
 
 
+def run_nnsight_states(a) -> None:
+    """The user's loop for every token's states: nnsight traces of 32 right-padded rows in arrival
+    order, saving the layer's states; each row's own tokens kept, each prefix's states once;
+    safetensors files in the `--out` folder."""
+    import torch
+    import transformers
+    from nnsight import LanguageModel
+    from safetensors.torch import save_file
+
+    layer = int(a.layers)
+    tok = transformers.AutoTokenizer.from_pretrained(a.model)
+    lm = LanguageModel(
+        transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval(), tokenizer=tok
+    )
+    rows = read_rows(a.rows)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seen: set[str] = set()
+    own: list[torch.Tensor] = []
+    prefixes: list[torch.Tensor] = []
+    for lo in range(0, len(rows), a.batch_size):
+        batch = rows[lo : lo + a.batch_size]
+        seqs = probe_tokens(tok, batch)
+        plens = [len(tok(r["prefix"])["input_ids"]) if r.get("prefix") else 0 for r in batch]
+        ids, mask = pad(seqs, pad_id)
+        with torch.no_grad():
+            with lm.trace({"input_ids": ids, "attention_mask": mask}):
+                output = lm.model.layers[layer - 1].output
+                states = (output[0] if isinstance(output, tuple) else output).save()
+        for r, s, p, h in zip(batch, seqs, plens, states):
+            own.append(h[p : len(s)].clone())
+            if p and r["prefix"] not in seen:
+                seen.add(r["prefix"])
+                prefixes.append(h[:p].clone())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, parts in (("activations", own), ("prefix_states", prefixes)):
+        offsets = torch.tensor([0, *torch.cumsum(torch.tensor([len(x) for x in parts]), 0).tolist()])
+        save_file(
+            {f"layer_{layer}": torch.cat(parts), f"layer_{layer}.offsets": offsets}, str(out / f"{name}.safetensors")
+        )
+
+
+def run_saelens(a) -> None:
+    """SAELens's activation cache runner on the same model and texts (prefix + statement)."""
+    import transformers
+    from sae_lens import CacheActivationsRunner, CacheActivationsRunnerConfig
+
+    layer, out = int(a.layers), Path(a.out)
+    tok = transformers.AutoTokenizer.from_pretrained(a.model)
+    texts = [(r.get("prefix") or "") + r["text"] for r in read_rows(a.rows)]
+    tokens = sum(len(tok(t)["input_ids"]) for t in texts)
+    data = out.parent / f"{out.name}-dataset"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    context = 256
+    cfg = CacheActivationsRunnerConfig(
+        dataset_path=str(data),
+        model_name=str(a.model),
+        model_class_name="AutoModelForCausalLM",
+        hook_name=f"model.layers.{layer - 1}",
+        d_in=int(transformers.AutoConfig.from_pretrained(a.model).hidden_size),
+        training_tokens=tokens // context * context,
+        context_size=context,
+        model_batch_size=a.batch_size,
+        new_cached_activations_path=str(out),
+        device="cpu",
+        buffer_size_gb=0.25,
+        shuffle=False,
+        streaming=False,
+    )
+    CacheActivationsRunner(cfg).run()
+
+
 def run_sentence_transformers(a) -> dict:
     import numpy as np
     import sentence_transformers
@@ -168,11 +245,14 @@ TOOLS = {
     "nnsight": run_nnsight,
     "transformer-lens": run_transformer_lens,
     "sentence-transformers": run_sentence_transformers,
+    "nnsight-states": run_nnsight_states,
+    "saelens": run_saelens,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # a peer program's own command line, not a benchmark's: it imports nothing of the benchmarks
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.peers.tools", description=__doc__.splitlines()[0])
     ap.add_argument("tool", choices=sorted(TOOLS))
     ap.add_argument("--rows", required=True)
     ap.add_argument("--model", required=True)
@@ -190,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     elif a.tool != "lm-eval":
         sys.exit("--batch-size auto is lm-eval's only")
     res = TOOLS[a.tool](a)
+    if res is None:  # the tool wrote its own files
+        return
     if a.out.endswith(".json"):
         Path(a.out).write_text(json.dumps(res))
     else:

@@ -1,21 +1,22 @@
 """What the block-diagonal mask of a tree batch costs attention (issue 20, item 6).
 
-    python -m benchmarks.bench_tree_mask [--rows 17] [--context 448] [--choices 4] [--heads 4] [--head-dim 64]
+    python -m benchmarks tree-mask [--rows 17] [--context 448] [--choices 4] [--heads 4] [--head-dim 64] [--rounds 4]
 
 A `score` tree row is one question: its context, then each choice's tokens, each seeing the
 context and itself. SDPA runs it with a 4D mask, which computes every query x key pair. This
 times that against the lower bounds a mask-free attention could reach: a plain causal attention
 over the whole row, and the row split into the context's causal attention and the choices' rows
-under their mask. Same inputs, best of 5, interleaved; not a test.
+under their mask. Same inputs, each sample the best of 5, rounds interleaved (the harness); not a test.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks import harness
 
 
 def best(f, reps: int = 5) -> float:
@@ -28,16 +29,14 @@ def best(f, reps: int = 5) -> float:
     return min(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=17)
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, rounds=4, threads=2, rows=(17, "rows of one question each"))
     ap.add_argument("--context", type=int, default=448)
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--choice-tokens", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     P, c = a.context, a.choice_tokens
     S = P + a.choices * c
@@ -56,18 +55,23 @@ def main() -> None:
 
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert torch.allclose(split(), ref, atol=1e-5)
-    rounds = {"4D mask (what runs)": [], "causal, no mask (a bound)": [], "context causal + choices masked": []}
-    for _ in range(2):  # A B C C B A
-        for name in (*rounds, *reversed(rounds)):
-            f = {
-                "4D mask (what runs)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                "causal, no mask (a bound)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                "context causal + choices masked": split,
-            }[name]
-            rounds[name].append(best(f))
-    print(f"rows {a.rows} x {S} ({P} context + {a.choices} x {c}), {a.heads} heads of {a.head_dim}")
-    for name, ts in rounds.items():
-        print(f"  {name:34s} {1e3 * min(ts):7.1f} - {1e3 * max(ts):7.1f} ms")
+    forms = {
+        "4D mask (what runs)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+        "causal, no mask (a bound)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "context causal + choices masked": split,
+    }
+    trials = harness.interleave({name: lambda r, f=f: best(f) for name, f in forms.items()}, a.rounds)
+    rep = harness.Report(a)
+    rep.text(f"rows {a.rows} x {S} ({P} context + {a.choices} x {c}), {a.heads} heads of {a.head_dim}", "")
+    first = trials.names[0]
+    lines = [
+        [name, f"{1e3 * min(trials.values(name)):.1f} - {1e3 * max(trials.values(name)):.1f}"]
+        + [f"{trials.ratio(name, first):.2f}"]
+        for name in trials.names
+    ]
+    rep.table(["attention", "ms (best of 5, range over rounds)", "x 4D mask (medians)"], lines)
+    rep.trials(trials)
+    rep.save()
 
 
 if __name__ == "__main__":

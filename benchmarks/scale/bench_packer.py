@@ -1,29 +1,31 @@
-"""Packer cost and geometry at scale (no model): `python -m benchmarks.bench_packer`.
+"""Packer cost and geometry at scale, no model.
 
-1. Time to pack 1,000,000 items through the scheduler's bounded window (65,536 items), per
+    python -m benchmarks packer [--rows 1000000] [--rounds 3] [--seed 3]
+
+1. Time to pack `--rows` (1,000,000) items through the scheduler's bounded window (65,536 items), per
    mode: every batch is cut, routed and cache-tracked exactly as in a run, then dropped
    (a run hands it to a device and forgets it). Two inputs, interleaved:
    - geometry: lengths and prefix codes only, as numpy columns (`GeometryFeed`): the
      packer's own cost, the figure the issue sets;
    - Items: the same workload as `Item` objects (`ItemFeed`), as a run feeds it, which adds
      reading each Item's geometry and handing each batch its Items.
+   Every mode and input once a round, interleaved (the harness); medians.
 2. Geometry on the reference workload and on a 200,000-item / 50-prefix variant with two
    devices: padding waste, batches against the minimum possible, prefix-cache hit rate.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import statistics
 import time
 from collections import Counter
 
+from benchmarks import harness
 from benchmarks.workloads import geometry as workload_geometry, items as workload_items
 from forge.batching import ItemPacker, TokenPacker
 from forge.core.columns import GeometryFeed
-from forge.core.geometry import Device, Limits
 from forge.core.scheduler import Scheduler
+from forge.vocab.geometry import Device, Limits
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
 
@@ -68,51 +70,57 @@ def geometry_row(name, batches, items, sched):
     )
     hit = (needed - computed) / needed if needed else float("nan")
     misses = dict(sched.cache_misses)
-    return (
-        f"| {name} | {len(items):,} | {len(batches):,} | {len(batches) / minimum:.3f} | "
-        f"{100 * padding / slots:.3f}% | {100 * hit:.3f}% | {misses} |"
-    )
+    return [name, f"{len(items):,}", f"{len(batches):,}", f"{len(batches) / minimum:.3f}"] + [
+        f"{100 * padding / slots:.3f}%",
+        f"{100 * hit:.3f}%",
+        misses,
+    ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+MODES = {
+    "item (32, arrival)": lambda: ItemPacker(32),
+    "token rows": lambda: TokenPacker(),
+    "token packed": lambda: TokenPacker(packing="packed"),
+}
 
-    print(f"## Packer cost: {args.n:,} items, 50 prefixes, window 65,536, one device\n")
-    print("| mode | batches | geometry: median s | geometry: items/s | Items: median s |")
-    print("| --- | --- | --- | --- | --- |")
-    which, prefix_lens, suffix = workload_geometry(args.n, 50, seed=3)
-    big = workload_items(args.n, 50, seed=3)
+
+def cost(rep: harness.Report, args) -> None:
+    """The packer's own cost: every mode over geometry columns and over Items, interleaved."""
+    which, prefix_lens, suffix = workload_geometry(args.rows, 50, seed=args.seed)
+    big = workload_items(args.rows, 50, seed=args.seed)
     # The Items are built up front, which a streaming run never does: freeze them so the
     # garbage collector does not walk a million resident Items on every collection.
     gc.collect()
     gc.freeze()
-    modes = {
-        "item (32, arrival)": lambda: ItemPacker(32),
-        "token rows": lambda: TokenPacker(),
-        "token packed": lambda: TokenPacker(packing="packed"),
-    }
-    times = {(m, src): [] for m in modes for src in ("geometry", "items")}
-    batches = {}
-    for _ in range(args.repeat):  # interleaved: A B C A B C ...
-        for src in ("geometry", "items"):
-            for m, make in modes.items():
-                feed = GeometryFeed(prefix_lens[which] + suffix, which, prefix_lens) if src == "geometry" else big
-                batches[m], s = pack_seconds(make(), feed, Device("d0", LIMITS))
-                times[m, src].append(s)
-    for m in modes:
-        geo, its = statistics.median(times[m, "geometry"]), statistics.median(times[m, "items"])
-        print(f"| {m} | {batches[m]:,} | {geo:.2f} | {args.n / geo:,.0f} | {its:.2f} |")
 
-    print("\n## Geometry (max_batch_tokens=8192, max_rows=256, pad_multiple=1)\n")
-    print(
-        "| workload / mode | items | batches | batches / minimum | padding waste | prefix hit rate "
-        "| misses per device |"
+    def variant(make, src: str):
+        def run(r: int) -> dict:
+            feed = GeometryFeed(prefix_lens[which] + suffix, which, prefix_lens) if src == "geometry" else big
+            batches, seconds = pack_seconds(make(), feed, Device("d0", LIMITS))
+            return {"wall_s": seconds, "batches": batches}
+
+        return run
+
+    trials = harness.interleave(
+        {f"{m} / {src}": variant(make, src) for src in ("geometry", "items") for m, make in MODES.items()}, args.rounds
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    lines = []
+    for m in MODES:
+        geo, its = trials.median(f"{m} / geometry"), trials.median(f"{m} / items")
+        lines.append([m, f"{trials.last(f'{m} / geometry')['batches']:,}", f"{geo:.2f}", f"{args.rows / geo:,.0f}"])
+        lines[-1].append(f"{its:.2f}")
+    title = f"## Packer cost: {args.rows:,} items, 50 prefixes, window 65,536, one device"
+    header = ["mode", "batches", "geometry: median s", "geometry: items/s", "Items: median s"]
+    rep.table(header, lines, title=title)
+    rep.trials(trials)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, rounds=3, rows=1_000_000, seed=3).parse_args(argv)
+    rep = harness.Report(args)
+    cost(rep, args)
     two = [Device("d0", LIMITS), Device("d1", LIMITS)]
+    lines = []
     for label, its, devs in (
         ("reference, 1 device", workload_items(3000, 12), [Device("d0", LIMITS)]),
         ("200k x 50 prefixes, 2 devices", workload_items(200_000, 50, seed=2), two),
@@ -124,7 +132,11 @@ def main() -> None:
             ("token packed", lambda: TokenPacker(packing="packed")),
         ):
             batches, sched, _ = drive(make(), its, devs)
-            print(geometry_row(f"{label}: {m}", batches, its, sched))
+            lines.append(geometry_row(f"{label}: {m}", batches, its, sched))
+    title = "## Geometry (max_batch_tokens=8192, max_rows=256, pad_multiple=1)"
+    header = ["workload / mode", "items", "batches", "batches / minimum", "padding waste", "prefix hit rate"]
+    rep.table([*header, "misses per device"], lines, title=title)
+    rep.save()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Start-up as a user pays it: `forge run` with its fork server started at three points, interleaved.
 
-    python -m benchmarks.bench_startup [--rows 1000] [--rounds 3]
+    python -m benchmarks startup [--rows 1000] [--rounds 3]
 
-Each round runs the same command in fresh processes, A B C ... then ... C B A: `forge run` as it
+Each round runs the same command in fresh processes, interleaved (the harness: A B C ..., then
+... C B A): `forge run` as it
 ships (its entry point, `forge.cli.entry`, starts the process executor's fork server importing
 torch and transformers before it imports the CLI: `forge.cli.early.start_workers`; no `forge
 server` answers, its socket folder is a fresh one); the CLI module run directly, which makes the
@@ -18,15 +19,13 @@ the wall time of each process, medians per variant. Not a test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks import harness
 
 # The shipped CLI with early starts disabled; the guard keeps the fork server from running it.
 NO_WARM_UP = """
@@ -57,34 +56,30 @@ def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str
         from forge.runtime.class_facts import cache_path
 
         cache_path().unlink(missing_ok=True)
-    t0 = time.perf_counter()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(out.parent)}  # a folder where no forge server answers
-    subprocess.run([*command, "run", *args, f"output_dir={out}"], check=True, capture_output=True, env=env)
-    wall = time.perf_counter() - t0
+    child = harness.timed([*command, "run", *args, f"output_dir={out}"], env=env)
     phases = json.loads((out / "report.json").read_text())["phases"]
-    return {**{k: phases[k] for k in KEYS}, "wall_s": wall}
+    return {**{k: phases[k] for k in KEYS}, "wall_s": child.wall_s}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    a = harness.parser(__doc__, rounds=3, rows=1000).parse_args(argv)
     args = [f"input.limit={a.rows}", "runtime.executor=process"]
     variants = (SHIPPED, FRESH, "fork server before composing", "fork server after composing")
     variants += ("fork server at executor start",)
-    seen: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "no_warm_up.py"
         script.write_text(NO_WARM_UP)
-        for r in range(a.rounds):
-            for k, variant in enumerate(variants if r % 2 == 0 else variants[::-1]):
-                seen[variant].append(run_once(variant, args, Path(tmp) / f"run-{r}-{k}", script))
-    print(f"| variant ({a.rows} rows, {a.rounds} rounds, medians) | " + " | ".join(KEYS) + " | wall_s |")
-    print("| --- |" + " --- |" * (len(KEYS) + 1))
-    for variant, runs in seen.items():
-        cells = [f"{statistics.median(run[k] for run in runs):.2f}" for k in (*KEYS, "wall_s")]
-        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+        def variant(k: int, name: str):
+            return lambda r: run_once(name, args, Path(tmp) / f"run-{r}-{k}", script)
+
+        trials = harness.interleave({v: variant(k, v) for k, v in enumerate(variants)}, a.rounds)
+    rep = harness.Report(a)
+    lines = [[v, *(f"{trials.median(v, k):.2f}" for k in (*KEYS, "wall_s"))] for v in trials.names]
+    rep.table([f"variant ({a.rows} rows, {a.rounds} rounds, medians)", *KEYS, "wall_s"], lines)
+    rep.trials(trials)
+    rep.save()
 
 
 if __name__ == "__main__":

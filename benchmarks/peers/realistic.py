@@ -1,6 +1,6 @@
 """A benchmark model with a realistic FLOP mix (issue 20, item 3), and the FLOP arithmetic.
 
-    python -m benchmarks.realistic            # build (once) and print the path and FLOP shares
+    python -m benchmarks realistic            # build (once) and print the path and FLOP shares
 
 `llama-1024`: a Llama-style decoder made from a config at random weights, like the embedded
 tiny-llama (same byte-level BPE tokenizer, vocabulary 2,048): hidden 1,024, intermediate
@@ -128,9 +128,15 @@ def parameters(cfg: dict = CONFIG) -> int:
     )
 
 
-if __name__ == "__main__":
-    path = model_dir()
-    print(path)
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import harness
+
+    harness.parser(__doc__, out=False).parse_args(argv)
+    print(model_dir())
     print(f"{parameters():,} parameters")
     for n in (64, 256, 448, 1024, 2048):
         print(f"one sequence of {n}: " + ", ".join(f"{k} {v:.1%}" for k, v in flop_shares([(0, n)]).items()))
+
+
+if __name__ == "__main__":
+    main()

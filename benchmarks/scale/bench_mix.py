@@ -1,8 +1,8 @@
 """Mixed cards in virtual time: a 16 GB card and a 32 GB card twice as fast (`conf/devices/mix_16g_32g.yaml`).
 
-    python -m benchmarks.bench_mix [--big 200000] [--run]
+    python -m benchmarks mix [--big 200000] [--tail 2000] [--run]
 
-Every figure is a plan (`forge.core.simulate.plan_geometry`: the scheduler, run loop, simulated
+Every figure is a plan (`forge.driver.simulate.plan_geometry`: the scheduler, run loop, simulated
 executor and ledger of `forge plan`) in virtual time, so it does not depend on this
 machine's speed. The model is `examples/models/llama-2-7b` in bfloat16 (layers [1, 2, 4],
 pooling last): its memory model is fitted from the config alone (`forge.runtime.memory_fit`,
@@ -12,7 +12,7 @@ cached after the first use). Tables:
    busy share and finish time per device, finish skew, simulated out-of-memory errors;
 2. item mode at the batch size that fits the large card, at the one that fits the small
    card, and memory mode, side by side: items/s, busy %, finish skew, out-of-memory errors;
-3. heavy tails (lengths from tens to thousands of tokens, a few over every device's
+3. heavy tails (`benchmarks.workloads.heavy_tail`: lengths from tens to thousands of tokens, a few over every device's
    max_seq_len) in rows and packed rows: every item placed or failed at admission with its
    reason, ledger balanced;
 4. with `--run`: the same heavy tail, small, through `forge run` on two real CPU devices
@@ -21,19 +21,19 @@ cached after the first use). Tables:
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
 
-from benchmarks.workloads import items as reference_items
+from benchmarks import harness
+from benchmarks.workloads import heavy_tail, heavy_tail_rows, items as reference_items, write_jsonl
 from forge.config.devices import resolve_devices
-from forge.core.geometry import Item
-from forge.core.simulate import plan_geometry
+from forge.driver.simulate import plan_geometry
+from forge.vocab.geometry import Item
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 MODEL = ROOT / "examples" / "models" / "llama-2-7b"
 
 
@@ -50,18 +50,6 @@ def cost_7b():
     from forge.runtime.memory_fit import Target, fitted_cost_model
 
     return fitted_cost_model(AutoConfig.from_pretrained(MODEL), Target(dtype="bfloat16", attn="sdpa", hidden_kept=3))
-
-
-def heavy_tail(n: int, seed: int = 5) -> list[Item]:
-    """Suffix lengths Pareto-distributed from ~10 to over 5,000 tokens behind 5 prefixes of 23-353 tokens."""
-    rng = np.random.default_rng(seed)
-    prefix_lens = np.array([23, 80, 150, 240, 353])
-    which = rng.integers(0, len(prefix_lens), n)
-    suffix = np.minimum((rng.pareto(0.9, n) + 1) * 12, 6000).astype(int)
-    return [
-        Item(f"t{i}", int(prefix_lens[k] + s), f"p{k}", int(prefix_lens[k]))
-        for i, (k, s) in enumerate(zip(which.tolist(), suffix.tolist()))
-    ]
 
 
 def summary(name: str, report: dict) -> dict:
@@ -101,9 +89,9 @@ def item_batch_size(cost, device, items: list[Item]) -> int:
     return size
 
 
-def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
-    head = "| " + " | ".join(c for c, _ in cols) + " |\n| " + " | ".join("---" for _ in cols) + " |\n"
-    return head + "".join("| " + " | ".join(fmt.format(r) for _, fmt in cols) + " |\n" for r in rows)
+def table(rows: list[dict], cols: list[tuple[str, str]]) -> tuple[list[str], list[list[str]]]:
+    """(header, cells) of `rows` under `cols`: (title, format of a row) each."""
+    return [c for c, _ in cols], [[fmt.format(r) for _, fmt in cols] for r in rows]
 
 
 BALANCE = [
@@ -121,19 +109,45 @@ BALANCE = [
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--big", type=int, default=200_000, help="items of the large reference variant")
-    parser.add_argument("--tail", type=int, default=2000, help="items of the heavy-tailed input")
-    parser.add_argument("--run", action="store_true", help="also run a small heavy tail with forge run (CPU)")
-    args = parser.parse_args()
+ITEM_VS_MEMORY = [
+    ("case", "{0[case]}"),
+    ("items/s (virtual)", "{0[items_per_s]:,.1f}"),
+    ("card16 busy", "{0[busy16]:.2%}"),
+    ("card32 busy", "{0[busy32]:.2%}"),
+    ("finish skew", "{0[skew]:.2%}"),
+    ("simulated OOM", "{0[oom]}"),
+    ("memory used card16 / card32", "{0[mem16]:.0%} / {0[mem32]:.0%}"),
+    ("batches", "{0[batches]:,}"),
+    ("completed", "{0[completed]:,}"),
+    ("balanced", "{0[balanced]}"),
+]
+TAIL = [
+    ("case", "{0[case]}"),
+    ("completed", "{0[completed]:,}"),
+    ("skipped at admission", "{0[skipped]:,}"),
+    ("reason", "{0[skipped_reasons]}"),
+    ("failed", "{0[failed]:,}"),
+    ("card16 busy", "{0[busy16]:.2%}"),
+    ("card32 busy", "{0[busy32]:.2%}"),
+    ("finish skew", "{0[skew]:.2%}"),
+    ("simulated OOM", "{0[oom]}"),
+    ("balanced", "{0[balanced]}"),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--big", type=int, default=200_000, help="items of the large reference variant")
+    ap.add_argument("--tail", type=int, default=2000, help="items of the heavy-tailed input")
+    ap.add_argument("--run", action="store_true", help="also run a small heavy tail with forge run (CPU)")
+    args = ap.parse_args(argv)
+    rep = harness.Report(args)
     devices, t0 = mix(), time.perf_counter()
     cost = cost_7b()
-    print(
+    rep.text(
         f"memory model of {MODEL.name} (bfloat16) ready in {time.perf_counter() - t0:.1f} s (imports included; "
         "fitted once, then cached)"
     )
-
     rows = []
     for n in (3000, args.big):
         t0 = time.perf_counter()
@@ -141,8 +155,7 @@ def main() -> None:
             summary(f"reference, {n:,} items, memory", plan_geometry(reference_items(n), devices, "memory", cost=cost))
         )
         rows[-1]["case"] += f" (planned in {time.perf_counter() - t0:.1f} s)"
-    print("\n### 1:2 mix, memory mode\n")
-    print(table(rows, BALANCE))
+    rep.table(*table(rows, BALANCE), title="### 1:2 mix, memory mode")
 
     work = reference_items(3000)
     large, small = (item_batch_size(cost, d, work) for d in sorted(devices, key=lambda d: -d.memory_bytes))
@@ -151,96 +164,41 @@ def main() -> None:
         (f"item, batch_size={small} (fits card16)", "item", {"batch_size": small}),
         ("memory", "memory", {}),
     ]
-    rows = []
-    for name, mode, options in cases:
-        rows.append(summary(name, plan_geometry(work, devices, mode, cost=cost, options=options)))
-    print("\n### Item mode against memory mode, reference workload (3,000 items)\n")
-    print(
-        table(
-            rows,
-            [
-                ("case", "{0[case]}"),
-                ("items/s (virtual)", "{0[items_per_s]:,.1f}"),
-                ("card16 busy", "{0[busy16]:.2%}"),
-                ("card32 busy", "{0[busy32]:.2%}"),
-                ("finish skew", "{0[skew]:.2%}"),
-                ("simulated OOM", "{0[oom]}"),
-                ("memory used card16 / card32", "{0[mem16]:.0%} / {0[mem32]:.0%}"),
-                ("batches", "{0[batches]:,}"),
-                ("completed", "{0[completed]:,}"),
-                ("balanced", "{0[balanced]}"),
-            ],
-        )
-    )
+    rows = [summary(name, plan_geometry(work, devices, mode, cost=cost, options=o)) for name, mode, o in cases]
+    rep.table(*table(rows, ITEM_VS_MEMORY), title="### Item mode against memory mode, reference workload (3,000 items)")
 
-    rows = []
     tail = heavy_tail(args.tail)
-    for packing in ("rows", "packed"):
-        r = summary(
+    options = {"packed_row_tokens": 1024}
+    rows = [
+        summary(
             f"heavy tail, {packing}",
-            plan_geometry(tail, devices, "memory", cost=cost, options={"packing": packing, "packed_row_tokens": 1024}),
+            plan_geometry(tail, devices, "memory", cost=cost, options={**options, "packing": packing}),
         )
-        rows.append(r)
+        for packing in ("rows", "packed")
+    ]
     lengths = np.array([it.num_tokens for it in tail])
-    print(
-        f"\n### Heavy tail ({len(tail):,} items, {lengths.min()}-{lengths.max()} tokens, median "
-        f"{int(np.median(lengths))}; max_seq_len 4,096), memory mode\n"
+    title = (
+        f"### Heavy tail ({len(tail):,} items, {lengths.min()}-{lengths.max()} tokens, median "
+        f"{int(np.median(lengths))}; max_seq_len 4,096), memory mode"
     )
-    print(
-        table(
-            rows,
-            [
-                ("case", "{0[case]}"),
-                ("completed", "{0[completed]:,}"),
-                ("skipped at admission", "{0[skipped]:,}"),
-                ("reason", "{0[skipped_reasons]}"),
-                ("failed", "{0[failed]:,}"),
-                ("card16 busy", "{0[busy16]:.2%}"),
-                ("card32 busy", "{0[busy32]:.2%}"),
-                ("finish skew", "{0[skew]:.2%}"),
-                ("simulated OOM", "{0[oom]}"),
-                ("balanced", "{0[balanced]}"),
-            ],
-        )
-    )
+    rep.table(*table(rows, TAIL), title=title)
     if args.run:
-        run_tail()
+        run_tail(rep)
+    rep.save()
 
 
-def run_tail(n: int = 120) -> None:
+def run_tail(rep: harness.Report, n: int = 120) -> None:
     """The heavy tail through `forge run` on two CPU devices (the embedded model), small."""
-    import json
-    import random
     import tempfile
 
+    from forge.cli.build import build_spec
     from forge.cli.compose import compose
-    from forge.config.build import build_spec
-    from forge.core.engine import execute
+    from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
-    rng = random.Random(5)
-    words = "the of and a to in is was he for it with as his on be at by".split()
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "tail.jsonl"
-        data.write_text(
-            "".join(
-                json.dumps(
-                    {
-                        "id": f"r{i}",
-                        "text": " ".join(
-                            rng.choice(words) for _ in range(int(rng.paretovariate(0.9) * 12) % 1900 + 10)
-                        ),
-                    }
-                )
-                + "\n"
-                for i in range(n)
-            )
-        )
-        print(f"\n### Heavy tail through forge run ({n} rows, devices=sim_16g_32g, embedded model, CPU)\n")
-        print(
-            "| packing | completed | failed at admission | balanced | status | wall s |\n"
-            "| --- | --- | --- | --- | --- | --- |"
-        )
+        data = write_jsonl(Path(tmp) / "tail.jsonl", heavy_tail_rows(n))
+        lines = []
         for packing in ("rows", "packed"):
             overrides = [
                 "devices=sim_16g_32g",
@@ -252,10 +210,19 @@ def run_tail(n: int = 120) -> None:
                 "runtime.executor=inprocess",
             ]
             r = execute(build_spec(compose(overrides), Path(tmp) / packing), make_plugin_manager())
-            print(
-                f"| {packing} | {r['items']['completed']} | {r['items']['failed']} | {r['balanced']} | {r['status']} "
-                f"| {r['wall_s']:.1f} |"
+            lines.append(
+                [
+                    packing,
+                    r["items"]["completed"],
+                    r["items"]["failed"],
+                    r["balanced"],
+                    r["status"],
+                    f"{r['wall_s']:.1f}",
+                ]
             )
+        title = f"### Heavy tail through forge run ({n} rows, devices=sim_16g_32g, embedded model, CPU)"
+        header = ["packing", "completed", "failed at admission", "balanced", "status", "wall s"]
+        rep.table(header, lines, title=title)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Forge on Ray against Ray Data `map_batches`, and runtime=ray against the local runtime.
 
-    python -m benchmarks.bench_ray [--n 3000] [--actors 2] [--rounds 1]
+    python -m benchmarks ray [--rows 3000] [--actors 2] [--rounds 2]
 
-Needs Ray Data (`pip install 'ray[data]'`). On a local Ray instance of `--actors` CPUs:
+Needs Ray Data (`pip install -e '.[bench]'`). On a local Ray instance of `--actors` CPUs:
 
 * Forge, runtime=ray: token mode with the prefix cache, one actor per device (`--actors`
   CPU devices of one core each), the driver packing and routing;
@@ -13,28 +13,28 @@ Needs Ray Data (`pip install 'ray[data]'`). On a local Ray instance of `--actors
 * Forge, runtime=local (process executor), the same plan as the first: the cost of Ray.
 
 Every variant runs the workload end to end (actor start and model load included) and only
-counts activations, it saves none. Variants are interleaved, A B C then C B A; the table
-reports medians. Ray Data is the real library (the `bench` or `ray` extra plus pandas); the
+counts activations, it saves none. Variants are interleaved (the harness), A B C then C B A;
+the table reports medians. Ray Data is the real library (the `bench` or `ray` extra plus pandas); the
 function it maps is Forge's `CausalLMRunner`, so both sides run the same forward.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_strategies import LAYERS, LIMITS, BenchFunction, load_model
+from benchmarks import harness
+from benchmarks.scale.bench_strategies import LAYERS, LIMITS, BenchFunction, load_model
 from benchmarks.workloads import items as workload_items
 from forge.config.schema import RayRuntime, Runtime
-from forge.core.engine import RunSpec, execute
-from forge.core.geometry import Batch, Device, Item
+from forge.driver.engine import RunSpec, execute
 from forge.pluginmanager import make_plugin_manager
+from forge.vocab.geometry import Batch, Device, Item
 
 
 def forge_run(items: list[Item], actors: int, executor: str, out: Path) -> dict:
@@ -119,66 +119,57 @@ def ray_data_run(items: list[Item], actors: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=3000)
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, rounds=2, rows=3000, seed=0)
     ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--out", default="/tmp/forge-bench-ray")
-    args = ap.parse_args()
-
+    ap.add_argument("--work", default=None, help="the Forge runs' directories (default: a temp dir)")
+    args = ap.parse_args(argv)
+    harness.need("ray", "pandas")  # Ray Data's own needs, as the `bench` extra installs them
     import ray
     import torch
 
     vocab = load_model("cpu").config.vocab_size
-    items = workload_items(args.n, 12, vocab=vocab)
+    items = workload_items(args.rows, 12, seed=args.seed, vocab=vocab)
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-ray-"))
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # workers import this checkout
     ray.init(num_cpus=args.actors, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     variants = {
-        "Forge, runtime=ray (token, prefix cache)": lambda: forge_run(
-            items, args.actors, "ray", Path(args.out) / "ray"
-        ),
-        "Ray Data map_batches (rows of 32, arrival order)": lambda: ray_data_run(items, args.actors),
-        "Forge, runtime=local (token, prefix cache)": lambda: forge_run(
-            items, args.actors, "process", Path(args.out) / "local"
+        "Forge, runtime=ray (token, prefix cache)": lambda r: forge_run(items, args.actors, "ray", work / "ray"),
+        "Ray Data map_batches (rows of 32, arrival order)": lambda r: ray_data_run(items, args.actors),
+        "Forge, runtime=local (token, prefix cache)": lambda r: forge_run(
+            items, args.actors, "process", work / "local"
         ),
     }
-    results: dict[str, list[dict]] = {name: [] for name in variants}
-    print(
+    rep = harness.Report(args)
+    rep.text(
         f"{len(items):,} items, {sum(it.num_tokens for it in items):,} tokens, {args.actors} actors of 1 CPU, "
         f"torch {torch.__version__}, ray {ray.__version__}, {args.rounds} round(s)",
-        flush=True,
+        "",
     )
     try:
-        for r in range(args.rounds):
-            order = list(variants.items())
-            for name, run in order if r % 2 == 0 else order[::-1]:  # A B C, then C B A
-                results[name].append(run())
-                print(f"  round {r + 1}: {name}: {results[name][-1]['wall_s']:.2f} s", flush=True)
+        trials = harness.interleave(variants, args.rounds)
     finally:
         ray.shutdown()
+    report(rep, trials)
 
-    med = {
-        name: {k: statistics.median(x[k] for x in reps) if reps[0][k] is not None else None for k in reps[0]}
-        for name, reps in results.items()
-    }
-    names = list(variants)
-    print(
-        "\n| variant | wall s (median) | useful tok/s | padding waste | cache hit rate | batches | actors ready after |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name in names:
-        m = med[name]
-        hit = f"{100 * m['cache_hit_rate']:.2f}%" if m["cache_hit_rate"] else "-"
-        batches = "-" if m["batches"] is None else f"{m['batches']:.0f}"
-        ready = "-" if m["actor_ready_s"] is None else f"{m['actor_ready_s']:.1f} s"
-        print(
-            f"| {name} | {m['wall_s']:.2f} | {m['useful_tokens_per_s']:,.0f} | {100 * m['padding_waste']:.2f}% | "
-            f"{hit} | {batches} | {ready} |"
-        )
-    ray_, data, local = (med[n] for n in names)
-    print(f"\nForge on Ray / Ray Data, useful tok/s: {ray_['useful_tokens_per_s'] / data['useful_tokens_per_s']:.2f}x")
-    print(f"runtime=ray / runtime=local, wall: {ray_['wall_s'] / local['wall_s']:.2f}x")
+
+def report(rep: harness.Report, trials: harness.Trials) -> None:
+    lines = []
+    for name in trials.names:
+        med = lambda k, name=name: trials.median(name, k)  # noqa: E731
+        hit = f"{100 * med('cache_hit_rate'):.2f}%" if med("cache_hit_rate") else "-"
+        batches = "-" if med("batches") is None else f"{med('batches'):.0f}"
+        ready = "-" if med("actor_ready_s") is None else f"{med('actor_ready_s'):.1f} s"
+        lines.append([name, f"{med('wall_s'):.2f}", f"{med('useful_tokens_per_s'):,.0f}"])
+        lines[-1] += [f"{100 * med('padding_waste'):.2f}%", hit, batches, ready]
+    header = ["variant", "wall s (median)", "useful tok/s", "padding waste", "cache hit rate", "batches"]
+    rep.table([*header, "actors ready after"], lines)
+    on_ray, data, local = trials.names
+    rate = trials.ratio(on_ray, data, "useful_tokens_per_s", higher_is_better=True)
+    rep.text("", f"Forge on Ray / Ray Data, useful tok/s: {rate:.2f}x")
+    rep.text(f"runtime=ray / runtime=local, wall: {trials.median(on_ray) / trials.median(local):.2f}x")
+    rep.trials(trials)
+    rep.save()
 
 
 if __name__ == "__main__":
