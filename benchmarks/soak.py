@@ -26,6 +26,7 @@ soak (tests/test_rundir.py, tests/test_fencing.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -53,7 +54,8 @@ class SoakResult:
     finished_early: int = 0  # runs that ended before their fault
     clean_stops: int = 0  # runs that stopped in one line after their fault (lost lock, full disk, ...)
     faults: dict[str, int] = field(default_factory=dict)  # cycles per fault kind
-    ids: int = 0  # ids in the final run
+    runs: int = 1  # run directories the cycles went through (a finished run is followed by a fresh one)
+    ids: int = 0  # ids in the run that holds the fewest
     unique_ids: int = 0
     max_abs_diff: float = 0.0  # against the clean run, over every layer
     planted: bool = False  # the foreign file was planted (the directory held a run by then)
@@ -213,6 +215,10 @@ def _settle(cycle: _Cycle, result: SoakResult, number: int) -> None:
             if cycle.fault != "kill9":
                 result.problems.append(f"cycle {number} ({cycle.fault}): a run did not end; killed")
         left = _group(proc.pid)
+        deadline = time.monotonic() + 15  # a fork server leaves once its command has: give it a moment
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = _group(proc.pid)
         if left:
             _kill(proc)
             result.problems.append(f"cycle {number} ({cycle.fault}): processes left behind: {left}")
@@ -241,12 +247,14 @@ def soak(
     disk: _Disk | None = None,
 ) -> SoakResult:
     """Run the soak into `out`; `clean` gets an uninterrupted run of the same `base` overrides.
-    `disk`: the tmpfs `out` lives on, for the `disk_full` fault (skipped without one)."""
+    A run that a cycle saw finish is checked, and the next cycle starts a fresh one beside it
+    (`out-1`, `out-2`, ...), so every fault lands in a run with work left. `disk`: the tmpfs `out`
+    lives on, for the `disk_full` fault (skipped without one)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     rng = random.Random(seed)
     result = SoakResult(cycles)
-    args = [*base, f"output_dir={out}", "resume=true"]
     kinds = [f for f in faults if f != "disk_full" or (disk is not None and disk.ok)]
+    runs = [out]
 
     def plant() -> None:
         if not result.planted and (out / "run.json").exists():
@@ -255,44 +263,60 @@ def soak(
             result.planted = True
 
     for number in range(cycles):
+        if _finished(runs[-1]):
+            runs.append(out.with_name(f"{out.name}-{len(runs)}"))
+        args = [*base, f"output_dir={runs[-1]}", "resume=true"]
         fault = kinds[number % len(kinds)]
         result.faults[fault] = result.faults.get(fault, 0) + 1
         twin = fault == "kill9" and number % 2
         cycle = _Cycle([_forge(args, env) for _ in range(2 if twin else 1)], fault)
         alive = lambda c=cycle: any(p.poll() is None for p in c.procs)  # noqa: E731
-        _wait_commit(out, alive, plant, rng, early=bool(number) and rng.random() < 0.3, max_delay_s=max_delay_s)
-        _apply(cycle, out, args, env, disk)
+        early = bool(number) and rng.random() < 0.3
+        _wait_commit(runs[-1], alive, plant, rng, early=early, max_delay_s=max_delay_s)
+        _apply(cycle, runs[-1], args, env, disk)
         _settle(cycle, result, number)
-    _check_final(out, clean, base, args, env, result)
+    _check_final(runs, clean, base, env, result)
     return result
 
 
-def _check_final(out: Path, clean: Path, base: list[str], args: list[str], env: dict, result: SoakResult) -> None:
+def _finished(run: Path) -> bool:
+    try:
+        return json.loads((run / "run.json").read_text()).get("status") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
+def _check_final(runs: list[Path], clean: Path, base: list[str], env: dict, result: SoakResult) -> None:
+    """Finish the last run, then hold every run to a clean run's ids (each exactly once) and activations."""
     import torch
 
     from forge import load_activations
 
     forge = [sys.executable, "-m", "forge.cli.app", "run"]
-    final = subprocess.run([*forge, *args], env=env, capture_output=True, text=True)
+    final = subprocess.run([*forge, *base, f"output_dir={runs[-1]}", "resume=true"], env=env, capture_output=True)
     if final.returncode != 0:
-        result.problems.append(f"final resume: exit {final.returncode}: {final.stderr.strip()[-300:]}")
+        result.problems.append(f"final resume: exit {final.returncode}: {final.stderr.decode().strip()[-300:]}")
         return
-    done = subprocess.run([*forge, *base, f"output_dir={clean}"], env=env, capture_output=True, text=True)
+    done = subprocess.run([*forge, *base, f"output_dir={clean}"], env=env, capture_output=True)
     if done.returncode != 0:
-        result.problems.append(f"clean run: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+        result.problems.append(f"clean run: exit {done.returncode}: {done.stderr.decode().strip()[-300:]}")
         return
-    ids, _, layers = load_activations(out)
     want_ids, _, want = load_activations(clean)
-    result.ids, result.unique_ids = len(ids), len(set(ids))
-    if sorted(ids) != sorted(want_ids):
-        result.problems.append(f"ids: {len(ids)} ({len(set(ids))} unique), a clean run has {len(want_ids)}")
-    else:
-        order = {i: k for k, i in enumerate(want_ids)}
+    order = {i: k for k, i in enumerate(want_ids)}
+    result.runs, result.ids, result.unique_ids = len(runs), len(want_ids), len(want_ids)
+    for run in runs:
+        ids, _, layers = load_activations(run)
+        result.ids, result.unique_ids = min(result.ids, len(ids)), min(result.unique_ids, len(set(ids)))
+        if sorted(ids) != sorted(want_ids):
+            seen = f"{len(ids)} ids ({len(set(ids))} unique)"
+            result.problems.append(f"{run.name}: {seen}, a clean run has {len(want_ids)}")
+            continue
         pick = torch.tensor([order[i] for i in ids])
-        result.max_abs_diff = max(float((layers[layer] - want[layer][pick]).abs().max()) for layer in want)
-        if result.max_abs_diff > 1e-5:
-            result.problems.append(f"activations differ from a clean run's by {result.max_abs_diff:.3g}")
-    result.foreign_kept = (out / FOREIGN).exists()
+        diff = max(float((layers[layer] - want[layer][pick]).abs().max()) for layer in want)
+        result.max_abs_diff = max(result.max_abs_diff, diff)
+        if diff > 1e-5:
+            result.problems.append(f"{run.name}: activations differ from a clean run's by {diff:.3g}")
+    result.foreign_kept = (runs[0] / FOREIGN).exists()
     if result.planted and not result.foreign_kept:
         result.problems.append(f"{FOREIGN} was removed")
 
@@ -330,10 +354,11 @@ def main() -> None:
     print(
         f"{a.cycles} cycles, {a.rows} rows, {a.executor} executor, {time.monotonic() - t0:.0f} s; faults {r.faults}: "
         f"{r.kills} kill -9, {r.refused} concurrent resumes refused, {r.clean_stops} clean stops, "
-        f"{r.finished_early} finished before the fault"
+        f"{r.finished_early} ran to the end (rc 0)"
     )
     print(
-        f"final run: {r.ids} ids, {r.unique_ids} unique; max |diff| vs a clean run {r.max_abs_diff:.2e}; "
+        f"{r.runs} runs, each checked: at least {r.ids} ids, {r.unique_ids} unique; "
+        f"max |diff| vs a clean run {r.max_abs_diff:.2e}; "
         f"foreign file kept: {r.foreign_kept}"
     )
     for p in r.problems:
