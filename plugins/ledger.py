@@ -19,8 +19,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from forge.core.column_batch import ItemColumns
 from forge.hookspecs import hookimpl
+from forge.vocab.column_batch import ItemColumns
 
 NAME = "ledger"
 MAX_FAILURES_IN_REPORT = 20
