@@ -9,7 +9,9 @@ everything that is the same for every function of a model kind; the author write
   the log-probabilities of the target tokens, or both);
 * ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item;
 * optionally ``prompts(row)``: a `Row` -> the `Prompt`s it becomes (default: one, from its
-  ``text``, ``prefix`` and ``label``), and ``options()``: the function's own settings.
+  ``text``, ``prefix`` and ``label``), ``options()``: what of its settings decides results, and
+  ``config_schema``: its settings, a dataclass extending `ModelFunctionConfig` (the one home of
+  their defaults), of which the function is built from an instance (``self.cfg``).
 
 Class hierarchy (shared code lives in an intermediate base, never in a sibling)::
 
@@ -106,17 +108,17 @@ class Tokens:
 
 @dataclass
 class ModelFunctionConfig:
-    """The root config keys every model function reads (its constructor's parameters)."""
+    """The root keys every model function reads; its `config_schema` extends this with its own."""
 
-    model: ModelSpec = field(default_factory=ModelSpec)
-    input: InputSpec = field(default_factory=InputSpec)
-    shard_size: int = positive(4096)
+    model: ModelSpec = field(default_factory=ModelSpec)  # which model, in which precision (model=<name> picks one)
+    input: InputSpec = field(default_factory=InputSpec)  # the input rows and how they are read
+    shard_size: int = positive(4096)  # rows per results shard
 
 
 class ModelFunction(Function):
     """Everything a function over one Hugging Face model shares, whatever the model's kind."""
 
-    config_schema = ModelFunctionConfig
+    config_schema: type[ModelFunctionConfig] = ModelFunctionConfig
     fields: tuple[Field, ...] = ()  # the result fields, in column order
     forward: Forward = Forward()
     columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.io.rows)
@@ -125,18 +127,20 @@ class ModelFunction(Function):
     keep_labels: bool = False  # journal each item's label (key "labels")
     shard_bytes: int = SHARD_BYTES  # a shard is also cut once its rows hold this many bytes (per-token results)
 
-    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
-        self.hf = HFModel(ModelSpec(**model))
-        self.input = InputFile(resolve_input(str(input["path"])), input, self.columns)  # refuses a bad input now
+    def __init__(self, config: ModelFunctionConfig):
+        self.cfg = config  # an instance of config_schema: the function's settings
+        self.hf = HFModel(config.model)
+        self.input = InputFile(resolve_input(str(config.input.path)), config.input, self.columns)  # refuses a bad input
         self.input_path = self.input.path
-        self.shard_size = int(shard_size)
-        if too_long == "truncate" and self.forward.targets:
+        self._rule: TokenRule | None = None
+        self._warnings: list[str] = []
+
+    def check_too_long(self, policy: str) -> None:
+        if policy == "truncate" and self.forward.targets:
             raise ForgeError(
                 f"too_long=truncate cuts items from the right, which would cut the targets {self.name} "
                 "scores; use too_long=skip or error"
             )
-        self._rule: TokenRule | None = None
-        self._warnings: list[str] = []
 
     # -- what the model is ----------------------------------------------------------
     @property
@@ -249,7 +253,7 @@ class ModelFunction(Function):
             fields=tuple(self.fields),
             format=self.format,
             folder=self.folder or self.name,
-            rows_per_shard=self.shard_size,
+            rows_per_shard=self.cfg.shard_size,
             bytes_per_shard=self.shard_bytes,
             meta_key="labels" if self.keep_labels else None,
             meta={"model": self.model.name, **self.options()},
@@ -291,8 +295,8 @@ class ModelFunction(Function):
 class CausalLMFunction(ModelFunction):
     """A function over a causal LM: prefixes split off, cached and packed where that is exact."""
 
-    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
-        super().__init__(model, input, shard_size, too_long)
+    def __init__(self, config: ModelFunctionConfig):
+        super().__init__(config)
         from forge.runtime.capabilities import causal_lm_capabilities
         from forge.runtime.hf_compat import num_layers
 
@@ -359,8 +363,8 @@ class EncoderFunction(ModelFunction):
     columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
     causal = False
 
-    def __init__(self, model: dict, input: dict, shard_size: int = 4096, too_long: str = "skip"):
-        super().__init__(model, input, shard_size, too_long)
+    def __init__(self, config: ModelFunctionConfig):
+        super().__init__(config)
         from forge.runtime.encoder import check_encoder, encoder_capabilities
         from forge.runtime.hf_compat import num_layers
 

@@ -65,9 +65,10 @@ class Sink(Protocol):
 
 class Function(ABC):
     name: str = ""
-    #: dataclass of the root config keys this function reads (its constructor's parameters),
-    #: typed, with value checks from `forge.config.schema` (positive, one_of, ...): the config is
-    #: validated against it before any work. None: those keys pass unchecked.
+    #: dataclass of the root config keys this function reads, typed, with value checks from
+    #: `forge.config.checks` (positive, one_of, ...) and the one home of their defaults: the config
+    #: is validated against it before any work, and the function is built from an instance of it
+    #: (its constructor's one argument). None: it reads no keys, and is built with none.
     config_schema: type | None = None
     #: causal decoders may reuse a prefix's KV; encoders must not
     causal: bool = True
@@ -125,6 +126,10 @@ class Function(ABC):
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
         """Raise a one-line ForgeError, before any work, when this layout cannot give the results
         of one-item-at-a-time runs (say why, and which setting works). Default: every layout can."""
+
+    def check_too_long(self, policy: str) -> None:
+        """Raise a one-line ForgeError, before any work, when the run's `too_long` policy (skip,
+        truncate or error) would change this function's results. Default: every policy is fine."""
 
     def describe(self) -> dict[str, Any]:
         """Paths used, for the report: at least `model` and `input` (and `path`: how it runs)."""

@@ -38,8 +38,11 @@ hookimpl = pluggy.HookimplMarker("forge")
 def forge_batching_modes() -> dict[str, Callable[..., Packer]]:
     """Offer batching modes.
 
-    :return: a dict mapping a mode name (what `batching.mode` selects) to a factory that
-        takes the mode's options as keyword arguments and returns a `forge.batching.Packer`.
+    :return: a dict mapping a mode name (what `batching.mode` selects) to a factory, usually
+        a `forge.batching.Packer` subclass, that takes the mode's config and returns a packer. The
+        config is an instance of the factory's `config_schema`, a dataclass extending
+        `forge.config.modes.Batching` (that class itself where it declares none): the one home
+        of the mode's keys and defaults, which the run's config is checked against.
     """
 
 
@@ -59,7 +62,8 @@ def forge_executors() -> dict[str, Callable[..., Executor] | str]:
     """Offer executors: where batches run (`runtime.executor` selects one).
 
     :return: a dict mapping an executor name to a factory, or to its import path
-        ``"package.module:Class.factory"`` (imported only when used), called as
+        ``"package.module:Class"`` (imported only when used; the built-in executors' classes are
+        their own factories), called as
         ``factory(function, cache_tokens, runtime, plugins=..., hook=...)``: the function, each
         device's prefix-cache capacity in tokens, the runtime settings (a `forge.config.schema.Runtime`),
         the extra plugin modules workers register, and the hook relay. It returns a
@@ -248,10 +252,17 @@ def forge_commit_failed(run: RunContext, items: list[Item], reason: str) -> None
 
 @hookspec
 def forge_run_end(run: RunContext, report: dict[str, Any]) -> None:
-    """The run ended; plugins add their figures to the report before it is written.
+    """The run (or plan) ended; plugins add their figures to the report before it is written.
+
+    The report is a typed `forge.driver.report.Report`; a plugin gets it as report.json's dict
+    (`Report.as_dict()`, `schema_version` and all) and adds its keys to that dict in place (the
+    ledger adds `items`, `tokens`, `balanced`, ...). The keys it adds are kept in
+    `Report.plugins` and written into report.json at its top level, beside the engine's; the
+    returned report reads them as `report["items"]`. The engine's own keys are read-only: a
+    plugin that replaces or removes one is not obeyed, and the report's warnings say so.
 
     :param run: the `RunContext`.
-    :param report: the `report.json` dict, to be updated in place.
+    :param report: report.json's dict so far, to add keys to in place.
     """
 
 

@@ -21,11 +21,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from forge.errors import ForgeError
+
+if TYPE_CHECKING:
+    from forge.driver.report import Report
 
 __all__ = ["MODES", "ONE_AT_A_TIME", "SMALL_LIMITS", "ModeCheck", "check_modes", "compare", "run_function"]
 
@@ -67,7 +70,7 @@ class ModeCheck:
 _COMPOSED: dict[tuple, Any] = {}
 
 
-def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+def run_function(function: str, rows_path: Path, run_dir: Path | str, overrides: Sequence[str] = ()) -> Report:
     """`forge run function=<function>` in this process (`run_dir`: a path or an fsspec URL); returns the report."""
     from forge.cli.build import build_spec
     from forge.cli.compose import compose

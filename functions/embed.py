@@ -32,7 +32,6 @@ from forge.api import (
     Forward,
     ItemView,
     ModelFunctionConfig,
-    ModelSpec,
     Prompt,
     Row,
 )
@@ -45,12 +44,14 @@ FINAL = -1  # the final hidden state (a decoder's normed output, an encoder's la
 
 @dataclass
 class EmbedConfig(ModelFunctionConfig):
-    """The root keys embed reads (its constructor's parameters), checked at the edge."""
+    """The root keys embed reads, checked at the edge."""
 
+    # mean: over every token (special tokens included) | cls: the first token (encoders) | last
     pooling: str = one_of("mean", "mean", "cls", "last")
     normalize: bool = True  # divide each vector by its L2 norm
-    max_seq_length: int | None = positive(None)  # truncate texts to this many tokens; null: the model's
-    output_format: str = one_of("safetensors", *FORMATS)
+    # truncate texts to this many tokens; null: sentence-transformers' value for the model, else the tokenizer's
+    max_seq_length: int | None = positive(None)
+    output_format: str = one_of("safetensors", *FORMATS)  # safetensors | parquet
 
 
 class _Embedding:
@@ -62,23 +63,13 @@ class _Embedding:
     columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
     forward = Forward(layers=(FINAL,))
 
-    def __init__(
-        self,
-        model: dict,
-        input: dict,
-        pooling: str = "mean",
-        normalize: bool = True,
-        max_seq_length: int | None = None,
-        output_format: str = "safetensors",
-        shard_size: int = 4096,
-        too_long: str = "skip",
-    ):
-        if output_format not in FORMATS:
-            raise ForgeError(f"output_format={output_format!r}; choose one of: {', '.join(FORMATS)}")
-        self.pooling, self.normalize, self.format = pooling, bool(normalize), output_format
-        super().__init__(model, input, shard_size, too_long)
+    def __init__(self, config: EmbedConfig):
+        if config.output_format not in FORMATS:
+            raise ForgeError(f"output_format={config.output_format!r}; choose one of: {', '.join(FORMATS)}")
+        self.pooling, self.normalize, self.format = config.pooling, bool(config.normalize), config.output_format
+        super().__init__(config)
         st = self._st_config()  # sentence-transformers' own settings for this model, when it ships them
-        self.max_seq_length = max_seq_length or st.get("max_seq_length") or self._tokenizer_max_length()
+        self.max_seq_length = config.max_seq_length or st.get("max_seq_length") or self._tokenizer_max_length()
         self.lowercase = bool(st.get("do_lower_case", False))  # texts lowercased before tokenizing
         self.fields = (Field("embedding", "float32", (int(getattr(self.config, "hidden_size", 0) or 0),)),)
         self._truncated = 0  # texts that reached max_seq_length (cut to it, or exactly that long)
@@ -149,8 +140,8 @@ class EncoderEmbed(_Embedding, EncoderFunction):
 class DecoderEmbed(_Embedding, CausalLMFunction):
     """embed on a causal decoder: its final normed hidden state; texts have no prefix."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: EmbedConfig):
+        super().__init__(config)
         if self.pooling == "cls":
             raise ForgeError(
                 f"pooling=cls is not meaningful for {self.caps.family}: a causal decoder computes its "
@@ -173,24 +164,13 @@ class Embed:
     name = "embed"
     config_schema = EmbedConfig
 
-    def __new__(
-        cls,
-        model: dict,
-        input: dict,
-        pooling: str = "mean",
-        normalize: bool = True,
-        max_seq_length: int | None = None,
-        output_format: str = "safetensors",
-        shard_size: int = 4096,
-        too_long: str = "skip",
-    ):
+    def __new__(cls, config: EmbedConfig):
         from forge.runtime.capabilities import capabilities
         from forge.runtime.modelspec import HFModel
 
-        spec = ModelSpec(**model)
+        spec = config.model
         decoder = capabilities(HFModel(spec).config, None, spec.attn_implementation).causal
-        kind = DecoderEmbed if decoder else EncoderEmbed
-        return kind(model, input, pooling, normalize, max_seq_length, output_format, shard_size, too_long)
+        return (DecoderEmbed if decoder else EncoderEmbed)(config)
 
 
 class Embeddings(NamedTuple):

@@ -41,13 +41,15 @@ class PrefixRow:
 
 @dataclass
 class ProbeGenConfig(ModelFunctionConfig):
-    """The root keys probe_gen reads (its constructor's parameters), checked at the edge."""
+    """The root keys probe_gen reads, checked at the edge."""
 
-    layers: list[int] = MISSING  # hidden-state indices (0 = embeddings)
-    pooling: str = one_of("last", *POOLINGS)  # none: every token's state
+    layers: list[int] = MISSING  # hidden_states[L] of the forward pass; 0 = embeddings
+    # last: the last token; mean: mean over the tokens after the prefix; none: every token's state
+    # after the prefix (forge.data.token_states reads them)
+    pooling: str = one_of("last", *POOLINGS)
     storage_dtype: str | None = None  # float32 | bfloat16 | float16; null: float32 pooled, the model's per token
     prefix_states: str = one_of("once", "once", "none")  # pooling=none: store each prefix's states once, or not
-    shard_mb: int = positive(CausalLMFunction.shard_bytes >> 20)  # shards also cut at this many MiB (per-token)
+    shard_mb: int = positive(CausalLMFunction.shard_bytes >> 20)  # a shard is also cut at this many MiB (pooling=none)
 
 
 class ProbeGen(CausalLMFunction):
@@ -57,18 +59,8 @@ class ProbeGen(CausalLMFunction):
     folder = "activations"
     keep_labels = True
 
-    def __init__(
-        self,
-        model: dict,
-        input: dict,
-        layers: list[int],
-        pooling: str = "last",
-        shard_size: int = 4096,
-        too_long: str = "skip",
-        storage_dtype: str | None = None,
-        prefix_states: str = "once",
-        shard_mb: int = CausalLMFunction.shard_bytes >> 20,
-    ):
+    def __init__(self, config: ProbeGenConfig):
+        pooling, storage_dtype = config.pooling, config.storage_dtype
         if pooling not in POOLINGS:
             raise ForgeError(f"pooling={pooling!r}; choose one of: {', '.join(POOLINGS)}")
         if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
@@ -76,12 +68,12 @@ class ProbeGen(CausalLMFunction):
                 f"storage_dtype={storage_dtype!r}; choose one of: {', '.join(STORAGE_DTYPES)} "
                 "(or null: float32 pooled, the model's dtype per token)"
             )
-        self.layers, self.pooling, self.prefix_states = list(layers), pooling, prefix_states
-        self.shard_bytes = int(shard_mb) << 20
+        self.layers, self.pooling, self.prefix_states = list(config.layers), pooling, config.prefix_states
+        self.shard_bytes = int(config.shard_mb) << 20
         if not self.layers:
             raise ForgeError("layers=[]: choose at least one layer (0 = embeddings)")
-        self.forward = Forward(layers=tuple(self.layers))
-        super().__init__(model, input, shard_size, too_long)
+        self.forward = Forward(layers=tuple(self.layers))  # set before the base checks it against the model
+        super().__init__(config)
         self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
         hidden = (self.hidden_size,)
         self.fields = tuple(

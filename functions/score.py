@@ -32,11 +32,13 @@ DEFAULT_MAX_LENGTH = 2048  # lm-eval's when the model's config names no maximum
 
 @dataclass
 class ScoreConfig(ModelFunctionConfig):
-    """The root keys score reads (its constructor's parameters), checked at the edge."""
+    """The root keys score reads, checked at the edge."""
 
-    target_delimiter: str = " "  # multiple choice: continuation = target_delimiter + choice (lm-eval's default)
-    add_special_tokens: bool = True  # the tokenizer's own start tokens (BOS) before every context
-    max_length: int | None = positive(None)  # tokens the model reads; null: the model's maximum
+    target_delimiter: str = " "  # multiple choice: each continuation is target_delimiter + choice (lm-eval's default)
+    # start every context with what the tokenizer adds (BOS for Llama; nothing for GPT-2)
+    add_special_tokens: bool = True
+    # tokens the model reads, cut from the left of the context; null: the model's maximum
+    max_length: int | None = positive(None)
 
 
 @dataclass(slots=True)
@@ -73,19 +75,10 @@ class Score(CausalLMFunction):
         Field("truncated", "int32"),
     )
 
-    def __init__(
-        self,
-        model: dict,
-        input: dict,
-        target_delimiter: str = " ",
-        add_special_tokens: bool = True,
-        max_length: int | None = None,
-        shard_size: int = 4096,
-        too_long: str = "skip",
-    ):
-        super().__init__(model, input, shard_size, too_long)
-        self.target_delimiter, self.add_special_tokens = str(target_delimiter), bool(add_special_tokens)
-        self.max_length = int(max_length) if max_length else self._model_max_length()
+    def __init__(self, config: ScoreConfig):
+        super().__init__(config)
+        self.target_delimiter, self.add_special_tokens = str(config.target_delimiter), bool(config.add_special_tokens)
+        self.max_length = int(config.max_length) if config.max_length else self._model_max_length()
         self._encoder: _Encoder | None = None
         self._truncated = 0
 

@@ -1,4 +1,7 @@
-"""Built-in executors: process (the default), inprocess and ray (imported only when used)."""
+"""Built-in executors: process (the default), inprocess and ray (imported only when used).
+
+Each class is its own factory: `Executor(function, cache_tokens, runtime, plugins=..., hook=...)`.
+"""
 
 from forge.hookspecs import hookimpl
 
@@ -6,7 +9,7 @@ from forge.hookspecs import hookimpl
 @hookimpl
 def forge_executors():
     return {
-        "process": "forge.executors.process:ProcessExecutor.from_runtime",
-        "inprocess": "forge.executors.inprocess:InProcessExecutor.from_runtime",
-        "ray": "forge.executors.ray:RayExecutor.from_runtime",
+        "process": "forge.executors.process:ProcessExecutor",
+        "inprocess": "forge.executors.inprocess:InProcessExecutor",
+        "ray": "forge.executors.ray:RayExecutor",
     }

@@ -112,6 +112,7 @@ def test_source_has_no_weights():
     assert not (src / "pytorch_model.bin").exists()
 
 
+@pytest.mark.slow
 def test_materialize_deterministic_and_loadable(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

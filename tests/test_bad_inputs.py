@@ -92,6 +92,7 @@ def test_hydra_dir_is_one_answer_per_output_dir_in_a_process():
     assert staging_problem(Path(hydra_dir("outputs/a")).parent, os.getuid()) is None
 
 
+@pytest.mark.slow
 def test_forge_run_with_another_users_staging_folders_in_the_temp_dir(tmp_path):
     """The temp dir holds the old shared `forge-hydra` (someone else's where chown is possible)
     and, in place of this user's folder, a file: the run stages elsewhere, finishes, and cleans up."""
@@ -132,9 +133,12 @@ def _parquet(path: Path, names: list[str], columns: list[list]) -> Path:
 
 
 def _probe_gen(path):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
-    return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": str(path)}, layers=[1])
+    return ProbeGen(
+        ProbeGenConfig(model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path=str(path)), layers=[1])
+    )
 
 
 @pytest.mark.parametrize(
@@ -154,6 +158,7 @@ def test_repeated_parquet_column_names_are_one_line_before_any_work(tmp_path, na
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_forge_run_on_a_parquet_file_with_two_id_columns(tmp_path):
     path = _parquet(tmp_path / "in.parquet", ["id", "text", "id"], [["1", "2"], ["a", "b"], ["3", "4"]])
     out = tmp_path / "run"

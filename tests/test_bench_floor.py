@@ -94,6 +94,7 @@ def test_a_target_is_reachable_only_when_the_cold_start_and_the_floor_fit_the_ti
     assert (cold_start.issue_target("probe_gen", 3000), cold_start.issue_target("embed", 400)) == (5.0, 1.0)
 
 
+@pytest.mark.slow
 def test_the_cold_start_probe_runs_the_embedded_model_in_a_fresh_interpreter():
     import os
 

@@ -123,6 +123,7 @@ def batch_c(items, key, row_cap=40):
     return Batch(rows=rows, padded_len=width + 5, prefix_key=key, prefix_len=P, split_prefix=True, packed=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_layout_a_row_per_sequence(model, refs, pooling):
     runner = CausalLMRunner(model, layers=LAYERS, pooling=pooling)
@@ -133,6 +134,7 @@ def test_layout_a_row_per_sequence(model, refs, pooling):
     assert out.prefix_computed_tokens == 0 and out.cache_hit is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("cache_tokens", [0, 1000], ids=["nocache", "cache"])
@@ -157,6 +159,7 @@ def test_split_prefix_layouts(model, refs, pooling, packed, cache_tokens):
         assert runner.cache.tokens == sum(PREFIX_LENS.values())
 
 
+@pytest.mark.slow
 def test_packed_rows_without_split_prefix(model, refs):
     """Whole sequences (mixed prefixes) end to end in rows; mean skips each item's own prefix."""
     items = [ITEMS[k][j] for j in range(3) for k in ITEMS]
@@ -277,6 +280,7 @@ def test_prefix_cache_lru_unit():
     assert not off.put("a", e(1)) and len(off) == 0 and off.get("a") is None and off.misses == 1
 
 
+@pytest.mark.slow
 def test_a_function_that_needs_hidden_states_alone_runs_no_layer_past_the_deepest(tmp_path, monkeypatch):
     """probe_gen at layer 1 of the embedded 4-layer model runs 2 layers and gives what a run that
     also asks for layer 4 (all 4 layers) gives at layer 1; score reads the LM head, so it runs all."""

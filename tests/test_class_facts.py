@@ -51,6 +51,7 @@ def test_the_first_read_is_kept_and_a_later_one_comes_from_the_cache(cache):
     assert len(json.loads(cache.read_text())) == 2
 
 
+@pytest.mark.slow
 def test_a_later_run_checks_capabilities_without_importing_modeling_code(cache):
     class_facts(transformers.LlamaConfig(**LLAMA), "AutoModelForCausalLM")
     code = textwrap.dedent(

@@ -53,6 +53,7 @@ def test_unknown_mode_is_one_clear_line(cli):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_run_writes_report_and_activations(cli, tmp_path):
     out = tmp_path / "run"
     result = cli.invoke(app, ["run", f"output_dir={out}", "input.limit=30", *SMALL])
@@ -128,6 +129,7 @@ def test_run_on_repeated_ids_is_refused_in_one_line_before_any_work(cli, tmp_pat
     assert not (out / "report.json").exists()
 
 
+@pytest.mark.slow
 def test_multirun_sweeps_modes(cli, tmp_path):
     result = cli.invoke(app, ["run", "-m", "batching=item,token", f"output_dir={tmp_path}", "input.limit=20", *SMALL])
     assert result.exit_code == 0, result.output
@@ -136,6 +138,7 @@ def test_multirun_sweeps_modes(cli, tmp_path):
     assert sorted(json.loads(p.read_text())["batching"] for p in reports) == ["item", "token"]
 
 
+@pytest.mark.slow
 def test_run_with_user_config_dir(cli, tmp_path):
     conf = tmp_path / "conf" / "devices"
     conf.mkdir(parents=True)
@@ -154,6 +157,7 @@ def test_run_with_user_config_dir(cli, tmp_path):
     assert result.exit_code == 0 and "lab0" in result.output
 
 
+@pytest.mark.slow
 def test_plan_plot_draws_item_beside_token(cli, tmp_path):
     png = tmp_path / "geometry.png"
     result = cli.invoke(app, ["plan", "--plot", str(png), "input.limit=120", *SMALL])
@@ -173,6 +177,7 @@ def test_calibration_batches_and_fit():
     assert abs(a / b - 2000) < 1e-6 * 2000
 
 
+@pytest.mark.slow
 def test_calibrate_command_runs(cli):
     result = cli.invoke(app, ["calibrate", "--items", "64", "input.limit=64", *SMALL])
     assert result.exit_code == 0, result.output
@@ -187,6 +192,7 @@ def test_calibrate_command_runs(cli):
     assert device.name == "sim-cpu" and device.sim.seconds_per_slot > 0 and device.sim.seconds_per_step >= 0
 
 
+@pytest.mark.slow
 def test_plan_compare_modes(cli):
     result = cli.invoke(app, ["plan", "--compare", "--json", "input.limit=150", *SMALL])
     assert result.exit_code == 0, result.output
@@ -275,6 +281,7 @@ def test_plan_states_what_a_per_token_run_will_write(cli):
     assert human.exit_code == 0 and "will write" in human.output and "per stored token" in human.output
 
 
+@pytest.mark.slow
 def test_reading_ahead_or_not_gives_the_same_run_and_leaves_no_reading_thread(cli, tmp_path):
     import threading
 

@@ -184,26 +184,39 @@ UNKNOWN = {
 def test_an_unknown_key_without_plus_is_one_line_naming_the_key_meant(override):
     """Hydra alone says `Could not override` and offers `+key=`, which the schema then refuses:
     the line names the key, the likely one (a sibling spelt alike, or where that name lives), and
-    the valid keys; only the open `batching` node offers `+` (a mode's own option)."""
+    the valid keys; no node takes keys its schema lacks, so none offers `+`."""
     with pytest.raises(ForgeError) as info:
         compose(override)
     line = str(info.value)
-    assert line.startswith(UNKNOWN[override]) and "\n" not in line
-    assert line.endswith("+batching.max_rows=VALUE") == override.startswith("batching.")
+    assert line.startswith(UNKNOWN[override]) and "\n" not in line and "=VALUE" not in line
+
+
+def test_a_key_of_another_batching_mode_says_which_mode_has_it():
+    with pytest.raises(ForgeError) as info:
+        compose("batching=item", "batching.packing=packed")
+    assert str(info.value).startswith(
+        "config: unknown key 'packing' in batching; did you mean batching=token, which has batching.packing or "
+        "batching=memory, which has batching.packing? valid keys: mode, window, batch_size, order"
+    )
 
 
 def test_schema_types_values_and_keeps_interpolations(pm):
     from forge.cli.build import to_plain
+    from forge.config.modes import ItemBatching
     from forge.driver.engine import prepare
 
     plain = to_plain(compose("budget.tokens_per_step='4096'", "batching=item", "batching.batch_size=8"))
     assert plain["budget"]["tokens_per_step"] == 4096  # a quoted number becomes the declared int
-    assert plain["batching"]["batch_size"] == 8  # mode options are extra keys, left to the packer
-    assert plain["batching"]["prefix_cache"] is None  # not set: the mode's default
+    assert plain["batching"]["batch_size"] == 8  # a mode's own keys are typed by its schema (ItemBatching)
+    assert "prefix_cache" not in plain["batching"]  # item batches have no prefix cache: no such key
     assert plain["runtime"]["executor"] == "process" and plain["plugins"] == [] and plain["resume"] is False
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", plain["output_dir"])  # ${now:...} resolved
-    with pytest.raises(ForgeError, match="batching=item: bad option .*bogus"):  # still the packer's check
-        prepare(spec_for("batching=item", "+batching.bogus=1"), pm, dry_run=True)
+    with pytest.raises(
+        ForgeError, match="^config: unknown key 'bogus' in batching; valid keys: mode, window, batch_size"
+    ):
+        spec_for("batching=item", "+batching.bogus=1")  # the mode's schema refuses a key it lacks, before any work
+    packer = prepare(spec_for("batching=item", "batching.batch_size=8"), pm, dry_run=True)[1].packer
+    assert packer.batch_size == 8 and packer.config == ItemBatching(batch_size=8)  # built from its typed config
 
 
 def test_a_function_declares_its_own_root_keys():
@@ -247,6 +260,7 @@ def test_a_function_name_that_disagrees_with_its_target_is_refused():
         )
 
 
+@pytest.mark.slow
 def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
     """conf/runtime/*.yaml extend forge.config.schema's Runtime / RayRuntime and restate no value; what
     a run gets is the schema's default unless overridden, every field settable (drain_s too)."""
@@ -271,84 +285,40 @@ def test_runtime_yaml_only_selects_its_schema_the_one_home_of_each_default():
     assert spec_for("runtime.drain_s=3").runtime.drain_s == 3.0
 
 
-def test_batching_yaml_agrees_with_the_schema_on_every_shared_key():
-    """A batching YAML may restate a key of forge.config.schema.Batching only with the schema's value
-    (Hydra overrides only keys a YAML has, so `window` is written there), and window's default
-    is forge.vocab.geometry.DEFAULT_WINDOW everywhere it is a default."""
-    import dataclasses
-    import inspect
-
-    import yaml
-    from omegaconf import MISSING
-
-    from forge.cli.build import conf_dir
-    from forge.config.schema import Batching
-    from forge.core.scheduler import Scheduler
-    from forge.driver.engine import RunSpec
-    from forge.driver.simulate import plan_geometry
-    from forge.vocab.geometry import DEFAULT_WINDOW
-
-    unset = (None, dataclasses.MISSING, MISSING)  # no default, or the mode's own
-    defaults = {f.name: f.default for f in dataclasses.fields(Batching) if f.default not in unset}
-    assert defaults.get("window") == DEFAULT_WINDOW
-    for path in sorted((conf_dir() / "batching").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
-        for key, default in defaults.items():
-            if key in data:
-                assert data[key] == default, f"{path.name}: {key}={data[key]!r}, the schema says {default!r}"
-    assert inspect.signature(Scheduler).parameters["window"].default == DEFAULT_WINDOW
-    assert inspect.signature(plan_geometry).parameters["window"].default == DEFAULT_WINDOW
-    assert {f.name: f.default for f in dataclasses.fields(RunSpec)}["window"] == DEFAULT_WINDOW
-    assert spec_for().window == DEFAULT_WINDOW
-
-
-@pytest.mark.parametrize("name", ["probe_gen", "score", "embed", "surprisal"])
-def test_function_yaml_and_constructor_agree_with_the_config_schema(name):
-    """A function's root keys have one default, its config schema's: the YAML may restate a key
-    (Hydra overrides only keys a YAML has) only with that value, and the constructor's keyword
-    defaults are the same values."""
-    import dataclasses
-    import inspect
-
-    import yaml
-    from omegaconf import MISSING
-
-    from forge.cli.build import conf_dir
-    from forge.pluginmanager import function_class
-
-    data = yaml.safe_load((conf_dir() / "function" / f"{name}.yaml").read_text())
-    cls = function_class(data["function"])
-    unset = (dataclasses.MISSING, MISSING)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls.config_schema) if f.default not in unset}
-    assert "shard_size" in defaults and "shard_size" in data  # the check has something to compare
-    for key, default in defaults.items():
-        if key in data and not isinstance(data[key], dict):
-            assert data[key] == default, f"{name}.yaml: {key}={data[key]!r}, the schema says {default!r}"
-    for key, p in inspect.signature(cls.__init__).parameters.items():
-        if key in defaults and p.default is not inspect.Parameter.empty:
-            assert p.default == defaults[key], f"{cls.__name__}({key}={p.default!r}), the schema says {defaults[key]!r}"
-
-
-def test_batching_yaml_restates_its_packers_defaults():
-    """A mode's options are written twice, by necessity: in its packer's constructor (the default
-    for code that builds one) and in its YAML (Hydra overrides only keys a YAML has). They agree."""
-    import inspect
-
+def test_no_yaml_restates_a_schema_default():
+    """A default has one home, its schema dataclass: a YAML that sets a key to its schema's
+    default (conf/, and the example plugin's) would be a second copy of it."""
     import yaml
 
-    from forge.batching import ItemPacker, MemoryPacker, TokenPacker
-    from forge.cli.build import conf_dir
+    from forge.cli.build import mode_schemas
+    from forge.config.nodes import defaults_of
+    from forge.config.schema import CoreConfig, Devices
+    from forge.pluginmanager import function_class, make_plugin_manager
+    from forge.runtime.modelspec import ModelSpec
 
-    packers = {"item": [ItemPacker], "token": [TokenPacker], "memory": [MemoryPacker, TokenPacker]}
-    for mode, classes in packers.items():
-        data = yaml.safe_load((conf_dir() / "batching" / f"{mode}.yaml").read_text())
-        params = {}
-        for cls in reversed(classes):  # the subclass's own defaults win
-            params.update({n: p.default for n, p in inspect.signature(cls).parameters.items()})
-        checked = [k for k in data if k in params and params[k] is not inspect.Parameter.empty]
-        assert "merge_groups" in checked or mode == "item"
-        for key in checked:
-            assert data[key] == params[key], f"{mode}.yaml: {key}={data[key]!r}, the constructor says {params[key]!r}"
+    pm = make_plugin_manager()
+    root = Path(__file__).resolve().parent.parent
+    plugin = root / "examples" / "forge-plugin-example" / "forge_plugin_example" / "conf"
+    paths = [conf_dir() / "config.yaml", *sorted(conf_dir().glob("*/*.yaml")), *sorted(plugin.glob("*/*.yaml"))]
+
+    def check(data: dict, defaults: dict, where: str) -> None:
+        for key, value in data.items():
+            if key in defaults and isinstance(value, dict) and isinstance(defaults[key], dict):
+                check(value, defaults[key], f"{where}{key}.")
+            elif key in defaults and value != "???":  # ???: a key to set (model=hf's name), not a default
+                assert value != defaults[key], f"{where}{key}={value!r} restates its schema's default"
+
+    checked = 0
+    for path in paths:
+        data, group = yaml.safe_load(path.read_text()) or {}, path.parent.name
+        if group == "function":
+            schema = function_class(data["function"], pm).config_schema
+            check(data, {**defaults_of(CoreConfig), **defaults_of(schema)}, f"{path.name}: ")
+        elif group in ("batching", "devices", "model") or path.name == "config.yaml":
+            schemas = {"batching": mode_schemas(pm).get(path.stem), "devices": Devices, "model": ModelSpec}
+            check(data, defaults_of(schemas.get(group) or CoreConfig), f"{path.name}: ")
+        checked += 1
+    assert checked >= 19
 
 
 STRICT = {
@@ -362,7 +332,8 @@ STRICT = {
     "(null is not allowed here)",
     "batching=item batching.batch_size=0": "config batching.batch_size=0: must be a positive integer",
     "batching=item batching.order=random": "config batching.order='random': choose one of: arrival, length",
-    "batching=memory batching.default_memory_gb=-1": "config batching.default_memory_gb=-1: must be a positive number",
+    "batching=memory batching.default_memory_gb=-1": "config batching.default_memory_gb=-1.0: must be a positive "
+    "number",
     # a bool key takes true or false only (OmegaConf alone reads 2, 1 or 'yes' as true)
     "fail_fast=2": "config fail_fast=2: expected true or false",
     "resume=1": "config resume=1: expected true or false",
@@ -382,12 +353,18 @@ def test_a_value_omegaconf_would_coerce_or_leave_unchecked_is_one_line(overrides
     assert str(info.value) == STRICT[overrides]
 
 
+@pytest.mark.slow
 def test_bools_and_mode_keys_still_take_what_they_should():
     spec = spec_for("fail_fast=true", "resume='false'", "batching.packed_row_tokens=256", "batching.merge_groups=false")
     assert spec.fail_fast is True and spec.resume is False
     assert spec.mode_options["packed_row_tokens"] == 256 and spec.mode_options["merge_groups"] is False
     assert spec_for("batching.packed_row_tokens=null").mode_options["packed_row_tokens"] is None
-    assert spec_for("batching=memory", "batching.default_memory_gb=8").mode_options["default_memory_bytes"] == 8 << 30
+    assert spec_for("batching=memory", "batching.default_memory_gb=8").mode_options["default_memory_gb"] == 8
+    from forge.batching import CostModel, MemoryPacker
+    from forge.config.modes import MemoryBatching
+
+    cost = CostModel(weight_bytes=1, bytes_per_token=1, bytes_per_score=1, kv_bytes_per_token=1)
+    assert MemoryPacker(MemoryBatching(default_memory_gb=8), cost).default_memory_bytes == 8 << 30
 
 
 @pytest.mark.parametrize("override", ["runtime.read_ahead=2", "runtime.keep_freed_memory=yes", "+runtime.read_ahead=1"])

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -33,6 +35,7 @@ def test_the_readme_points_at_the_guide():
     assert "docs/functions.md" in plugins[: plugins.index("\n## ", 5)]
 
 
+@pytest.mark.slow
 def test_the_guides_testing_example_runs(tmp_path):
     guide = (ROOT / "docs" / "functions.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", guide, flags=re.S) if "check_modes(" in b)
@@ -57,3 +60,12 @@ def test_one_name_per_concept():
     import forge.vocab.geometry
 
     assert not hasattr(forge.vocab.geometry, "batch_fits") and callable(forge.vocab.geometry.broken_limit)
+
+
+def test_the_configuration_reference_is_written_from_the_schemas():
+    """docs/configuration.md lists every key of every schema, generated from the dataclasses (a
+    field's comment is its meaning): regenerated here, it must be the file as committed."""
+    from forge.cli.config_docs import DOC, text
+
+    assert DOC == ROOT / "docs" / "configuration.md"
+    assert DOC.read_text() == text(), "docs/configuration.md is stale: run python -m forge.cli.config_docs"

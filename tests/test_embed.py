@@ -110,10 +110,11 @@ def _references(fn, model, poolings, normalize):
 def bert_reference(tiny_bert, texts_file):
     from transformers import BertModel
 
-    from forge.functions.embed import Embed
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.embed import Embed, EmbedConfig
 
     model = BertModel.from_pretrained(tiny_bert).eval()
-    fn = Embed(model={"name": str(tiny_bert)}, input={"path": str(texts_file)})
+    fn = Embed(EmbedConfig(model=ModelSpec(name=str(tiny_bert)), input=InputSpec(path=str(texts_file))))
     assert fn.max_seq_length == 48 and not fn.causal
     return _references(fn, model, ("mean", "cls"), normalize=True)
 
@@ -122,11 +123,16 @@ def bert_reference(tiny_bert, texts_file):
 def llama_reference(short_texts_file):
     from transformers import AutoModelForCausalLM
 
+    from forge.api import InputSpec, ModelSpec
     from forge.functions.assets import embedded_model_source, materialize_model
-    from forge.functions.embed import Embed
+    from forge.functions.embed import Embed, EmbedConfig
 
     model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source())).eval()
-    fn = Embed(model={"name": "embedded:tiny-llama"}, input={"path": str(short_texts_file[0])}, normalize=False)
+    fn = Embed(
+        EmbedConfig(
+            model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path=str(short_texts_file[0])), normalize=False
+        )
+    )
     assert fn.causal
     return _references(fn, model.model, ("mean", "last"), normalize=False)
 
@@ -173,6 +179,7 @@ DEVICE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(ENCODER_MODES))
 def test_encoder_modes_equal_one_text_forward(tmp_path, tiny_bert, texts_file, bert_reference, mode):
     pooling = "cls" if mode == "token-packed" else "mean"
@@ -198,6 +205,7 @@ DECODER_MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(DECODER_MODES))
 def test_decoder_modes_equal_one_text_forward(tmp_path, short_texts_file, llama_reference, mode):
     path, bad = short_texts_file
@@ -261,6 +269,7 @@ def test_refusals_before_any_work(tmp_path, tiny_bert, texts_file):
     assert caps.refusal(packed=False, cache=False) is None
 
 
+@pytest.mark.slow
 def test_parquet_output_and_resume(tmp_path, tiny_bert, texts_file):
     base = [
         "function=embed",

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from forge.config.schema import Runtime
 from forge.executors.base import Slot
 from forge.executors.process import ProcessExecutor
 from forge.vocab.geometry import Device, Limits
@@ -15,16 +16,8 @@ CPU = Device("cpu", Limits(max_batch_tokens=64, max_rows=4, max_seq_len=64))
 
 
 def _executor() -> ProcessExecutor:
-    return ProcessExecutor(
-        None,
-        0,
-        plugins=(),
-        max_in_flight=2,
-        max_restarts=0,
-        startup_timeout_s=60.0,
-        kill_grace_s=1.0,
-        keep_freed_memory=True,
-    )
+    runtime = Runtime(max_in_flight=2, max_restarts=0, startup_timeout_s=60.0, kill_grace_s=1.0)
+    return ProcessExecutor(None, 0, runtime)
 
 
 def test_ready_is_when_the_worker_said_so_not_when_the_driver_read_it():
@@ -49,6 +42,7 @@ def test_without_the_workers_time_ready_is_when_heard_and_a_later_clock_is_cappe
     assert later.ready_at["cpu"] <= time.time()  # a worker's clock ahead of ours: never in the future
 
 
+@pytest.mark.slow
 def test_the_fork_server_builds_what_each_workers_model_load_would_before_it_forks():
     """transformers builds its checkpoint conversion table at a process's first `from_pretrained`
     (0.06 s of a worker's load here); the fork server's preloads build it once, so forked workers

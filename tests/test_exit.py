@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # an object torn down with its module: its __del__ prints only if the interpreter tears down
 MARK = "class Mark:\n    def __del__(self):\n        print('torn down', flush=True)\nmark = Mark()\n"
 
@@ -52,6 +54,7 @@ def test_the_fork_server_exit_runs_the_other_atexit_handlers_then_skips_the_tear
     assert (out.returncode, out.stdout.splitlines()) == (0, ["atexit ran"]), out.stderr
 
 
+@pytest.mark.slow
 def test_the_forge_command_exits_with_its_code_through_quick_exit(tmp_path):
     bad = subprocess.run(
         [sys.executable, "-m", "forge.cli.app", "run", "batching=nope", f"output_dir={tmp_path / 'run'}"],

@@ -45,6 +45,7 @@ def same_output(run_dir, clean):
     assert_same_output(run_dir, clean, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["before_forward", "during_forward", "after_forward"])
 def test_killed_workers_lose_nothing(tmp_path, faults, clean, point):
     faults(kill={"point": point, "every": 3, "times": 3})
@@ -64,6 +65,7 @@ def test_chaos(tmp_path, faults, clean):
     same_output(tmp_path, clean)
 
 
+@pytest.mark.slow
 def test_kill9_of_the_whole_tree_then_resume(tmp_path, faults, clean):
     out = tmp_path / "run"
     faults(kill_run_at_write=3)  # SIGKILL to the whole process group while the 3rd shard is written
@@ -108,6 +110,7 @@ def test_out_of_memory_splits_and_lowers_the_budget(tmp_path, faults, clean):
     same_output(tmp_path, clean)
 
 
+@pytest.mark.slow
 def test_an_item_out_of_memory_alone_fails_with_its_reason(tmp_path, faults):
     faults(oom_above=300)  # below the longest items' own length (350-token prefixes)
     report = run_forge(
@@ -124,6 +127,7 @@ def test_an_item_out_of_memory_alone_fails_with_its_reason(tmp_path, faults):
     assert all("out of memory even alone on cpu" in f["reason"] for f in report["failures"])
 
 
+@pytest.mark.slow
 def test_a_hung_worker_is_replaced_and_its_batch_rerouted(tmp_path, faults, clean):
     faults(hang={"seconds": 300, "nth": 2})
     started = time.monotonic()
@@ -135,6 +139,7 @@ def test_a_hung_worker_is_replaced_and_its_batch_rerouted(tmp_path, faults, clea
     same_output(tmp_path, clean)
 
 
+@pytest.mark.slow
 def test_a_late_result_is_committed_once_and_the_duplicate_discarded(tmp_path, faults, clean):
     faults(hang={"seconds": 16, "nth": 2})
     report = run_forge(tmp_path, *FAST, *PROC, "runtime.batch_timeout_s=8", "runtime.kill_grace_s=60")
@@ -154,6 +159,7 @@ def test_a_recurring_failure_stops_the_run_with_its_reason(tmp_path, faults):
     assert json.loads((tmp_path / "run.json").read_text())["status"] == "stopped"
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clean):
     faults(fail_write=1)
     report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "plugins=[faults]", "shard_size=16")
@@ -166,6 +172,7 @@ def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clea
     same_output(tmp_path, clean)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
     out = tmp_path / "run"
     faults(hang={"seconds": 30, "nth": 4})  # a long batch to interrupt
@@ -190,6 +197,7 @@ def test_ctrl_c_stops_gracefully_and_resume_finishes(tmp_path, faults, clean):
     same_output(out, clean)
 
 
+@pytest.mark.slow
 def test_one_percent_bad_rows_are_recorded_and_the_rest_complete(tmp_path):
     from faults import corrupt_rows
     from forge.functions.assets import embedded_dataset_path
@@ -219,6 +227,7 @@ def test_one_percent_bad_rows_are_recorded_and_the_rest_complete(tmp_path):
     assert {f["id"] for f in failures} == {f"line {i + 1}" if i % 5 < 2 else json.loads(rows[i])["id"] for i in bad}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing,how", [("rows", "plan"), ("packed", "plan"), ("rows", "run"), ("packed", "run")])
 def test_a_heavy_tail_never_stalls(tmp_path, packing, how):
     """Memory mode on two small simulated cards that cannot hold the longest items: every
@@ -281,6 +290,7 @@ def test_a_failure_that_would_always_recur_is_refused_before_work(tmp_path):
     assert not (tmp_path / "run" / "run.json").exists()  # refused: the directory holds no run
 
 
+@pytest.mark.slow
 def test_large_batches_and_results_cross_the_pipes(tmp_path):
     """Batches and results far larger than a pipe's buffer: the driver's sends never wait on a
     worker that is itself waiting to send (a deadlock before the worker drained its pipe)."""

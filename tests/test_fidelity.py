@@ -212,10 +212,11 @@ def family(name: str, data, dtype: str = "float32"):
     if key not in _FAMILY_CACHE:
         root, rows = data
         path = _FAMILY_CACHE[(name, "float32")][0] if (name, "float32") in _FAMILY_CACHE else _build(name, root)
-        from forge.functions.probe_gen import ProbeGen
+        from forge.api import InputSpec, ModelSpec
+        from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
         from forge.runtime.reference import pool, reference_hidden
 
-        fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
+        fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(rows)), layers=LAYERS))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         refs = {}
         for item in fn.records():
@@ -251,6 +252,7 @@ def _run(tmp_path, path, rows, mode, pooling, *extra):
     return execute(build_spec(cfg, tmp_path), make_plugin_manager())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,pooling", CASES, ids=[f"{m}-{p}" for m, p in CASES])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_fidelity_float32(tmp_path, data, name, mode, pooling):
@@ -350,6 +352,7 @@ LOW_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype,mode,pooling", LOW_CASES, ids=["-".join(c) for c in LOW_CASES])
 def test_fidelity_reduced_precision(tmp_path, data, name, dtype, mode, pooling):
     path, refs = family(name, data, dtype)
@@ -477,9 +480,10 @@ def test_recurrent_and_hybrid_families_run_whole_prompts_exactly(tmp_path, data,
     path, model = _save(getattr(transformers, cls_name)(**{**BASE, **kwargs}), tmp_path / name)
     report = _run(tmp_path / "run", path, data[1], mode, "mean")
     assert report["items"]["failed"] == 0 and report["balanced"]
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
-    fn = ProbeGen(model={"name": str(path)}, input={"path": str(data[1])}, layers=LAYERS)
+    fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(data[1])), layers=LAYERS))
     want = {it.id: (it.prefix_len, reference_hidden(model, it.tokens, LAYERS)) for it in fn.records()}
     ids, _, layers = load_activations(tmp_path / "run")
     for layer in LAYERS:
@@ -488,7 +492,8 @@ def test_recurrent_and_hybrid_families_run_whole_prompts_exactly(tmp_path, data,
 
 
 def test_remote_code_needs_consent(tmp_path):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -505,12 +510,15 @@ def test_remote_code_needs_consent(tmp_path):
     with pytest.raises(
         ForgeError, match="needs its repository's own code; if you trust it, set model.trust_remote_code=true"
     ):
-        ProbeGen(model={"name": str(tmp_path)}, input={"path": "embedded:statements"}, layers=[1])
+        ProbeGen(
+            ProbeGenConfig(model=ModelSpec(name=str(tmp_path)), input=InputSpec(path="embedded:statements"), layers=[1])
+        )
 
 
 def test_eos_appending_tokenizer(tmp_path, data):
     """A tokenizer that appends EOS: the prefix loses it (it would sit inside the prompt), once warned."""
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
     path, _ = family("llama", data)
     eos_dir = tmp_path / "eos"
@@ -530,7 +538,7 @@ def test_eos_appending_tokenizer(tmp_path, data):
         },
     }
     (eos_dir / "tokenizer.json").write_text(json.dumps(tok))
-    fn = ProbeGen(model={"name": str(eos_dir)}, input={"path": str(data[1])}, layers=LAYERS)
+    fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(eos_dir)), input=InputSpec(path=str(data[1])), layers=LAYERS))
     items = list(fn.records())
     assert fn.tokenizer("a b")["input_ids"][-1] == 2  # the tokenizer does append EOS
     for item in items:
@@ -569,6 +577,7 @@ def _surprisal_refs(name: str, data) -> dict:
 SURPRISAL_MODES = ["item", "token-cache", "token-nocache", "token-packed", "memory"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", SURPRISAL_MODES)
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_surprisal_fidelity_float32(tmp_path, data, name, mode):
@@ -643,7 +652,8 @@ def test_layers_past_the_deepest_asked_for_are_cut_exactly_in_every_family(name)
 def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, data, name, mode, monkeypatch):
     """4 layers, states 1 and 2 asked for: the worker runs 3 layers (the prefix cache and tree rows
     as ever), and every vector equals the whole model's one-prompt-at-a-time forward pass."""
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
     from forge.runtime.reference import pool, reference_hidden
 
     root, rows = data
@@ -651,7 +661,7 @@ def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, 
     if (name, "token-packed") in REFUSED and mode == "token-merged":
         pytest.skip("packed rows are not exact for the family: groups stay apart (test_fidelity_float32)")
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    fn = ProbeGen(model={"name": str(path)}, input={"path": str(rows)}, layers=LAYERS)
+    fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(rows)), layers=LAYERS))
     refs = {}
     for it in fn.records():
         refs[it.id] = {L: pool(h, it.prefix_len, "last") for L, h in reference_hidden(model, it.tokens, LAYERS).items()}

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from forge import load_activations
+from forge.config.schema import Runtime
 from forge.executors import process as process_executor
 from forge.executors.base import Status
 from forge.executors.process import ProcessExecutor
@@ -110,16 +111,10 @@ def executor(monkeypatch):
     afresh, stopped after), every process it started gone after the test."""
     monkeypatch.setattr(process_executor, "COMMON_MODULES", ())
     _stop_fork_server()
-    ex = ProcessExecutor(
-        Echo(),
-        0,
-        plugins=(),
-        max_in_flight=1,
-        max_restarts=2,
-        startup_timeout_s=60.0,
-        kill_grace_s=1.0,
-        keep_freed_memory=False,
+    runtime = Runtime(
+        max_in_flight=1, max_restarts=2, startup_timeout_s=60.0, kill_grace_s=1.0, keep_freed_memory=False
     )
+    ex = ProcessExecutor(Echo(), 0, runtime)
     before = {pid for pid, (_, ppid, _, _) in _table().items() if ppid == os.getpid()}
     try:
         yield ex
@@ -358,6 +353,7 @@ def _trials(tmp_path: Path, seed: int, kinds: list[str]) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_a_run_survives_its_fork_server_killed_twice(tmp_path):
     """The quick variant: a kill while the driver waits on the fork server for its worker, and
     one while its worker runs and then of that worker."""
@@ -372,6 +368,7 @@ def test_a_run_survives_its_fork_server_killed_at_random_moments(tmp_path):
     assert sum(bool(s["killed"]) for s in seen) >= 8, seen  # (a run may end before its kill)
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_fork_server_dies_stops_cleanly_with_the_reason(tmp_path):
     """Every fork server killed as it appears: no worker ever starts, so the device is retired
     and the run stops as it does when its devices are gone (rc 2, one line, report.json)."""

@@ -7,6 +7,7 @@ import io
 import json
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from forge.errors import ForgeError
@@ -152,6 +153,7 @@ def _check(path, count: int | None, **options) -> None:
         assert outcomes["error"] == outcomes["first"]
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     body=st.lists(lines, min_size=1, max_size=25),
@@ -219,6 +221,7 @@ def tables(draw):
     return table, draw(st.integers(1, 10))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     made=tables(),

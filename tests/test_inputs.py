@@ -15,9 +15,14 @@ N = 5000
 
 
 def probe_gen(path, **input_options):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
-    return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": str(path), **input_options}, layers=[1])
+    return ProbeGen(
+        ProbeGenConfig(
+            model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path=str(path), **input_options), layers=[1]
+        )
+    )
 
 
 # each kind of corruption: (the line's bytes, a phrase its reason must hold)
@@ -436,7 +441,8 @@ def test_the_id_scan_finds_every_id_however_it_is_written(tmp_path, line, repeat
 
 @pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-here", "~nosuchuser/m"])
 def test_a_model_path_that_is_not_a_directory_is_one_line(name):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
     with pytest.raises(ForgeError, match=r"^model\.name=\S+: no such directory; point it at a model directory"):
-        ProbeGen(model={"name": name}, input={"path": "rows.jsonl"}, layers=[1])
+        ProbeGen(ProbeGenConfig(model=ModelSpec(name=name), input=InputSpec(path="rows.jsonl"), layers=[1]))

@@ -54,6 +54,7 @@ def _configs():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_configs()))
 def test_fit_tracks_measured_peak(name):
     config, dtype = _configs()[name]
@@ -70,9 +71,14 @@ def test_fit_tracks_measured_peak(name):
 
 
 def test_probe_gen_falls_back_to_shape_with_a_warning(monkeypatch):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
-    fn = ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=[1, 4])
+    fn = ProbeGen(
+        ProbeGenConfig(
+            model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path="embedded:statements"), layers=[1, 4]
+        )
+    )
 
     def broken(*a, **k):
         raise RuntimeError("tracker exploded")
@@ -84,10 +90,15 @@ def test_probe_gen_falls_back_to_shape_with_a_warning(monkeypatch):
 
 
 def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
-    from forge.functions.probe_gen import ProbeGen
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
 
     def make():
-        return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=[4])
+        return ProbeGen(
+            ProbeGenConfig(
+                model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path="embedded:statements"), layers=[4]
+            )
+        )
 
     fn = make()
     cost = fn.cost_model()
@@ -111,15 +122,20 @@ def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep(monkey
     import torch
     from transformers import AutoModelForCausalLM
 
+    from forge.api import InputSpec, ModelSpec
     from forge.batching.memory import MemoryPacker
     from forge.errors import ForgeError
-    from forge.functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
     from forge.runtime.causal_lm import CausalLMRunner
     from forge.runtime.embedded import materialize_model
     from forge.vocab.geometry import Device, Limits
 
     def make(layers):
-        return ProbeGen(model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements"}, layers=layers)
+        return ProbeGen(
+            ProbeGenConfig(
+                model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path="embedded:statements"), layers=layers
+            )
+        )
 
     early, whole = make([1]).cost_model(), make([4]).cost_model()  # 2 of the 4 layers run, and all 4
     with monkeypatch.context() as m:  # a later run knows the family's cut: no model is built for it

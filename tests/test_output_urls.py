@@ -50,6 +50,7 @@ def _read_json(url: str, rel: str):
     return json.loads(fs.cat_file(f"{path}/{rel}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["inprocess", "process"])
 def test_a_run_to_a_memory_url_equals_a_local_run(url, clean, executor):
     report = run_forge(url, *FAST, f"runtime.executor={executor}", "shard_size=8")
@@ -72,6 +73,7 @@ def _shards(out) -> set[str]:
     return {f for f in _files(out) if f.rpartition("/")[2].startswith("shard-")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["memory", "local"])
 def test_a_fault_in_the_middle_of_a_commit_then_resume(url, tmp_path, faults, clean, where):
     """From the 2nd shard on, shards are put in place but their commit records fail: the run

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from forge.batching import CostModel, ItemPacker, MemoryPacker, TokenPacker
 from forge.batching.base import Urgency
+from forge.config.modes import ItemBatching, MemoryBatching, TokenBatching
 from forge.core.columns import GeometryFeed, ItemFeed
 from forge.core.scheduler import Scheduler
 from forge.vocab.geometry import NO_PREFIX, Batch, Device, Item, Limits, broken_limit
@@ -38,15 +39,17 @@ def packers():
     cost = CostModel(weight_bytes=1000, bytes_per_token=10, bytes_per_score=1, kv_bytes_per_token=4)
     return st.sampled_from(
         [
-            lambda: ItemPacker(batch_size=7),
-            lambda: ItemPacker(batch_size=64, order="length"),
+            lambda: ItemPacker(ItemBatching(batch_size=7)),
+            lambda: ItemPacker(ItemBatching(batch_size=64, order="length")),
             lambda: TokenPacker(),
-            lambda: TokenPacker(prefix_cache=False),
-            lambda: TokenPacker(packing="packed"),
-            lambda: TokenPacker(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0),
-            lambda: TokenPacker(batch_overhead_tokens=100_000),  # every small prefix group merges (tree rows)
-            lambda: TokenPacker(merge_groups=False),
-            lambda: MemoryPacker(cost_model=cost, default_memory_bytes=200_000),
+            lambda: TokenPacker(TokenBatching(prefix_cache=False)),
+            lambda: TokenPacker(TokenBatching(packing="packed")),
+            lambda: TokenPacker(TokenBatching(packing="packed", packed_row_tokens=37, batch_overhead_tokens=0)),
+            lambda: TokenPacker(
+                TokenBatching(batch_overhead_tokens=100_000)
+            ),  # every small prefix group merges (tree rows)
+            lambda: TokenPacker(TokenBatching(merge_groups=False)),
+            lambda: MemoryPacker(MemoryBatching(default_memory_gb=200_000 / (1 << 30)), cost_model=cost),
         ]
     )
 
@@ -108,7 +111,7 @@ def test_every_item_once_within_limits(workload, make_packer, devices):
 
 def test_item_mode_keeps_arrival_order_and_batch_size():
     items = [Item(str(i), 10 + i % 5) for i in range(100)]
-    batches, _ = drain(ItemPacker(batch_size=32), items, Limits(8192, 256, 64), window=1000)
+    batches, _ = drain(ItemPacker(ItemBatching(batch_size=32)), items, Limits(8192, 256, 64), window=1000)
     assert [len(b.rows) for b in batches] == [32, 32, 32, 4]
     assert [it.id for b in batches for it in b.items] == [str(i) for i in range(100)]
     assert batches[0].padded_len == 14
@@ -141,7 +144,7 @@ def test_row_cuts_are_near_the_optimal_cost():
     lim = Limits(8192, 256, 512)
     for lens in (rng.integers(1, 60, 200), np.clip(rng.lognormal(np.log(40), 0.8, 400), 4, 400).astype(int)):
         for overhead in (0, 64, 256, 1024):
-            packer = TokenPacker(batch_overhead_tokens=overhead, prefix_cache=False)
+            packer = TokenPacker(TokenBatching(batch_overhead_tokens=overhead, prefix_cache=False))
             packer.add(ItemFeed(Item(str(i), int(n)) for i, n in enumerate(lens)).admit(len(lens)))
             cost = 0
             while len(packer):
@@ -165,7 +168,7 @@ def test_a_small_group_keeps_its_few_short_rows_rather_than_cut_them_a_batch_of_
         low, n = int(rng.integers(1, 20)), int(rng.integers(2, 120))
         cases.append((list(rng.integers(low, low + int(rng.integers(1, 30)) + 1, n)), int(rng.choice([64, 256, 1024]))))
     for k, (lens, overhead) in enumerate(cases):
-        packer = TokenPacker(batch_overhead_tokens=overhead, prefix_cache=False)
+        packer = TokenPacker(TokenBatching(batch_overhead_tokens=overhead, prefix_cache=False))
         packer.add(ItemFeed(Item(str(i), int(n)) for i, n in enumerate(lens)).admit(len(lens)))
         batches = []
         while len(packer):
@@ -181,7 +184,7 @@ def test_packed_rows_fill_batches():
     lens = np.clip(rng.lognormal(np.log(40), 0.6, 5000), 4, 400).astype(int)
     items = [Item(str(i), 100 + int(n), f"p{i % 4}", 100) for i, n in enumerate(lens)]
     lim = Limits(8192, 256, 2048)
-    batches, _ = drain(TokenPacker(packing="packed"), items, lim, window=65536)
+    batches, _ = drain(TokenPacker(TokenBatching(packing="packed")), items, lim, window=65536)
     waste = sum(b.padding for b in batches) / sum(b.padded_slots for b in batches)
     group_tokens = Counter()
     for it in items:
@@ -198,7 +201,7 @@ def test_memory_mode_gives_a_bigger_card_bigger_batches():
     per_row = cost.step_bytes(1, 40) - cost.weight_bytes
     small = Device("small", lim, memory_bytes=cost.weight_bytes + 50 * per_row)
     big = Device("big", lim, memory_bytes=cost.weight_bytes + 100 * per_row + per_row // 2)
-    packer = MemoryPacker(cost_model=cost, batch_overhead_tokens=0)
+    packer = MemoryPacker(MemoryBatching(batch_overhead_tokens=0), cost_model=cost)
     packer.add(ItemFeed(items).admit(len(items)))
     b_small = packer.cut(NO_PREFIX, small, Urgency.DRAIN)
     b_big = packer.cut(NO_PREFIX, big, Urgency.DRAIN)
@@ -228,7 +231,7 @@ def test_geometry_feed_cuts_as_items_do():
     suffix = np.clip(rng.lognormal(np.log(40), 0.7, 4000), 4, 400).astype(int)
     items = [Item(str(i), plens[k] + int(s), f"prefix{k}", plens[k]) for i, (k, s) in enumerate(zip(which, suffix))]
     lim = Limits(8192, 256, 1024)
-    for make in (lambda: TokenPacker(), lambda: TokenPacker(packing="packed")):
+    for make in (lambda: TokenPacker(), lambda: TokenPacker(TokenBatching(packing="packed"))):
         d = Device("d", lim)
         feed = GeometryFeed(np.array(plens)[which] + suffix, which, plens)
         by_items = Scheduler(make(), items, [d], window=1000, cache_tokens=1 << 16)
@@ -262,7 +265,9 @@ def test_devices_with_different_limits_share_a_group():
     items = [Item(str(i), 20 + int(n), "p", 20) for i, n in enumerate(rng.integers(1, 200, 3000))]
     small, big = Device("small", Limits(1024, 16, 256)), Device("big", Limits(8192, 256, 1024))
     for packing in ("rows", "packed"):
-        sched = Scheduler(TokenPacker(packing=packing), items, [small, big], window=800, cache_tokens=1 << 16)
+        sched = Scheduler(
+            TokenPacker(TokenBatching(packing=packing)), items, [small, big], window=800, cache_tokens=1 << 16
+        )
         seen, turn = Counter(), 0
         while not sched.done:
             d = (small, big)[turn % 2]

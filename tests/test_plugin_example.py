@@ -32,6 +32,7 @@ def _forge(*args, cwd):
 LAYER = 4
 
 
+@pytest.mark.slow
 def test_forge_run_their_function_with_their_mode(tmp_path):
     out = tmp_path / "run"
     result = _forge(
@@ -76,6 +77,7 @@ def test_forge_run_their_function_with_their_mode(tmp_path):
         assert abs(res.columns["max_norm"][k] - norms.max()) < 1e-4
 
 
+@pytest.mark.slow
 def test_their_function_is_exact_in_every_mode(tmp_path):
     """forge.testing: every batching mode (prefix cache on and off, packed) equals one item at a time."""
     from forge.functions.assets import embedded_dataset_path
@@ -126,6 +128,7 @@ def test_their_function_imports_only_the_public_api():
     assert "forge.functions" not in source and "forge.runtime" not in source
 
 
+@pytest.mark.slow
 def test_forge_ls_lists_their_function_and_mode(tmp_path):
     result = _forge("ls", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -150,13 +153,13 @@ def test_sorted_mode_cuts_fixed_batches_shortest_first():
         "devices=cpu",
         keep_batches=True,
     )
-    batches = report["_batches"]
+    batches = report.plan.kept_batches
     assert report["function"] == "token_norms" and report["balanced"]
     assert [len(b.items) for b in batches] == [8] * 12 + [4]
     lengths = [it.num_tokens for b in batches for it in b.items]
     assert lengths == sorted(lengths)  # one window: the whole input, shortest first
     longest_first = plan_forge(
         "batching=sorted", "batching.descending=true", "input.limit=100", "devices=cpu", keep_batches=True
-    )["_batches"]
+    ).plan.kept_batches
     lengths = [it.num_tokens for b in longest_first for it in b.items]
     assert lengths == sorted(lengths, reverse=True)

@@ -27,7 +27,7 @@ def test_a_third_party_mode_plans(pm):
     spec.mode, spec.mode_options = "shortest", {"batch_size": 8}
     report = plan(spec, pm, keep_batches=True)
     assert report["batching"] == "shortest" and report["balanced"]
-    lengths = [b.padded_len for b in report["_batches"]]
+    lengths = [b.padded_len for b in report.plan.kept_batches]
     assert lengths == sorted(lengths)
 
 

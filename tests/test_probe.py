@@ -22,6 +22,7 @@ def small_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_cli_writes_json_and_png(small_run, tmp_path):
     from forge.cli.app import app
 

@@ -30,12 +30,17 @@ def reference():
     """ids -> {pooling: {layer: vector}} from plain one-prompt forward passes."""
     from transformers import AutoModelForCausalLM
 
+    from forge.api import InputSpec, ModelSpec
     from forge.functions.assets import embedded_model_source, materialize_model
-    from forge.functions.probe_gen import ProbeGen
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
     from forge.runtime.causal_lm import reference_pooled
 
     fn = ProbeGen(
-        model={"name": "embedded:tiny-llama"}, input={"path": "embedded:statements", "limit": N}, layers=LAYERS
+        ProbeGenConfig(
+            model=ModelSpec(name="embedded:tiny-llama"),
+            input=InputSpec(path="embedded:statements", limit=N),
+            layers=LAYERS,
+        )
     )
     model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source())).eval()
     ref = {}
@@ -44,6 +49,7 @@ def reference():
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_activations_equal_one_prompt_forward(tmp_path, reference, mode, pooling):

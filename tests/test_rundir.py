@@ -172,6 +172,7 @@ def url():
         fs.rm(path, recursive=True)
 
 
+@pytest.mark.slow
 def test_an_object_store_lease_refuses_a_second_run_and_is_taken_over_once_expired(url, short_lease):
     holder = RunStore(url, {"f": 1})
     time.sleep(1.2)  # past the first lease time: renewals keep it
@@ -272,6 +273,7 @@ def test_a_shard_writer_error_stops_the_run_cleanly_in_every_format(tmp_path, mo
     assert 4 <= report["items"]["resumed"] == committed < N
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults):
     out = tmp_path / "run"
     faults(sigterm_at_start=True)
@@ -286,6 +288,7 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_no_run(tmp_path, faults)
     assert run_forge(out, *FAST)["status"] == "finished"  # and the directory takes a fresh run
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_still_writes_the_report(tmp_path, faults):
     out = tmp_path / "run"
     faults(hang={"seconds": 120, "nth": 2})  # a batch that would hold the first Ctrl-C's drain

@@ -3,6 +3,7 @@
 import numpy as np
 
 from forge.batching import TokenPacker
+from forge.config.modes import TokenBatching
 from forge.core.scheduler import Scheduler
 from forge.vocab.geometry import Device, Item, Limits
 
@@ -36,7 +37,7 @@ def test_cache_misses_are_the_compulsory_ones():
     lim = Limits(8192, 256, 2048)
     devices = [Device("a", lim), Device("b", lim)]
     # groups kept apart: every prefix goes through the cache (merged groups compute theirs in rows)
-    packer = TokenPacker(packing="packed", merge_groups=False)
+    packer = TokenPacker(TokenBatching(packing="packed", merge_groups=False))
     sched, batches, runs_prefix = run_sim(workload(20_000, 20), devices, packer, window=4096)
     for d in devices:
         # at most one miss per distinct prefix a device runs

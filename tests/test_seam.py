@@ -178,6 +178,7 @@ def test_config_directory_offered_by_a_plugin_is_on_the_search_path(tmp_path, mo
 # -- installed layout -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_editable_install_maps_the_subpackages_to_this_checkouts_folders(tmp_path):
     """setuptools' `package-dir` does the mapping (editable installs honour it), and importing
     forge changes no import machinery: no finder of Forge's own is left on sys.meta_path."""
@@ -199,6 +200,7 @@ def test_the_editable_install_maps_the_subpackages_to_this_checkouts_folders(tmp
     assert not (ROOT / "forge" / "_layout.py").exists()
 
 
+@pytest.mark.slow
 def test_wheel_installs_everything_under_forge(tmp_path):
     """The wheel holds forge/functions (with its assets), forge/builtin, forge/conf (every
     YAML) and Forge's Hydra plugin, and no top-level functions/, plugins/ or conf/."""

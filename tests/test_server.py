@@ -131,6 +131,7 @@ def _activations(run_dir: Path) -> dict:
     return {i: {layer: layers[layer][k] for layer in layers} for k, i in enumerate(ids)}
 
 
+@pytest.mark.slow
 def test_a_warm_run_writes_what_a_cold_run_writes(tmp_path, server):
     import torch
 
@@ -152,6 +153,7 @@ def test_a_warm_run_writes_what_a_cold_run_writes(tmp_path, server):
             assert torch.allclose(warm[i][layer], cold[i][layer], atol=1e-5, rtol=0), (i, layer)  # batches may differ
 
 
+@pytest.mark.slow
 def test_errors_and_exit_codes_are_the_cold_commands(tmp_path, server):
     served = ask(server.address)["served"]
     cold_env = server.cold_env()
@@ -208,6 +210,7 @@ def _resume(out: Path, server: Served, clean: dict) -> None:
     assert_same_output(out, clean, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ctrl_c_reaches_the_warm_command_and_its_workers(tmp_path, server, clean):
     """A worker hangs in a batch: SIGINT to the client, as a terminal sends it, stops the run
     gracefully with exit 130; a warm resume finishes it with the clean run's output."""
@@ -226,6 +229,7 @@ def test_ctrl_c_reaches_the_warm_command_and_its_workers(tmp_path, server, clean
     _resume(out, server, clean)
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_client_takes_the_command_and_its_workers(tmp_path, server, clean):
     out = tmp_path / "run"
     before = set(_children(server.pid))
@@ -249,6 +253,7 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 
 
+@pytest.mark.slow
 def test_ctrl_z_stops_the_command_and_fg_resumes_it(tmp_path, server):
     """SIGTSTP to the client (a terminal's Ctrl-Z) stops it and the command's group; SIGCONT
     (fg, bg) resumes both, and the run finishes."""
@@ -317,6 +322,7 @@ def test_no_server_means_the_command_runs_here(tmp_path, monkeypatch):
     assert entry.run_warm(["ls"]) is None
 
 
+@pytest.mark.slow
 def test_a_folder_others_can_open_is_never_used(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o700)

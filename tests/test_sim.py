@@ -138,7 +138,7 @@ def test_per_device_batch_sizes_scale_with_the_budget():
     assert all(p <= d["memory_budget_bytes"] for p, d in zip(peaks, report["devices"]))
     assert peaks[0] < peaks[1] < peaks[2]
     slots = {d.name: [] for d in devices}
-    for span in report["_timeline"]:
+    for span in report.plan.timeline:
         slots[span.device].append(span.padded_slots)
     mean = [np.mean(slots[d.name]) for d in devices]
     assert mean[0] < mean[1] < mean[2]
@@ -219,9 +219,9 @@ def test_a_simulated_out_of_memory_error_splits_and_retries_with_nothing_lost(pa
     assert "card16" in report["effective_limits"]
     assert report["tokens"]["retried"] > 0
     # what completed on the small card fits it; the failed attempts are on the timeline
-    spans = [s for s in report["_timeline"] if s.device == "card16"]
+    spans = [s for s in report.plan.timeline if s.device == "card16"]
     assert sum(s.status == "oom" for s in spans) == dev["card16"]["oom"]
-    ids = [it.id for b in report["_batches"] for it in b.items]
+    ids = [it.id for b in report.plan.kept_batches for it in b.items]
     assert len(ids) == len(set(ids)) == 1200
 
 

@@ -63,6 +63,7 @@ def _reference(rows):
     return out
 
 
+@pytest.mark.slow
 def test_surprisal_equals_transformers_one_row_at_a_time_in_every_mode(tmp_path):
     rows = _rows()
     assert sum(1 for r in rows if r.get("prefix")) >= 20 and len({r.get("prefix") for r in rows}) == 4

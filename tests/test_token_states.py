@@ -198,6 +198,7 @@ def test_a_disk_without_room_is_refused_before_any_work(tmp_path, data, monkeypa
     assert report["items"]["completed"] == 26  # 23 rows and 3 prefixes
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_stores_every_token_exactly_once(tmp_path, data, reference, faults):
     out = tmp_path / "run"
     args = [
@@ -259,6 +260,7 @@ def _stored(run: Path, layer: int, prefix: str) -> dict[tuple[int, int], np.ndar
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["drop", "once", "each"])
 def test_the_loader_yields_every_token_once_per_epoch_across_two_workers(states_run, prefix):
     from torch.utils.data import DataLoader
@@ -306,6 +308,7 @@ def test_the_loader_splits_ranks_and_bounds_its_buffer(states_run):
     assert plain.shape == (16, 256) and plain.dtype == torch.float16
 
 
+@pytest.mark.slow
 def test_the_loader_reads_a_url(data):
     import fsspec
 
@@ -323,6 +326,7 @@ def test_the_loader_reads_a_url(data):
         fsspec.filesystem("memory").rm("/forge-token-states", recursive=True)
 
 
+@pytest.mark.slow
 def test_the_loader_refuses_what_the_run_did_not_store(states_run, tmp_path, data):
     from forge.data import token_states
 

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from forge.batching import TokenPacker
+from forge.config.modes import TokenBatching
 from forge.core.scheduler import Scheduler
 from forge.testing import check_modes
 from forge.vocab.geometry import Device, Item, Limits, broken_limit, row_used
@@ -78,14 +79,15 @@ def test_small_prefix_groups_share_tree_batches_every_item_once():
 def test_groups_that_fill_batches_and_merge_groups_false_stay_apart():
     big = [Item(f"b{i}", 60 + i % 40, "big", 50) for i in range(400)]  # one prefix, many suffixes
     assert not any(b.tree for b in drain(TokenPacker(), big))
-    assert not any(b.tree for b in drain(TokenPacker(merge_groups=False), questions(100)))
+    assert not any(b.tree for b in drain(TokenPacker(TokenBatching(merge_groups=False)), questions(100)))
 
 
 def test_a_prefix_whose_batch_has_run_is_not_merged_when_its_own_batch_is_cheaper():
     """A long prefix that ran in a batch of its own (so the device's cache holds it) costs only its
     suffixes there; merging would compute it again. The same geometry never run merges."""
     dev = Device("d0", LIMITS)
-    packer = TokenPacker(batch_overhead_tokens=64, packed_row_tokens=1024)  # tree rows up to 1,024 tokens
+    # tree rows up to 1,024 tokens
+    packer = TokenPacker(TokenBatching(batch_overhead_tokens=64, packed_row_tokens=1024))
     first = [Item(f"a{i}", 600 + i % 20, "long", 590) for i in range(40)]  # too long to merge: runs apart
     later = [Item(f"z{i}", 600 + i, "long", 590) for i in range(2)] + [
         Item(f"o{i}", 600 + i, "other", 590) for i in range(2)
@@ -112,7 +114,7 @@ def test_packer_merges_only_where_the_cost_is_lower():
         return sum(overhead + step_cost(b).tokens for b in batches)
 
     for items in (questions(200), questions(50, choices=12, context=300), questions(40, choices=2, context=30)):
-        on, off = drain(TokenPacker(), items), drain(TokenPacker(merge_groups=False), items)
+        on, off = drain(TokenPacker(), items), drain(TokenPacker(TokenBatching(merge_groups=False)), items)
         assert cost(on) <= cost(off)
 
 
@@ -130,7 +132,7 @@ def test_draining_a_unit_of_half_a_row_heads_shorter_rows_instead_of_padding_to_
     batch at the longest pads every short unit to 480 (2,880 slots); the two long units take one
     batch and the short ones a batch of rows of their own length (960 + 1,056 slots)."""
     items = _groups([(400, 4), (390, 4), (180, 4), (175, 4), (170, 4), (165, 4)])
-    batches = drain(TokenPacker(batch_overhead_tokens=256), items)
+    batches = drain(TokenPacker(TokenBatching(batch_overhead_tokens=256)), items)
     assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
     assert sorted(_tree_shapes(batches)) == [(2, 480), (4, 264)]
     assert all(broken_limit(b, LIMITS) is None for b in batches)
@@ -140,8 +142,11 @@ def test_draining_the_last_short_rows_join_the_batch_when_a_batch_of_their_own_c
     """One 250-slot unit left after a 480-slot one: its own batch would cost a step (256 slots) plus
     256 slots, more than padding it to 480 here; with no step cost it runs apart."""
     items = _groups([(400, 4), (170, 4)])
-    assert _tree_shapes(drain(TokenPacker(batch_overhead_tokens=256), items)) == [(2, 480)]
-    assert sorted(_tree_shapes(drain(TokenPacker(batch_overhead_tokens=0), items))) == [(1, 256), (1, 480)]
+    assert _tree_shapes(drain(TokenPacker(TokenBatching(batch_overhead_tokens=256)), items)) == [(2, 480)]
+    assert sorted(_tree_shapes(drain(TokenPacker(TokenBatching(batch_overhead_tokens=0)), items))) == [
+        (1, 256),
+        (1, 480),
+    ]
 
 
 def test_the_rows_that_pay_cost_no_more_than_full_batches_of_the_longest(monkeypatch):
@@ -167,7 +172,7 @@ def test_the_rows_that_pay_cost_no_more_than_full_batches_of_the_longest(monkeyp
         costs = []
         for rule in (lambda self, rows, used, row, n_rows, device: list(range(min(n_rows, len(rows)))), pay):
             monkeypatch.setattr(MergedPlanning, "_rows_that_pay", rule)
-            batches = drain(TokenPacker(batch_overhead_tokens=overhead), items, limits)
+            batches = drain(TokenPacker(TokenBatching(batch_overhead_tokens=overhead)), items, limits)
             assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
             assert all(broken_limit(b, limits) is None for b in batches)
             costs.append(sum(overhead + step_cost(b).tokens for b in batches))
@@ -221,6 +226,7 @@ def few_shot_rows():
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", ["last", "mean", "none"])
 def test_probe_gen_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch, few_shot_rows, pooling):
     seen = _spy(monkeypatch)
@@ -239,6 +245,7 @@ def test_probe_gen_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch, f
     assert seen and max(max(rows) for rows in seen) >= 2  # rows held several prefixes
 
 
+@pytest.mark.slow
 def test_score_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch):
     from forge.functions.assets import embedded_dataset_path
 

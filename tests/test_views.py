@@ -76,6 +76,7 @@ def _layouts(items: list[Item]) -> dict[str, Batch]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_len", [0, 9])
 @pytest.mark.parametrize("cache_tokens", [0, 100], ids=["nocache", "cache"])
 def test_a_view_is_the_same_in_every_layout(model, prefix_len, cache_tokens):

@@ -23,6 +23,7 @@ from collections import Counter
 from benchmarks import harness
 from benchmarks.workloads import geometry as workload_geometry, items as workload_items
 from forge.batching import ItemPacker, TokenPacker
+from forge.config.modes import ItemBatching, TokenBatching
 from forge.core.columns import GeometryFeed
 from forge.core.scheduler import Scheduler
 from forge.vocab.geometry import Device, Limits
@@ -78,9 +79,9 @@ def geometry_row(name, batches, items, sched):
 
 
 MODES = {
-    "item (32, arrival)": lambda: ItemPacker(32),
+    "item (32, arrival)": lambda: ItemPacker(ItemBatching(batch_size=32)),
     "token rows": lambda: TokenPacker(),
-    "token packed": lambda: TokenPacker(packing="packed"),
+    "token packed": lambda: TokenPacker(TokenBatching(packing="packed")),
 }
 
 
@@ -126,10 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         ("200k x 50 prefixes, 2 devices", workload_items(200_000, 50, seed=2), two),
     ):
         for m, make in (
-            ("item 32", lambda: ItemPacker(32)),
-            ("item 32 sorted", lambda: ItemPacker(32, "length")),
+            ("item 32", lambda: ItemPacker(ItemBatching(batch_size=32))),
+            ("item 32 sorted", lambda: ItemPacker(ItemBatching(batch_size=32, order="length"))),
             ("token rows", lambda: TokenPacker()),
-            ("token packed", lambda: TokenPacker(packing="packed")),
+            ("token packed", lambda: TokenPacker(TokenBatching(packing="packed"))),
         ):
             batches, sched, _ = drive(make(), its, devs)
             lines.append(geometry_row(f"{label}: {m}", batches, its, sched))

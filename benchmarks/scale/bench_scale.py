@@ -69,6 +69,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     from benchmarks.workloads import geometry
     from forge.batching import TokenPacker
     from forge.builtin import ledger
+    from forge.config.modes import TokenBatching
     from forge.config.schema import Runtime
     from forge.core.columns import ColumnFeed
     from forge.core.loop import Committer, RunLoop
@@ -85,7 +86,7 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     gen_s = [0.0]
     received = (lambda items: pm.hook.forge_items_received(run=run, items=items)) if variant == "loop" else None
     feed = ColumnFeed(chunks(n, chunk, gen_s), prefix_lens, capacity=window, received=received)
-    packer = TokenPacker(**MODES[mode])
+    packer = TokenPacker(TokenBatching(**MODES[mode]))
     scheduler = Scheduler(packer, feed, devs, window=window, cache_tokens=1 << 20)
     if variant == "scheduler":
         return _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source)

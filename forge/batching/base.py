@@ -8,14 +8,16 @@ cross this seam, so a million items pack in well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from forge.config.modes import Batching
 from forge.errors import ForgeError
 from forge.vocab.geometry import Batch, Device, Item
 
@@ -115,8 +117,12 @@ class Packer(ABC):
     `add` admits a chunk; `groups` says what waits; `cut(key, device, urgency)` removes and
     returns the next batch of group `key` for `device`, or None when the group should wait
     for more items (never under `Urgency.DRAIN` while the group holds anything that fits).
+    A packer is built from its mode's typed config, an instance of `config_schema`.
     """
 
+    #: the mode's schema (`forge.config.modes`): its keys, their types and defaults; the config
+    #: of a run is checked against it, and the packer is built from an instance of it
+    config_schema: ClassVar[type[Batching]] = Batching
     #: name of the batching mode, set by the factory
     mode: str = ""
     #: whether batches split the shared prefix off their rows (it runs once, or from cache)
@@ -185,12 +191,18 @@ class Packer(ABC):
 PackerFactory = Callable[..., Packer]
 
 
-def create_packer(modes: dict[str, PackerFactory], mode: str, options: dict) -> Packer:
-    """Build the packer for `mode` from the registered modes, with a clear error for bad names."""
+def create_packer(modes: dict[str, PackerFactory], mode: str, options: dict[str, Any]) -> Packer:
+    """Build the packer for `mode` from the registered modes: its factory gets an instance of its
+    `config_schema` made from `options` (the mode's keys), and any other option by keyword (the
+    run adds `cost_model` for a factory that takes one). A clear error for bad names."""
     if mode not in modes:
         raise ForgeError(f"unknown batching mode {mode!r}; choose one of: {', '.join(sorted(modes))}")
+    factory = modes[mode]
+    schema = getattr(factory, "config_schema", Batching)
+    keys = {f.name for f in dataclasses.fields(schema)}
     try:
-        packer = modes[mode](**options)
+        config = schema(**{k: v for k, v in options.items() if k in keys})
+        packer = factory(config, **{k: v for k, v in options.items() if k not in keys})
     except TypeError as exc:
         raise ForgeError(f"batching={mode}: bad option ({exc}); see conf/batching/{mode}.yaml") from None
     packer.mode = mode

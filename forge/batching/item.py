@@ -11,19 +11,24 @@ from __future__ import annotations
 import numpy as np
 
 from forge.batching.base import Chunk, Cut, GroupInfo, Packer, Urgency
+from forge.config.modes import ItemBatching
 from forge.errors import ForgeError
 from forge.vocab.geometry import NO_PREFIX, Device
 
 
 class ItemPacker(Packer):
-    def __init__(self, batch_size: int = 32, order: str = "arrival", batch_overhead_tokens: int = 0):
-        if batch_size < 1:
-            raise ForgeError(f"batching.batch_size must be >= 1, got {batch_size}")
-        if order not in ("arrival", "length"):
-            raise ForgeError(f"batching.order must be 'arrival' or 'length', got {order!r}")
-        self.batch_size = batch_size
-        self.order = order
-        self.batch_overhead_tokens = batch_overhead_tokens
+    config_schema = ItemBatching
+
+    def __init__(self, config: ItemBatching | None = None):
+        config = config if config is not None else ItemBatching()  # None: the schema's defaults
+        if config.batch_size < 1:
+            raise ForgeError(f"batching.batch_size must be >= 1, got {config.batch_size}")
+        if config.order not in ("arrival", "length"):
+            raise ForgeError(f"batching.order must be 'arrival' or 'length', got {config.order!r}")
+        self.config = config
+        self.batch_size = config.batch_size
+        self.order = config.order
+        self.batch_overhead_tokens = config.batch_overhead_tokens
         # the window in the order batches take it: [head:] waits
         self._lengths = np.zeros(0, np.int64)
         self._ids = np.zeros(0, np.int64)

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 from forge.batching.cost import GB, CostModel
 from forge.batching.token import TokenPacker
+from forge.config.modes import MemoryBatching
 from forge.errors import ForgeError
 from forge.vocab.geometry import Batch, Device
 
 
 class MemoryPacker(TokenPacker):
+    config_schema = MemoryBatching
     cost_model: CostModel  # always set: a memory packer is never without its model
 
-    def __init__(self, cost_model: CostModel | None = None, default_memory_bytes: int | None = None, **token_options):
+    def __init__(self, config: MemoryBatching | None = None, cost_model: CostModel | None = None):
         if cost_model is None:
             raise ForgeError("batching=memory needs a cost model; the function did not provide one")
-        super().__init__(**token_options)
+        config = config if config is not None else MemoryBatching()  # None: the schema's defaults
+        super().__init__(config)
         self.cost_model = cost_model
-        self.default_memory_bytes = default_memory_bytes
+        gb = config.default_memory_gb
+        self.default_memory_bytes = int(gb * GB) if gb else None
 
     def budget(self, device: Device) -> int:
         budget = device.memory_bytes or self.default_memory_bytes

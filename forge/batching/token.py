@@ -47,37 +47,35 @@ from forge.batching.base import Chunk, Cut, GroupInfo, Packer, Urgency
 from forge.batching.groups import EMPTY, Group, stable_order
 from forge.batching.merged import MERGED, MergedPlanning
 from forge.batching.packed import PackedPlanning
+from forge.config.modes import TokenBatching
 from forge.errors import ForgeError
 from forge.vocab.geometry import NO_PREFIX, Device
 
 
 class TokenPacker(PackedPlanning, MergedPlanning, Packer):
-    def __init__(
-        self,
-        packing: str = "rows",
-        prefix_cache: bool = True,
-        batch_overhead_tokens: int = 256,
-        packed_row_tokens: int | None = None,
-        merge_groups: bool = True,
-    ):
-        if packing not in ("rows", "packed"):
-            raise ForgeError(f"batching.packing must be 'rows' or 'packed', got {packing!r}")
-        if batch_overhead_tokens < 0:
+    config_schema = TokenBatching
+
+    def __init__(self, config: TokenBatching | None = None):
+        config = config if config is not None else TokenBatching()  # None: the schema's defaults
+        if config.packing not in ("rows", "packed"):
+            raise ForgeError(f"batching.packing must be 'rows' or 'packed', got {config.packing!r}")
+        if config.batch_overhead_tokens < 0:
             raise ForgeError("batching.batch_overhead_tokens must be >= 0")
-        self.packing = packing
-        self.prefix_cache = bool(prefix_cache)
-        self.batch_overhead_tokens = int(batch_overhead_tokens)
-        self.packed_row_tokens = packed_row_tokens
+        self.config = config
+        self.packing = config.packing
+        self.prefix_cache = bool(config.prefix_cache)
+        self.batch_overhead_tokens = int(config.batch_overhead_tokens)
+        self.packed_row_tokens = config.packed_row_tokens
         # small prefix groups share tree batches where that costs less (forge.batching.merged);
         # only where groups have prefixes of their own, and the run turns it off for a model
         # whose packed rows would not be exact
-        self.merge_groups = bool(merge_groups)
+        self.merge_groups = bool(config.merge_groups)
         self._init_pool()
         # a group is planned again once this many batches' worth of tokens has arrived since
         # its last plan: fewer, larger plans (rows: 2, packed: 3; more steals prefixes)
-        self.replan_batches = 3 if packing == "packed" else 2
+        self.replan_batches = 3 if self.packing == "packed" else 2
         # packed rows always split the prefix: it is what every sequence in a row attends to
-        self.split_prefix = self.prefix_cache or packing == "packed"
+        self.split_prefix = self.prefix_cache or self.packing == "packed"
         self._groups: dict[int, Group] = {}
         self._count = 0
         self._caps: dict[tuple, dict[int, int]] = {}  # (device profile, prefix length) -> row cap by padded length

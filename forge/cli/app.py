@@ -8,7 +8,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -20,6 +20,9 @@ from forge.cli.early import STOPPED_STATUS, catch_stop_signals, start_workers, s
 from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
+
+if TYPE_CHECKING:
+    from forge.driver.report import Report
 
 app = typer.Typer(
     add_completion=False,
@@ -138,7 +141,7 @@ def _run_dir_of_job(output_dir: str, hydra_output_dir: str):
         shutil.rmtree(hydra_output_dir, ignore_errors=True)
 
 
-def _execute(cfg, run_dir, files: dict[str, bytes], composed_at: float) -> dict[str, Any]:
+def _execute(cfg, run_dir, files: dict[str, bytes], composed_at: float) -> Report:
     from dataclasses import replace
 
     from forge.cli.build import build_spec
@@ -192,10 +195,8 @@ def plan(
             plot_plans(pair, plot, timeline=report)
     except ForgeError as exc:
         _fail(exc)
-    report.pop("_batches", None)
     if as_json:
-        report.pop("config", None)
-        console.print_json(json.dumps(report, default=str))
+        console.print_json(json.dumps(_without_config(report), default=str))
     else:
         print_summary(report)
         if plot is not None:
@@ -203,6 +204,11 @@ def plan(
     if report.get("status", "finished") != "finished":
         status_line(report)
         raise typer.Exit(2)
+
+
+def _without_config(report: Report) -> dict[str, Any]:
+    """report.json's keys but the resolved config (long; the command line says it)."""
+    return {k: v for k, v in report.as_dict().items() if k != "config"}
 
 
 def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> None:
@@ -219,9 +225,7 @@ def _compare(overrides: list[str], config_dir: Path | None, as_json: bool) -> No
     except ForgeError as exc:
         _fail(exc)
     if as_json:
-        for p in plans.values():
-            p.pop("config", None)
-        console.print_json(json.dumps(plans, default=str))
+        console.print_json(json.dumps({mode: _without_config(p) for mode, p in plans.items()}, default=str))
         return
     table = Table(title="plans side by side")
     for col in ("mode", "batches", "padded slots", "padding waste", "cache hit rate", "cache misses", "balanced"):

@@ -5,24 +5,21 @@ Everything past `build_spec` takes plain typed arguments.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from forge.config.devices import resolve_devices
+from forge.config.modes import Batching
+from forge.config.nodes import instantiate
 from forge.config.schema import RUNTIMES, Runtime, validate
 from forge.driver.engine import RunSpec
 from forge.errors import ForgeError
 from forge.io.location import hydra_dir
-from forge.vocab.geometry import DEFAULT_WINDOW
 
 # conf/config.yaml: Hydra's own files go to output_dir when it is local, else to a local staging folder
 OmegaConf.register_new_resolver("forge_hydra_dir", hydra_dir, replace=True)
-
-ENGINE_BATCHING_KEYS = ("mode", "window", "cache_tokens")
-GB = 1 << 30
 
 
 def conf_dir() -> Path:
@@ -34,10 +31,22 @@ def conf_dir() -> Path:
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     """The composed config checked against its typed schema (forge.config.schema), with the
-    configured function's own keys and the registered executors, as plain containers."""
+    configured function's own keys, the batching modes' and the registered executors, as plain
+    containers. The plugin modules the config names (`plugins`) count: a mode or an executor
+    may come from one."""
     from forge.pluginmanager import executors, make_plugin_manager
 
-    return validate(cfg, function_schema(cfg), executors(make_plugin_manager()))
+    listed = OmegaConf.select(cfg, "plugins", default=None, throw_on_missing=False)
+    modules = [m for m in listed if isinstance(m, str)] if isinstance(listed, ListConfig) else []
+    pm = make_plugin_manager(modules=modules)
+    return validate(cfg, function_schema(cfg), executors(pm), mode_schemas(pm))
+
+
+def mode_schemas(pm) -> dict[str, type]:
+    """Each registered batching mode's schema: its factory's `config_schema` (`Batching` if none)."""
+    from forge.pluginmanager import batching_modes
+
+    return {name: getattr(factory, "config_schema", Batching) for name, (factory, _) in batching_modes(pm).items()}
 
 
 def function_schema(cfg: DictConfig) -> type | None:
@@ -52,24 +61,24 @@ def function_schema(cfg: DictConfig) -> type | None:
 
 
 def build_function(cfg: dict[str, Any]):
-    """Instantiate the function: its constructor's parameters come from same-named config keys."""
+    """Instantiate the function from its typed config, an instance of its `config_schema` made
+    from the validated root keys (a function that declares none reads no keys), and refuse a
+    `too_long` policy it cannot honour."""
     from forge.pluginmanager import function_class
 
-    cls = function_class(cfg.get("function") or {})
-    params = inspect.signature(cls).parameters
-    kwargs = {name: cfg[name] for name in params if name in cfg}
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
-    if missing:
-        raise ForgeError(f"function {cfg['function'].get('name')}: config lacks {', '.join(missing)}")
-    return cls(**kwargs)
+    cls = function_class(cfg["function"])
+    schema = getattr(cls, "config_schema", None)
+    function = cls(instantiate(schema, cfg)) if schema is not None else cls()
+    function.check_too_long(cfg["too_long"])
+    return function
 
 
 def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     """A RunSpec from a composed config. Core classes never see the DictConfig."""
     plain = to_plain(cfg)
-    budget = plain.get("budget") or {}
-    tokens_per_step = budget.get("tokens_per_step")
-    devices = resolve_devices(plain.get("devices") or {})
+    budget, batching = plain["budget"], plain["batching"]
+    tokens_per_step = budget["tokens_per_step"]
+    devices = resolve_devices(plain["devices"])
     capped = []
     for d in devices:
         try:
@@ -79,29 +88,21 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
                 f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
                 f"{d.limits.max_seq_len}: one full-length row would not fit; raise the budget or lower max_seq_len"
             ) from None
-    batching = dict(plain["batching"])
-    mode = batching.get("mode")
-    options = {k: v for k, v in batching.items() if k not in ENGINE_BATCHING_KEYS}
-    if options.get("prefix_cache") is None:
-        options.pop("prefix_cache", None)  # not set: the mode's own default
-    if "default_memory_gb" in options:
-        gb = options.pop("default_memory_gb")
-        options["default_memory_bytes"] = int(gb * GB) if gb else None
-    cache_tokens = int(batching.get("cache_tokens") or 0) if batching.get("prefix_cache", False) else 0
     return RunSpec(
-        runtime=build_runtime(plain.get("runtime") or {}),
-        resume=bool(plain.get("resume", False)),
-        fail_fast=bool(plain.get("fail_fast", False)),
-        check_disk=bool(plain.get("check_disk", True)),
-        plugins=tuple(plain.get("plugins") or ()),
+        runtime=build_runtime(plain["runtime"]),
+        resume=plain["resume"],
+        fail_fast=plain["fail_fast"],
+        check_disk=plain["check_disk"],
+        plugins=tuple(plain["plugins"]),
         function=build_function(plain),
-        mode=mode,
-        mode_options=options,
+        mode=batching["mode"],
+        mode_options=dict(batching),  # every key of the mode's schema: create_packer builds its typed config
         devices=capped,
-        window=int(batching.get("window") or DEFAULT_WINDOW),
-        cache_tokens=cache_tokens,
-        too_long=plain.get("too_long", "skip"),
-        max_tokens=budget.get("max_tokens"),
+        window=batching["window"],
+        # a mode without a prefix cache has neither key (its schema declares none)
+        cache_tokens=batching["cache_tokens"] if batching.get("prefix_cache") else 0,
+        too_long=plain["too_long"],
+        max_tokens=budget["max_tokens"],
         run_dir=run_dir,
         config=plain,
     )
@@ -110,7 +111,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
 def build_runtime(runtime: dict[str, Any]) -> Runtime:
     """The runtime group's settings (validated plain values) as its schema's dataclass: the
     typed spec the engine, the loop and the executor read."""
-    return RUNTIMES.get(runtime.get("executor"), Runtime)(**runtime)
+    return RUNTIMES.get(runtime["executor"], Runtime)(**runtime)
 
 
 def _replace_limits(device, limits):

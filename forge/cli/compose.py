@@ -134,9 +134,12 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except HydraException as exc:
+        from forge.cli.build import mode_schemas
         from forge.config.schema import explain_compose_error
+        from forge.pluginmanager import make_plugin_manager
 
-        raise ForgeError(explain_compose_error(exc) or " ".join(str(exc).split())) from None
+        line = explain_compose_error(exc, mode_schemas(make_plugin_manager()))
+        raise ForgeError(line or " ".join(str(exc).split())) from None
 
 
 def _check_runtime_bools(overrides: list[str]) -> None:

@@ -13,9 +13,14 @@ of memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from forge.driver.report import Report
 
 WHITE, PREFIX, TOKEN, TOKEN2, PAD = (
     (1.0, 1.0, 1.0),
@@ -68,9 +73,9 @@ def _image(rows, width: int) -> np.ndarray:
 OOM, BUSY = (0.85, 0.2, 0.2), (0.8, 0.88, 0.97)
 
 
-def plot_timeline(ax, report) -> None:
+def plot_timeline(ax, report: Report) -> None:
     """Each device's lane: batches as bars over virtual time, height by rows; gaps are idle."""
-    spans = report["_timeline"]
+    spans = report.plan.timeline
     names = [d["name"] for d in report["devices"]]
     most = max((s.rows for s in spans), default=1)
     for lane, name in enumerate(names):
@@ -112,7 +117,7 @@ def plot_timeline(ax, report) -> None:
     )
 
 
-def plot_plans(reports, path: Path, timeline=None) -> Path:
+def plot_plans(reports: Sequence[Report], path: Path, timeline: Report | None = None) -> Path:
     """The packing of each report side by side; below, `timeline`'s device timelines (a plan
     kept with its batches)."""
     import matplotlib
@@ -121,10 +126,10 @@ def plot_plans(reports, path: Path, timeline=None) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    drawn = [(_rows(r["_batches"]), r) for r in reports]
+    drawn = [(_rows(r.plan.kept_batches), r) for r in reports]
     width = max(sum(n for n, _ in segs) for rows, _ in drawn for segs in rows if segs)
     height = max(len(rows) for rows, _ in drawn)
-    if timeline is not None and timeline.get("_timeline"):
+    if timeline is not None and timeline.plan.timeline:
         lanes = len(timeline["devices"])
         fig = plt.figure(figsize=(7 * len(drawn), 9 + 0.6 * lanes + 1.2))
         grid = fig.add_gridspec(2, len(drawn), height_ratios=(9, 0.6 * lanes + 1.2))

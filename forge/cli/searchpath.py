@@ -7,6 +7,11 @@ its YAML once the plugin's package is installed. Hydra finds the plugin class in
 `hydra_plugins` namespace package (`hydra_plugins/forge_searchpath`); Forge's CLI also
 registers it directly (`register`), because setuptools' editable installs hide namespace
 packages from Hydra's scan. It acts only on Forge's own config (other Hydra apps are left alone).
+
+The YAML files extend the schemas that hold every default (`forge.config.schema`): the core's
+are stored in Hydra's ConfigStore (`store_schemas`); a function's and a batching mode's come from
+the plugin that registers it, so `SchemaSource` serves them (`/schema_function/<name>`,
+`/schema_batching/<mode>`), importing a function's module only when a YAML names its schema.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.object_type import ObjectType
+from hydra.plugins.config_source import ConfigResult, ConfigSource
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 PROVIDER = "forge-plugin"  # search-path provider names: forge-plugin:<plugin name>
+SCHEMAS = "forge-schema://registered"  # where SchemaSource answers (its scheme, and a path it ignores)
+SCHEMA_GROUPS = ("schema_batching", "schema_function")  # the config groups SchemaSource serves
 
 
 def _is_forge(search_path: ConfigSearchPath) -> bool:
@@ -46,6 +55,73 @@ class ForgeSearchPathPlugin(SearchPathPlugin):
             if path not in known:
                 search_path.append(provider=f"{PROVIDER}:{plugin}", path=path)
                 known.add(path)
+        if SCHEMAS not in known:
+            search_path.append(provider="forge-schema", path=SCHEMAS)
+
+
+class SchemaSource(ConfigSource):
+    """The config groups `schema_function` and `schema_batching`: one option per registered
+    function or batching mode, the keys and defaults of its schema (`config_schema`) as a plain
+    node (`forge.config.nodes.defaults_of`), a mode's with its `mode` set to its name. A function
+    YAML extends its function's with `- /schema_function/<name>@_here_`; a batching YAML its
+    mode's with `- /schema_batching/<mode>@_here_`."""
+
+    def __init__(self, provider: str, path: str) -> None:
+        super().__init__(provider=provider, path=path)
+        self._pm = None
+        self._registered: dict[str, dict[str, object]] = {}
+
+    @staticmethod
+    def scheme() -> str:
+        return "forge-schema"
+
+    def _registry(self) -> dict[str, dict[str, object]]:
+        """group -> {name: what the plugins register under it}; read once, at the first lookup."""
+        if self._pm is None:
+            from forge.pluginmanager import batching_modes, functions, make_plugin_manager
+
+            self._pm = make_plugin_manager()
+            self._registered = {"schema_function": functions(self._pm), "schema_batching": batching_modes(self._pm)}
+        return self._registered
+
+    def _split(self, config_path: str) -> tuple[str, str]:
+        group, _, name = self._normalize_file_name(config_path.strip("/")).removesuffix(".yaml").partition("/")
+        return group, name
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        from omegaconf import OmegaConf
+
+        from forge.cli.build import mode_schemas
+        from forge.config.nodes import defaults_of
+        from forge.pluginmanager import function_class
+
+        group, name = self._split(config_path)
+        self._registry()  # the plugin manager, made once
+        if group == "schema_function":
+            schema = getattr(function_class({"name": name}, self._pm), "config_schema", None)
+            node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
+        else:  # the mode this option names, whichever mode's schema it shares (an ItemPacker subclass's)
+            node = OmegaConf.create({**defaults_of(mode_schemas(self._pm)[name]), "mode": name})
+        where = f"{self.scheme()}://{self.path}"
+        return ConfigResult(config=node, path=where, provider=self.provider, header={"package": None})
+
+    def available(self) -> bool:
+        return True
+
+    def is_group(self, config_path: str) -> bool:
+        return config_path.strip("/") in SCHEMA_GROUPS
+
+    def is_config(self, config_path: str) -> bool:
+        group, name = self._split(config_path)
+        return group in SCHEMA_GROUPS and name in self._registry()[group]
+
+    def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
+        group = config_path.strip("/")
+        if not group:  # the root holds the groups
+            return list(SCHEMA_GROUPS) if results_filter != ObjectType.CONFIG else []
+        if group not in SCHEMA_GROUPS or results_filter == ObjectType.GROUP:
+            return []
+        return sorted(self._registry()[group])
 
 
 def register() -> None:
@@ -54,19 +130,29 @@ def register() -> None:
     from hydra.core.plugins import Plugins
 
     Plugins.instance().register(ForgeSearchPathPlugin)
+    Plugins.instance().register(SchemaSource)
     store_schemas()
 
 
 def store_schemas() -> None:
-    """Register the schemas Forge's YAML extends with Hydra's ConfigStore: the runtime group's
-    options `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the
-    `input` node of every function YAML (`- /schema_input@input` in its defaults list)."""
+    """Register the core's schemas Forge's YAML extends with Hydra's ConfigStore: `schema_core`,
+    the root keys and their defaults (first in conf/config.yaml's defaults list), `schema_devices`
+    (`- /schema_devices@_here_` in conf/devices/*.yaml), the runtime group's options
+    `schema_local` and `schema_ray` (conf/runtime/*.yaml), and `schema_input`, the `input` node
+    of every function YAML (`- /schema_input@input` in its defaults list)."""
     from hydra.core.config_store import ConfigStore
 
-    from forge.config.schema import RayRuntime, Runtime
+    from forge.config.nodes import defaults_of
+    from forge.config.schema import CoreConfig, Devices, RayRuntime, Runtime
     from forge.io.inputs import InputSpec
 
     store = ConfigStore.instance()
+    # plain, not typed: the root also holds the function's keys, which CoreConfig does not declare.
+    # The nodes with a group of their own come from the option picked, which extends its schema:
+    # a user's option that does not is composed as written (validate then fills in the defaults)
+    grouped = ("batching", "devices", "runtime")
+    store.store(name="schema_core", node={k: v for k, v in defaults_of(CoreConfig).items() if k not in grouped})
+    store.store(name="schema_devices", node=defaults_of(Devices))
     store.store(group="runtime", name="schema_local", node=Runtime)
     store.store(group="runtime", name="schema_ray", node=RayRuntime)
     store.store(name="schema_input", node=InputSpec)

@@ -3,6 +3,7 @@ summary (`print_summary`: what ran, the ledger, the geometry, per device)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rich import box
@@ -28,7 +29,7 @@ def error_line(exc: Exception) -> None:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
 
 
-def status_line(report: dict) -> None:
+def status_line(report: Mapping[str, Any]) -> None:
     """`<status>: <why>` for a run or plan that did not finish (the status said once)."""
     status, error = report["status"], str(report.get("error"))
     why = error[len(status) + 1 :].lstrip() if error.startswith(f"{status}:") else error
@@ -43,14 +44,14 @@ def _bytes(n: float) -> str:
     return f"{n:,.1f} TB"
 
 
-def print_summary(report: dict[str, Any]) -> None:
+def print_summary(report: Mapping[str, Any]) -> None:
     """One screen: what ran, the ledger, the geometry, per device."""
     console.print(_run_table(report))
     console.print(_devices_table(report))
     _notes(report)
 
 
-def _run_table(report: dict[str, Any]) -> Table:
+def _run_table(report: Mapping[str, Any]) -> Table:
     """What ran and the ledger, one row each."""
     items, tokens = report.get("items", {}), report.get("tokens", {})
     hit = report.get("cache_hit_rate")
@@ -106,7 +107,7 @@ def _run_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def _ran_rows(table: Table, report: dict[str, Any]) -> None:
+def _ran_rows(table: Table, report: Mapping[str, Any]) -> None:
     """The rows only a run has: its wall time, model, outputs and a function's own line."""
     table.add_row(
         "wall", f"{report.get('wall_s', 0):.2f} s  ({report.get('useful_tokens_per_s') or 0:,.0f} useful tok/s)"
@@ -128,7 +129,7 @@ def _ran_rows(table: Table, report: dict[str, Any]) -> None:
         table.add_row("accuracy", accuracy_line(acc))
 
 
-def _devices_table(report: dict[str, Any]) -> Table:
+def _devices_table(report: Mapping[str, Any]) -> Table:
     """Per device: its batches, tokens and padding (and memory, virtual time where planned)."""
     devices = report.get("devices", [])
     virtual = report.get("virtual_time")
@@ -168,7 +169,7 @@ def _devices_table(report: dict[str, Any]) -> Table:
     return dev
 
 
-def _notes(report: dict[str, Any]) -> None:
+def _notes(report: Mapping[str, Any]) -> None:
     """Skipped and failed items, warnings and retired devices, one line each (stderr)."""
     items = report.get("items", {})
     for reason, count in (report.get("skipped_reasons") or {}).items():

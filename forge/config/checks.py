@@ -2,15 +2,14 @@
 dataclass field with its default and a check in its metadata (`CHECK`), which
 `forge.config.schema.validate` runs on the value after OmegaConf has checked its type. Forge's
 schema (`forge.config.schema`) and every function's `config_schema` declare their fields with them.
-The strict checks below also type what OmegaConf does not: a bool field's raw value (OmegaConf
-takes 2 for true) and the built-in batching modes' own keys (`MODE_OPTIONS`, an open node).
+The strict check below also types what OmegaConf does not: a bool field's raw value (OmegaConf
+takes 2 for true).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
@@ -60,57 +59,12 @@ def one_of(default: Any, *choices: str) -> Any:
     return field(default=default, metadata={CHECK: check})
 
 
-# -- strict types, for values OmegaConf would coerce or does not type -------------------------
+# -- strict types, for values OmegaConf would coerce -------------------------
 
 
 def boolean(value) -> str | None:
     """true or false only: OmegaConf reads 2, 'yes' or 'on' as true, which hides a typo."""
     return None if isinstance(value, bool) else "expected true or false"
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def positive_integer(value) -> str | None:
-    if not _integer(value):
-        return "expected an integer"
-    return None if value > 0 else "must be a positive integer"
-
-
-def non_negative_integer(value) -> str | None:
-    if not _integer(value):
-        return "expected an integer"
-    return None if value >= 0 else "must be 0 or more"
-
-
-def positive_number(value) -> str | None:
-    if not (_integer(value) or isinstance(value, float)):
-        return "expected a number"
-    return None if value > 0 else "must be a positive number"
-
-
-def choice(*choices: str) -> Callable[[Any], str | None]:
-    return lambda value: None if value in choices else f"choose one of: {', '.join(choices)}"
-
-
-# The built-in modes' own batching keys (the schema's `Batching` leaves them open, each mode's
-# packer reads them): key -> (check, whether null is allowed). A plugin's mode is its own to check.
-_TOKEN_OPTIONS: dict[str, tuple[Callable[[Any], str | None], bool]] = {
-    "packing": (choice("rows", "packed"), False),
-    "batch_overhead_tokens": (non_negative_integer, False),
-    "packed_row_tokens": (positive_integer, True),
-    "merge_groups": (boolean, False),
-}
-MODE_OPTIONS = {
-    "item": {
-        "batch_size": (positive_integer, False),
-        "order": (choice("arrival", "length"), False),
-        "batch_overhead_tokens": (non_negative_integer, False),
-    },
-    "token": _TOKEN_OPTIONS,
-    "memory": {**_TOKEN_OPTIONS, "default_memory_gb": (positive_number, True)},
-}
 
 
 def check_bools(schema_cls: Any, cfg: DictConfig, prefix: str = "") -> None:
@@ -127,18 +81,6 @@ def check_bools(schema_cls: Any, cfg: DictConfig, prefix: str = "") -> None:
             value = node._value()
             if boolean(value) and str(value).lower() not in ("true", "false"):  # a quoted 'true' is fine
                 raise ForgeError(f"config {prefix}{f.name}={show(value)}: {boolean(value)}")
-
-
-def check_mode_options(batching: dict) -> None:
-    """A built-in batching mode's own keys (`MODE_OPTIONS`): typed and in range."""
-    for key, (check, null_ok) in MODE_OPTIONS.get(str(batching.get("mode")), {}).items():
-        value = batching.get(key)
-        if key not in batching or (isinstance(value, str) and "${" in value) or (value is None and null_ok):
-            continue
-        problem = check(value)
-        if problem:
-            null = " (null is not allowed here)" if value is None else ""
-            raise ForgeError(f"config batching.{key}={show(value)}: {problem}{null}")
 
 
 def unwrap_optional(tp):

@@ -64,7 +64,7 @@ def limits_from(spec: Mapping[str, Any], where: str) -> Limits:
         raise ForgeError(f"{where}: {exc}") from None
 
 
-def discover(limits: Limits, memory_fraction: float = 0.9, cpu_memory_gb: float | None = None) -> list[Device]:
+def discover(limits: Limits, memory_fraction: float, cpu_memory_gb: float | None = None) -> list[Device]:
     """Every local CUDA device, each with `limits`; the CPU when there is none.
 
     A CUDA device's memory budget is its free memory now x `memory_fraction` (what other
@@ -156,14 +156,19 @@ def from_inventory(entries: Any, default_limits: Mapping[str, Any] | None) -> li
 
 
 def resolve_devices(cfg: Mapping[str, Any]) -> list[Device]:
-    """Devices from a `devices` config: the inventory when it lists any, else discovery."""
-    inventory = cfg.get("inventory") or []
+    """Devices from a `devices` config: the inventory when it lists any, else discovery. A key the
+    config lacks (a YAML read as it is) takes its default from the schema, `forge.config.schema.Devices`."""
+    from forge.config.nodes import defaults_of
+    from forge.config.schema import Devices
+
+    cfg = {**defaults_of(Devices), **cfg}
+    inventory = cfg["inventory"] or []
     if inventory or not isinstance(inventory, (list, tuple)):
-        return from_inventory(inventory, cfg.get("limits"))
-    if not cfg.get("discover", True):
+        return from_inventory(inventory, cfg["limits"])
+    if not cfg["discover"]:
         raise ForgeError("devices: discover is false and the inventory is empty; list at least one device")
     return discover(
-        limits_from(cfg.get("limits") or {}, "devices.limits"),
-        memory_fraction=cfg.get("memory_fraction", 0.9),
-        cpu_memory_gb=cfg.get("cpu_memory_gb"),
+        limits_from(cfg["limits"] or {}, "devices.limits"),
+        memory_fraction=cfg["memory_fraction"],
+        cpu_memory_gb=cfg["cpu_memory_gb"],
     )

@@ -5,7 +5,13 @@ itself refuses wrong types and unknown keys, then checks values (positive sizes,
 choices) from each field's metadata (set by the field helpers of `forge.config.checks`). Every
 failure is one ForgeError line that names the full key, the bad value and what is valid. The
 function picked by `function._target_` declares its own root keys (`Function.config_schema`,
-a dataclass); the core declares the rest here.
+a dataclass), the batching mode picked by `batching.mode` its own `batching` keys (its packer's
+`config_schema`, `forge.config.modes`), the runtime picked by `runtime.executor` its own
+`runtime` keys; the core declares the rest here.
+
+Each dataclass is the one home of its keys' defaults: the YAML files extend it (their defaults
+lists name the nodes `forge.cli.searchpath` registers from it) and set only what differs, and
+a field's comment is its documentation (`forge.config.docs` writes docs/configuration.md).
 
 Hydra's own node (`hydra`) is never validated.
 """
@@ -15,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +38,6 @@ from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 from forge.config.checks import (  # one_of, positive: functions' schemas too
     CHECK,
     check_bools,
-    check_mode_options,
     non_negative,
     one_of,
     positive,
@@ -40,9 +45,9 @@ from forge.config.checks import (  # one_of, positive: functions' schemas too
     show,
     unwrap_optional,
 )
+from forge.config.modes import Batching
 from forge.config.unknown_key import explain_unknown_key, unknown_key_line
 from forge.errors import ForgeError
-from forge.vocab.geometry import DEFAULT_WINDOW
 
 # -- the core's keys -----------------------------------------------------------------
 
@@ -55,36 +60,31 @@ class FunctionRef:
 
 @dataclass
 class Budget:
-    tokens_per_step: int | None = positive(None)  # caps every device's max_batch_tokens
-    max_tokens: int | None = positive(None)  # stop admitting after this many tokens
-
-
-@dataclass
-class Batching:
-    """Keys every mode shares. Mode-specific options (batch_size, packing, ...) are extra keys,
-    checked by the mode's packer constructor."""
-
-    mode: str = MISSING
-    window: int = positive(DEFAULT_WINDOW)  # most items held waiting for a batch
-    prefix_cache: bool | None = None  # null: the mode's own default
-    cache_tokens: int | None = positive(None)
+    # caps padded token slots per batch: min(this, each device's max_batch_tokens); null: no cap
+    tokens_per_step: int | None = positive(8192)
+    max_tokens: int | None = positive(None)  # stop admitting once this many tokens were received; the rest are skipped
 
 
 @dataclass
 class DeviceLimits:
-    max_batch_tokens: int | None = positive(None)
-    max_rows: int | None = positive(None)
-    max_seq_len: int | None = positive(None)
-    pad_multiple: int | None = positive(None)
+    """What one device takes in one step (`forge.vocab.geometry.Limits`); null: not set here."""
+
+    max_batch_tokens: int | None = positive(None)  # padded token slots per step: rows x padded length
+    max_rows: int | None = positive(None)  # sequences (or packed rows) per step
+    max_seq_len: int | None = positive(None)  # longest sequence, prefix included, a row may hold
+    pad_multiple: int | None = positive(None)  # padded length is rounded up to a multiple of this (null: 1)
 
 
 @dataclass
 class Devices:
-    discover: bool = True
-    limits: DeviceLimits | None = None  # defaults for discovered and inventory devices
-    memory_fraction: float = share(0.9)
-    cpu_memory_gb: float | None = positive(None)
-    inventory: list[Any] = field(default_factory=list)  # entries checked by forge.config.devices
+    """Where batches run: every local device found, or an inventory by name (docs/devices.md)."""
+
+    discover: bool = True  # with no inventory: every local CUDA device, or the CPU when there is none
+    limits: DeviceLimits | None = None  # limits of discovered devices, and defaults for inventory entries
+    memory_fraction: float = share(0.9)  # share of each CUDA device's free memory that batching=memory may plan for
+    cpu_memory_gb: float | None = positive(None)  # the CPU's budget for batching=memory (null: memory_fraction of RAM)
+    # devices by name: name, device, limits, memory_gb, batch_overhead_tokens, sim (checked by forge.config.devices)
+    inventory: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -134,36 +134,32 @@ RUNTIMES = {"ray": RayRuntime}  # runtime.executor -> its schema; any other valu
 class CoreConfig:
     """Root keys the core reads. The function's own keys come from its `config_schema`."""
 
-    function: FunctionRef = field(default_factory=FunctionRef)
+    function: FunctionRef = field(default_factory=FunctionRef)  # the function to run (function=<name> picks one)
     budget: Budget = field(default_factory=Budget)
+    # items longer than a device's max_seq_len: skip | truncate (cut from the right; refused by
+    # functions that score targets) | error
     too_long: str = one_of("skip", "skip", "truncate", "error")
-    output_dir: str = MISSING  # conf/config.yaml: a fresh directory under outputs/
-    batching: Batching = field(default_factory=Batching)
+    # the run directory, a local path or an fsspec URL (s3://, gs://, memory://): conf/config.yaml
+    # makes a fresh one under outputs/
+    output_dir: str = MISSING
+    batching: Batching = field(default_factory=Batching)  # how batches are cut (batching=<mode> picks a mode)
     devices: Devices = field(default_factory=Devices)
-    runtime: Runtime = field(default_factory=Runtime)
-    resume: bool = False
-    check_disk: bool = True  # refuse a local output_dir without room for what the run will write
-    fail_fast: bool = False
-    plugins: list[str] = field(default_factory=list)
+    runtime: Runtime = field(default_factory=Runtime)  # where batches run (runtime=local or runtime=ray)
+    resume: bool = False  # true: finish the run in output_dir, skipping what it committed
+    check_disk: bool = True  # refuse, before any work, a local output_dir without room for the results
+    fail_fast: bool = False  # true: stop at the first bad input row instead of recording it
+    plugins: list[str] = field(default_factory=list)  # extra plugin modules to register (import paths), like pytest -p
 
 
-OPEN_NODES = ("batching",)  # nodes that also take extra, mode-specific keys
-
-
-def schema_for(function_schema: type | None, runtime_schema: type = Runtime) -> type:
-    """The root schema: the core's keys (with the chosen runtime's) plus the function's (a
-    dataclass of root keys)."""
-    core = (
-        CoreConfig
-        if runtime_schema is Runtime
-        else dataclass(
-            type(
-                "CoreConfig",
-                (CoreConfig,),
-                {"__annotations__": {"runtime": runtime_schema}, "runtime": field(default_factory=runtime_schema)},
-            )
-        )
-    )
+def schema_for(function_schema: type | None, runtime_schema: type = Runtime, batching_schema: type = Batching) -> type:
+    """The root schema: the core's keys (with the chosen runtime's and batching mode's) plus the
+    function's (a dataclass of root keys)."""
+    chosen = {"runtime": runtime_schema, "batching": batching_schema}
+    own = {name: tp for name, tp in chosen.items() if tp is not {"runtime": Runtime, "batching": Batching}[name]}
+    core: type = CoreConfig
+    if own:  # a subclass whose nodes are the chosen schemas (a redeclared field keeps its place)
+        body: dict[str, Any] = {name: field(default_factory=tp) for name, tp in own.items()}
+        core = dataclass(type("CoreConfig", (CoreConfig,), {"__annotations__": own, **body}))
     if function_schema is None:
         return core
     clash = {f.name for f in dataclasses.fields(function_schema)} & {f.name for f in dataclasses.fields(core)}
@@ -178,19 +174,40 @@ def runtime_schema(cfg: DictConfig) -> type:
     return RUNTIMES.get(executor, Runtime) if isinstance(executor, str) else Runtime
 
 
+def batching_schema(cfg: DictConfig, modes: Mapping[str, type]) -> type:
+    """The batching node's schema, chosen by its `mode` key among `modes` (mode -> its schema)."""
+    mode = OmegaConf.select(cfg, "batching.mode", default=None, throw_on_missing=False)
+    if not isinstance(mode, str):
+        return Batching  # unset or not a string: the base schema says so, naming the key
+    if mode not in modes:
+        raise ForgeError(
+            f"config batching.mode={show(mode)}: choose one of: {', '.join(sorted(modes))} "
+            "(plugins add more through forge_batching_modes)"
+        )
+    return modes[mode]
+
+
 # -- validation ---------------------------------------------------------------------
 
 
-def validate(cfg: DictConfig, fn_schema: type | None, executors: Iterable[str], resolve: bool = True) -> dict[str, Any]:
+def validate(
+    cfg: DictConfig,
+    fn_schema: type | None,
+    executors: Iterable[str],
+    modes: Mapping[str, type],
+    resolve: bool = True,
+) -> dict[str, Any]:
     """The config as plain typed containers, or one ForgeError line naming what is wrong.
 
     `fn_schema` is the dataclass of root keys the configured function declares (None: its keys
-    go unchecked); `executors`, the names `runtime.executor` may take. The edge looks both up in
-    the plugins' registries (`forge.cli.build.to_plain`). `resolve=False` checks without
-    resolving interpolations (values that are interpolations are then checked only for their
-    type once resolved, by a later `validate`)."""
+    go unchecked); `executors`, the names `runtime.executor` may take; `modes`, each batching
+    mode's schema (its packer's `config_schema`). The edge looks them up in the plugins'
+    registries (`forge.cli.build.to_plain`). `resolve=False` checks without resolving
+    interpolations (values that are interpolations are then checked only for their type once
+    resolved, by a later `validate`)."""
     cfg = _without_hydra(cfg)
-    schema_cls = schema_for(fn_schema, runtime_schema(cfg))
+    choices = {"runtime": RUNTIMES, "batching": modes}
+    schema_cls = schema_for(fn_schema, runtime_schema(cfg), batching_schema(cfg, modes))
     schema = _structured(schema_cls, typed_root=fn_schema is not None)
     try:
         merged = OmegaConf.merge(schema, cfg)
@@ -198,10 +215,9 @@ def validate(cfg: DictConfig, fn_schema: type | None, executors: Iterable[str], 
     except MissingMandatoryValue as exc:
         raise ForgeError(f"{exc.full_key} must be set: add {exc.full_key}=<value> to the command line") from None
     except OmegaConfBaseException as exc:
-        raise ForgeError(_explain(exc, schema_cls, cfg)) from None
+        raise ForgeError(_explain(exc, schema_cls, cfg, choices)) from None
     check_bools(schema_cls, cfg)
     _check_values(schema_cls, plain, "")
-    check_mode_options(plain.get("batching") or {})
     _check_executor((plain.get("runtime") or {}).get("executor"), executors)
     return plain
 
@@ -215,13 +231,15 @@ def _check_executor(name, offered: Iterable[str]) -> None:
         )
 
 
-def explain_compose_error(exc: BaseException) -> str | None:
-    """One line for a value or key Hydra refused while composing onto a typed node (the
-    runtime group extends its schema), in the words `validate` uses; None if it is another error."""
+def explain_compose_error(exc: BaseException, modes: Mapping[str, type]) -> str | None:
+    """One line for a key Hydra found nowhere to override, or a value it refused while composing
+    onto a typed node (the runtime group extends its schema), in the words `validate` uses; None
+    if it is another error. `modes`: each batching mode's schema, for the hint of a key another
+    mode has."""
     cause = exc.__cause__
     key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
-        return explain_unknown_key(key, cause, OPEN_NODES, RUNTIMES)
+        return explain_unknown_key(key, cause, {"runtime": RUNTIMES, "batching": modes})
     if isinstance(cause, ValidationError) and key:
         expected = NODE_TYPES.get(type(cause.child_node)) if cause.child_node is not None else None
         if expected:
@@ -230,17 +248,13 @@ def explain_compose_error(exc: BaseException) -> str | None:
 
 
 def _structured(schema_cls: type, typed_root: bool = True) -> DictConfig:
-    """The schema as an OmegaConf node, with the nodes that take extra keys left open (and,
-    for a function without a schema, its root keys untyped)."""
+    """The schema as an OmegaConf node (for a function without a schema, its root keys untyped)."""
     schema = OmegaConf.structured(schema_cls)
     if not typed_root:
         for name in schema:
             if isinstance(schema._get_node(name), DictConfig):
                 OmegaConf.set_struct(schema[name], True)
         OmegaConf.set_struct(schema, False)
-    for name in OPEN_NODES:
-        if name in schema:
-            OmegaConf.set_struct(schema[name], False)
     return schema
 
 
@@ -252,7 +266,7 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
 
 def _check_values(schema_cls: type, plain: dict, prefix: str) -> None:
     hints = typing.get_type_hints(schema_cls)
-    if prefix and prefix.rstrip(".") not in OPEN_NODES:  # a typed node: Hydra lets `+key=` through to it
+    if prefix:  # a typed node: Hydra lets `+key=` through to it
         valid = [f.name for f in dataclasses.fields(schema_cls)]
         unknown = [k for k in plain if k not in valid]
         if unknown:
@@ -281,7 +295,7 @@ NODE_TYPES = {
 PLAIN_TYPES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> str:
+def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig, choices: Mapping) -> str:
     """One line for an OmegaConf error: the full key, the bad value and what is valid."""
     key = exc.full_key or ""
     if not key:  # a merge error at a node's root names no key: find the root key that fails
@@ -292,7 +306,7 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig) -> 
             return f"config {key}={show(_raw(value))}: expected {expected}"
         return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
     if isinstance(exc, ConfigKeyError):
-        return explain_unknown_key(key, exc, OPEN_NODES, RUNTIMES)
+        return explain_unknown_key(key, exc, choices)
     value = _raw(getattr(exc, "value", None))
     if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
         expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None

@@ -5,27 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 
-def unknown_key_line(key: str, valid: list[str], hints: list[str] | None = None, own_option: bool = False) -> str:
+def unknown_key_line(key: str, valid: list[str], hints: list[str] | None = None) -> str:
     """`config: unknown key 'name' in parent; did you mean ...? valid keys: ...` (the one home of that line)."""
     parent, _, name = key.rpartition(".")
     where = f"in {parent}" if parent else "at the root"
     hint = f"did you mean {' or '.join(hints[:3])}? " if hints else ""
-    own = f"; a mode's own option: +{key}=VALUE" if own_option else ""
-    return f"config: unknown key {name!r} {where}; {hint}valid keys: {', '.join(valid)}{own}"
+    return f"config: unknown key {name!r} {where}; {hint}valid keys: {', '.join(valid)}"
 
 
-def explain_unknown_key(
-    key: str, cause: OmegaConfBaseException, open_nodes: tuple[str, ...], runtimes: dict[str, type]
-) -> str:
+def explain_unknown_key(key: str, cause: OmegaConfBaseException, choices: Mapping[str, Mapping[str, type]]) -> str:
     """The line for a key OmegaConf refused (`cause`): with its siblings' names close to it, or
-    where a key of that name lives (`batching.max_rows`: devices.limits.max_rows), and, in one of
-    `open_nodes` (open to a mode's own options), how to add one. `runtimes`: each `runtime=`
-    choice's schema, whose keys the others lack."""
+    where a key of that name lives (`batching.max_rows`: devices.limits.max_rows), or which
+    choice of its group has it. `choices`: per group whose schema a key chooses (runtime,
+    batching), each choice's schema (`runtime.address`: runtime=ray's; `batching.packing`:
+    batching=token's)."""
     parent, _, name = key.rpartition(".")
     node = getattr(cause, "parent_node", None)
     if isinstance(node, DictConfig):
@@ -35,9 +34,9 @@ def explain_unknown_key(
     hints = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(name, valid, n=2)]
     if isinstance(node, DictConfig):
         hints += [k for k in _keys_named(node._get_root(), name) if k not in hints and k != key]
-    if parent == "runtime":  # a key of another runtime's schema (runtime.address: runtime=ray's)
-        hints += [f"runtime={r}, which has {key}" for r, cls in runtimes.items() if name in _fields(cls)]
-    return unknown_key_line(key, valid, hints, own_option=parent in open_nodes)
+    others = (choices.get(parent) or {}).items()
+    hints += [f"{parent}={choice}, which has {key}" for choice, cls in others if name in _fields(cls)]
+    return unknown_key_line(key, valid, hints)
 
 
 def _keys_named(node: DictConfig, name: str, prefix: str = "", depth: int = 3) -> list[str]:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from forge.config.schema import CoreConfig
 from forge.core.read_ahead import ReadAhead
 from forge.errors import ForgeError
 from forge.vocab.geometry import Item
@@ -35,7 +36,7 @@ class AdmissionRules:
     """What admission checks, as plain values."""
 
     max_seq_len: int  # the longest sequence any device takes
-    too_long: str = "skip"  # skip | truncate | error (error: the item fails with its reason)
+    too_long: str = CoreConfig.too_long  # skip | truncate | error (error: the item fails with its reason)
     max_tokens: int | None = None  # stop admitting once this many tokens were received
     fail_fast: bool = False  # the first failed record stops the run
     placeable: Placeable | None = None  # the packer's check against every device's limits and budget

@@ -35,6 +35,7 @@ from forge.vocab.records import BatchStats, FailureWindow, RunContext, batch_sta
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime  # the policy: timeouts, recurring failures, commits, drain
+    from forge.function import BatchOutput
 
 
 class Stop(Exception):
@@ -268,10 +269,11 @@ class RunLoop:
             self.hook.forge_batch_discarded(run=self.run, batch=duplicate, device=device, reason=why)
         if kept is None:
             return
-        stats = batch_stats(kept, outcome.seconds, getattr(outcome.output, "prefix_computed_tokens", 0))
+        output: BatchOutput = outcome.output  # what a worker returns (forge.function.Worker), or the simulator's
+        stats = batch_stats(kept, outcome.seconds, output.prefix_computed_tokens)
         tally = self.tallies[device.name]
         tally.add(kept, stats)
-        if kept.split_prefix and kept.prefix_len and not getattr(outcome.output, "cache_hit", True):
+        if kept.split_prefix and kept.prefix_len and not output.cache_hit:
             tally.cache_misses += 1
         self.hook.forge_batch_completed(run=self.run, batch=kept, device=device, stats=stats)
         self._finished([None] * len(kept.items))

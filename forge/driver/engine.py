@@ -22,11 +22,12 @@ import numpy as np
 import pluggy
 
 from forge.batching.base import Packer, create_packer
-from forge.config.schema import Runtime
+from forge.config.schema import CoreConfig, Runtime
 from forge.core.admission import AdmissionRules, admit
 from forge.core.loop import Committer, RunLoop, Stop
 from forge.core.scheduler import Scheduler
 from forge.driver.output_size import check_space
+from forge.driver.report import Report, RunFigures, finish_report, make_report
 from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
@@ -43,11 +44,11 @@ class RunSpec:
 
     function: Function  # the function instance
     mode: str  # batching mode name
-    mode_options: dict[str, Any]  # keyword arguments of the mode's packer
+    mode_options: dict[str, Any]  # the mode's keys (its packer's config_schema), plain: create_packer types them
     devices: list[Device]  # consumers, limits already capped by the step budget
     window: int = DEFAULT_WINDOW  # most items held waiting for a batch
     cache_tokens: int = 0  # per-device prefix cache capacity; 0 = off
-    too_long: str = "skip"  # skip | truncate | error
+    too_long: str = CoreConfig.too_long  # skip | truncate | error (the schema's default)
     max_tokens: int | None = None  # stop admitting once this many tokens were received
     run_dir: Path | str | None = None  # outputs: a local path or an fsspec URL (s3://...); None for a plan
     config: dict[str, Any] = field(default_factory=dict)  # resolved config, for the report
@@ -168,15 +169,17 @@ def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) ->
     return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
 
 
-def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
+#: a run's report counts every kind of failed attempt, none too
+ATTEMPTS = dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0)
+
+
+def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
     """Run the function over its input on every device; return the report (also written).
 
     The report's `status` says how the run ended: finished, interrupted (Ctrl-C), stopped
     (a recurring failure, a write error, every device retired) or stalled; `error` says why.
     Every status but finished leaves a run that `resume=true` finishes.
     """
-    from forge.driver.report import finish_report
-
     assert spec.run_dir is not None
     simulated = [d.name for d in spec.devices if d.sim is not None]
     if simulated:
@@ -227,46 +230,28 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> dict[str, Any]:
                 "stopped",
                 f"writing the last shard failed ({exc}); resume=true finishes the run",
             )
-        return finish_report(
-            run=run,
-            pm=pm,
-            spec=spec,
-            tallies=loop.tallies,
-            predicted_misses=scheduler.cache_misses,
+        report = make_report(
+            run,
+            spec,
+            loop,
+            scheduler,
             wall_s=time.perf_counter() - started,
-            write=store.write_file,
-            extra={
-                "status": status,
-                "error": error,
-                "outputs": outputs,
-                "phases": phases(run.timings, executor, spec, began),
-                **_loop_extras(loop, scheduler, executor, spec),
-            },
+            status=status,
+            error=error,
+            attempts={**ATTEMPTS, **dict(loop.counts), "oom_splits": scheduler.oom_splits},
+            figures=RunFigures(
+                outputs=outputs,
+                phases=phases(run.timings, executor, spec, began),
+                scheduler_s=round(loop.scheduler_s, 4),
+                restarts=dict(executor.restarts),
+                retired=dict(executor.retired),
+                executor=executor.info(),
+            ),
         )
+        return finish_report(report, run=run, pm=pm, write=store.write_file)
     finally:
         scheduler.close()
         store.close(status)  # after the report: the directory stays ours until it is written
-
-
-def _loop_extras(loop: RunLoop, scheduler: Scheduler, executor: Executor, spec: RunSpec) -> dict[str, Any]:
-    """What the loop, the scheduler and the executor add to a run's report."""
-    return {
-        "max_window_items": scheduler.max_window_seen,
-        "scheduler_s": round(loop.scheduler_s, 4),
-        "attempts": {
-            **dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0),
-            **dict(loop.counts),
-            "oom_splits": scheduler.oom_splits,
-        },
-        **executor.info(),
-        "restarts": dict(executor.restarts),
-        "retired": dict(executor.retired),
-        "effective_limits": {
-            name: d.limits.as_dict()
-            for name, d in scheduler.devices.items()
-            if d.limits != next(x for x in spec.devices if x.name == name).limits
-        },
-    }
 
 
 def phases(

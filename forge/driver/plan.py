@@ -12,14 +12,13 @@ each device's busy share and finish time in virtual time.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pluggy
 
 from forge.core.loop import Committer, RunLoop, Stop
 from forge.driver.engine import RunSpec, prepare
 from forge.driver.output_size import describe
-from forge.driver.report import finish_report
+from forge.driver.report import PlanFigures, Report, VirtualTime, finish_report, make_report
 from forge.executors import SimExecutor
 from forge.executors.sim import time_unit
 from forge.hookspecs import hookimpl
@@ -55,7 +54,7 @@ class _Stored:
         self.own_tokens += batch.num_tokens - batch.prefix_tokens
 
 
-def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) -> dict[str, Any]:
+def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) -> Report:
     """The run's geometry: batches, padding, predicted cache hits, per device."""
     started = time.perf_counter()
     unit = time_unit(spec.devices)
@@ -76,52 +75,41 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     finally:
         pm.unregister(stored)
         scheduler.close()
-    report = finish_report(
-        run=run,
-        pm=pm,
-        spec=spec,
-        tallies=loop.tallies,
-        predicted_misses=scheduler.cache_misses,
-        wall_s=time.perf_counter() - started,
-        extra={
-            "status": status,
-            "error": error,
-            "max_window_items": scheduler.max_window_seen,
-            "attempts": {"oom": loop.counts.get("oom", 0), "oom_splits": scheduler.oom_splits},
-            "end_splits": scheduler.end_splits,
-            "effective_limits": {
-                name: d.limits.as_dict()
-                for name, d in scheduler.devices.items()
-                if d.limits != next(x for x in spec.devices if x.name == name).limits
-            },
-        },
-    )
-    report.pop("useful_tokens_per_s", None)
-    report["output_bytes"] = describe(spec.function, stored.items, stored.own_tokens)
+    wall_s = time.perf_counter() - started
     balance = executor.balance()
-    report["virtual_time"] = {
-        "unit": unit,
-        "makespan": round(balance["makespan"], 6),
-        "finish_skew": round(balance["finish_skew"], 6),
-        "min_busy_share": round(balance["min_busy_share"], 6),
-    }
-    for d in report["devices"]:
-        b = balance["devices"][d["name"]]
-        d.pop("busy_s", None)  # wall time: a plan has only virtual time
-        d.update(
-            virtual_busy=round(b["busy"], 6),
-            virtual_finish=round(b["finish"], 6),
-            busy_share=round(b["busy_share"], 6),
-            oom=b["oom"],
-        )
+    figures = PlanFigures(
+        end_splits=scheduler.end_splits,
+        output_bytes=describe(spec.function, stored.items, stored.own_tokens),
+        virtual_time=VirtualTime(
+            unit=unit,
+            makespan=round(balance["makespan"], 6),
+            finish_skew=round(balance["finish_skew"], 6),
+            min_busy_share=round(balance["min_busy_share"], 6),
+        ),
+        simulated_cost_tokens={k: int(v) for k, v in executor.clocks.items()} if unit == "token-equivalents" else None,
+        kept_batches=kept.batches if kept is not None else None,
+        timeline=executor.timeline if keep_batches else None,
+    )
+    report = make_report(
+        run,
+        spec,
+        loop,
+        scheduler,
+        wall_s=wall_s,
+        status=status,
+        error=error,
+        attempts={"oom": loop.counts.get("oom", 0), "oom_splits": scheduler.oom_splits},
+        figures=figures,
+    )
+    for d in report.devices:
+        b = balance["devices"][d.name]
+        d.virtual_busy = round(b["busy"], 6)
+        d.virtual_finish = round(b["finish"], 6)
+        d.busy_share = round(b["busy_share"], 6)
+        d.oom = b["oom"]
         if executor.true_bytes is not None:
-            d["simulated_peak_bytes"] = b["peak_bytes"]  # true peak (no margin) of its largest completed batch
-    if unit == "token-equivalents":
-        report["simulated_cost_tokens"] = {k: int(v) for k, v in executor.clocks.items()}
-    if keep_batches:
-        report["_batches"] = kept.batches
-        report["_timeline"] = executor.timeline
-    return report
+            d.simulated_peak_bytes = b["peak_bytes"]  # true peak (no margin) of its largest completed batch
+    return finish_report(report, run=run, pm=pm)
 
 
 def _true_bytes(spec: RunSpec, packer):

@@ -1,11 +1,35 @@
-"""The run's report: what the engine measured plus what plugins (the ledger) add."""
+"""The run's report: what the engine measured plus what plugins (the ledger) add.
+
+Model: a `Report` holds the figures every run and plan has, a run's own (`RunFigures`) or a
+plan's own (`PlanFigures`), and `plugins`: the keys `forge_run_end` implementations added
+(the ledger's items, tokens, balance, ...), kept as they gave them. `as_dict()` is report.json:
+the same keys the report has always had, plus `schema_version`. The report also reads as that
+mapping, read-only (`report["status"]`, `report.get("items")`), so code holding the returned
+report and code reading report.json name the same keys; a plugin's keys have no attribute.
+
+Light on purpose: the warm path of the `forge` command imports this module (`process_started`),
+so it imports only the standard library.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from forge.core.loop import RunLoop
+    from forge.core.scheduler import Scheduler
+    from forge.vocab.geometry import Batch, Device
+    from forge.vocab.records import RunContext
+
+#: report.json's layout: raised when a key changes meaning or goes away (a new key keeps it)
+SCHEMA_VERSION = 1
 
 
 def process_started() -> float:
@@ -20,51 +44,236 @@ def process_started() -> float:
         return time.time()
 
 
-def finish_report(*, run, pm, spec, tallies, predicted_misses, wall_s, extra=None, write=None) -> dict[str, Any]:
-    """The report, written as report.json through `write(name, data)` (the run's store: fenced,
-    so a run that lost its directory writes none there) when the run has a directory."""
+@dataclass
+class DeviceReport:
+    """One device's figures. A None field is one this kind of report lacks: left out of JSON."""
+
+    name: str
+    limits: dict[str, int]  # as declared (`Report.effective_limits`: where the run changed them)
+    batches: int
+    tree_batches: int  # of them, batches of merged prefix groups
+    tokens: int  # useful tokens completed
+    padded_slots: int
+    busy_s: float | None  # wall seconds busy; None in a plan (it has only virtual time)
+    cache_misses: int
+    predicted_cache_misses: int
+    predicted_peak_bytes: int | None = None  # batching=memory: the largest predicted peak routed here
+    memory_budget_bytes: int | None = None  # batching=memory: the budget it was planned against
+    # a plan's, in virtual time (forge.executors.sim)
+    virtual_busy: float | None = None
+    virtual_finish: float | None = None
+    busy_share: float | None = None
+    oom: int | None = None
+    simulated_peak_bytes: int | None = None  # a simulated device's true peak (no margin) of its largest batch
+
+    def as_dict(self) -> dict[str, Any]:
+        # a predicted peak comes with its budget, even an unknown one
+        paired = self.predicted_peak_bytes is not None
+        return {
+            f.name: v
+            for f in fields(self)
+            if (v := getattr(self, f.name)) is not None or (paired and f.name == "memory_budget_bytes")
+        }
+
+
+@dataclass
+class RunFigures:
+    """What only a run reports."""
+
+    outputs: dict[str, Any]  # the sink's figures: what it wrote, and where
+    phases: dict[str, float | bool | None]  # where the time went (`forge.driver.engine.phases`)
+    scheduler_s: float  # time spent in the scheduler
+    restarts: dict[str, int]  # device -> workers replaced
+    retired: dict[str, str]  # device -> why it ran no more work
+    executor: dict[str, Any] = field(default_factory=dict)  # `Executor.info()`: top-level keys ("ray")
+    useful_tokens_per_s: float | None = None  # completed tokens per wall second (once the ledger counted them)
+
+
+@dataclass
+class VirtualTime:
+    """A plan's virtual clock: when the last device finished, and how evenly they did."""
+
+    unit: str  # "s" (simulated devices' declared step times) or "token-equivalents"
+    makespan: float
+    finish_skew: float
+    min_busy_share: float
+
+
+@dataclass
+class PlanFigures:
+    """What only a plan reports. `kept_batches` and `timeline` are for `forge plan --plot`: never
+    in JSON."""
+
+    end_splits: int  # batches split at the end of the input to even out the devices' finish
+    output_bytes: dict[str, Any] | None = None  # what the run would write (None: unknown)
+    virtual_time: VirtualTime | None = None
+    simulated_cost_tokens: dict[str, int] | None = None  # device -> its clock, in token-equivalents
+    kept_batches: list[Batch] | None = None  # every batch, in commit order (`keep_batches`)
+    timeline: list[Any] | None = None  # every batch's span on its device (`forge.executors.sim.Span`)
+
+
+@dataclass(eq=False)
+class Report(Mapping[str, Any]):
+    """A run's or a plan's report; reads as report.json's mapping (`as_dict`)."""
+
+    function: str
+    batching: str
+    dry_run: bool  # a plan
+    model: Any
+    input: Any
+    path: Any  # how the function runs, in words
+    config: dict[str, Any]  # the resolved config
+    devices: list[DeviceReport]
+    warnings: list[str]
+    wall_s: float
+    status: str = "finished"  # finished | interrupted | stopped | stalled
+    error: str | None = None  # why, when not finished
+    max_window_items: int = 0
+    attempts: dict[str, int] = field(default_factory=dict)  # failed attempts by kind, and OOM splits
+    effective_limits: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> limits, where changed
+    batches: int = 0
+    run: RunFigures | None = None  # a run's own figures
+    plan: PlanFigures | None = None  # a plan's own figures
+    plugins: dict[str, Any] = field(default_factory=dict)  # keys forge_run_end implementations added
+    schema_version: int = SCHEMA_VERSION
+
+    def as_dict(self) -> dict[str, Any]:
+        """report.json, keys in the order they have always had (`schema_version` first)."""
+        run, plan = self.run, self.plan
+        out: dict[str, Any] = {"schema_version": self.schema_version}
+        for key in ("function", "batching", "dry_run", "model", "input", "path", "config"):
+            out[key] = getattr(self, key)
+        out.update(devices=[d.as_dict() for d in self.devices], warnings=self.warnings, wall_s=self.wall_s)
+        out.update(status=self.status, error=self.error)
+        if run is not None:
+            out.update(outputs=run.outputs, phases=run.phases)
+        out["max_window_items"] = self.max_window_items
+        if run is not None:
+            out["scheduler_s"] = run.scheduler_s
+        out["attempts"] = self.attempts
+        if run is not None:
+            out.update({**run.executor, "restarts": run.restarts, "retired": run.retired})
+        if plan is not None:
+            out["end_splits"] = plan.end_splits
+        out["effective_limits"] = self.effective_limits
+        out.update(self.plugins)
+        out["batches"] = self.batches
+        if run is not None:
+            out["useful_tokens_per_s"] = run.useful_tokens_per_s
+        if plan is not None:
+            vt = plan.virtual_time
+            out["output_bytes"] = plan.output_bytes
+            out["virtual_time"] = None if vt is None else {f.name: getattr(vt, f.name) for f in fields(vt)}
+            if plan.simulated_cost_tokens is not None:
+                out["simulated_cost_tokens"] = plan.simulated_cost_tokens
+        return out
+
+    # read-only mapping: report.json's keys (a view built afresh each time: the report may still change)
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+    def take_plugin_keys(self, view: dict[str, Any], given: dict[str, Any]) -> None:
+        """Keep the keys forge_run_end implementations added to `view`, the dict they were handed
+        (`given`: a copy of it as handed). The engine's own keys are read-only: a plugin that
+        replaced or removed one is said in the warnings, not obeyed."""
+        for key, value in view.items():
+            if key not in given:
+                self.plugins[key] = value
+            elif value is not given[key]:
+                self.warnings.append(f"a forge_run_end plugin replaced the report's {key!r}: kept the engine's")
+        for key in given.keys() - view.keys():
+            self.warnings.append(f"a forge_run_end plugin removed the report's {key!r}: kept the engine's")
+
+
+def effective_limits(scheduled: Mapping[str, Device], declared: list[Device]) -> dict[str, dict[str, int]]:
+    """Device -> the limits the run used, where they differ from the declared ones (the
+    scheduler lowers a device's limits after it ran out of memory)."""
+    was = {d.name: d.limits for d in declared}
+    return {name: d.limits.as_dict() for name, d in scheduled.items() if d.limits != was[name]}
+
+
+def make_report(
+    run: RunContext,
+    spec,  # the run's `forge.driver.engine.RunSpec` (not imported: the engine imports this module)
+    loop: RunLoop,
+    scheduler: Scheduler,
+    *,
+    wall_s: float,
+    status: str,
+    error: str | None,
+    attempts: dict[str, int],
+    figures: RunFigures | PlanFigures,
+) -> Report:
+    """The report of a run (`figures`: RunFigures) or a plan (PlanFigures) that `loop` drove over
+    `scheduler`'s work, before plugins add theirs."""
+    tallies, predicted_misses = loop.tallies, scheduler.cache_misses
     described = spec.function.describe()
-    report: dict[str, Any] = {
-        "function": spec.function.name,
-        "batching": spec.mode,
-        "dry_run": run.dry_run,
-        "model": described.get("model"),
-        "input": described.get("input"),
-        "path": described.get("path"),
-        "config": spec.config,
-        "devices": [
-            {
-                "name": d.name,
-                "limits": d.limits.as_dict(),
-                "batches": tallies[d.name].batches,
-                "tree_batches": tallies[d.name].tree_batches,
-                "tokens": tallies[d.name].tokens,
-                "padded_slots": tallies[d.name].padded_slots,
-                "busy_s": round(tallies[d.name].busy_s, 4),
-                "cache_misses": tallies[d.name].cache_misses,
-                "predicted_cache_misses": predicted_misses.get(d.name, 0),
-                **(
-                    {
-                        "predicted_peak_bytes": tallies[d.name].peak_bytes,
-                        "memory_budget_bytes": tallies[d.name].budget_bytes,
-                    }
-                    if tallies[d.name].peak_bytes
-                    else {}
-                ),
-            }
-            for d in spec.devices
-        ],
-        "warnings": spec.function.warnings(),
-        "wall_s": round(wall_s, 4),
-    }
-    report.update(extra or {})
-    pm.hook.forge_run_end(run=run, report=report)
-    completed = report.get("tokens", {}).get("completed", 0)
-    report["batches"] = sum(t.batches for t in tallies.values())
-    report["useful_tokens_per_s"] = round(completed / wall_s, 1) if wall_s > 0 else None
+    devices = []
+    for d in spec.devices:
+        t = tallies[d.name]
+        devices.append(
+            DeviceReport(
+                name=d.name,
+                limits=d.limits.as_dict(),
+                batches=t.batches,
+                tree_batches=t.tree_batches,
+                tokens=t.tokens,
+                padded_slots=t.padded_slots,
+                busy_s=None if run.dry_run else round(t.busy_s, 4),
+                cache_misses=t.cache_misses,
+                predicted_cache_misses=predicted_misses.get(d.name, 0),
+                predicted_peak_bytes=t.peak_bytes or None,
+                memory_budget_bytes=t.budget_bytes if t.peak_bytes else None,  # only beside a peak
+            )
+        )
+    return Report(
+        function=spec.function.name,
+        batching=spec.mode,
+        dry_run=run.dry_run,
+        model=described.get("model"),
+        input=described.get("input"),
+        path=described.get("path"),
+        config=spec.config,
+        devices=devices,
+        warnings=spec.function.warnings(),
+        wall_s=round(wall_s, 4),
+        status=status,
+        error=error,
+        max_window_items=scheduler.max_window_seen,
+        attempts=attempts,
+        effective_limits=effective_limits(scheduler.devices, spec.devices),
+        batches=sum(t.batches for t in tallies.values()),
+        run=figures if isinstance(figures, RunFigures) else None,
+        plan=figures if isinstance(figures, PlanFigures) else None,
+    )
+
+
+def finish_report(
+    report: Report,
+    *,
+    run: RunContext,
+    pm: pluggy.PluginManager,
+    write: Callable[[str, bytes], Any] | None = None,
+) -> Report:
+    """Let plugins add theirs (`forge_run_end`, handed report.json's dict), then write report.json
+    through `write(name, data)` (the run's store: fenced, so a run that lost its directory writes
+    none there) when the run has a directory."""
+    view = report.as_dict()
+    given = dict(view)
+    pm.hook.forge_run_end(run=run, report=view)
+    report.take_plugin_keys(view, given)
+    if report.run is not None:
+        completed = (report.plugins.get("tokens") or {}).get("completed", 0)  # the ledger's count
+        report.run.useful_tokens_per_s = round(completed / report.wall_s, 1) if report.wall_s > 0 else None
     if write is not None:
         try:
-            write("report.json", json.dumps(report, indent=2, default=str).encode())
+            write("report.json", json.dumps(report.as_dict(), indent=2, default=str).encode())
         except OSError as exc:  # a full disk, a lost directory: the summary still reaches the terminal
-            report["warnings"] = [*report["warnings"], f"report.json could not be written ({exc})"]
+            report.warnings = [*report.warnings, f"report.json could not be written ({exc})"]
     return report

@@ -8,14 +8,17 @@ same admission, scheduler, run loop, simulated executor and ledger as `forge pla
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from forge.batching.cost import CostModel
+from forge.config.modes import Batching
 from forge.driver.engine import RunSpec
+from forge.driver.report import Report
 from forge.errors import ForgeError
 from forge.function import Function
-from forge.vocab.geometry import DEFAULT_WINDOW, Device, Item
+from forge.vocab.geometry import Device, Item
 
 
 class GeometryFunction(Function):
@@ -53,23 +56,24 @@ def plan_geometry(
     *,
     cost: CostModel | None = None,
     options: dict[str, Any] | None = None,
-    cache_tokens: int = 32768,
-    window: int = DEFAULT_WINDOW,
     keep_batches: bool = False,
     pm=None,
-) -> dict[str, Any]:
-    """The plan report of `items` on `devices` under batching `mode` (virtual time)."""
+) -> Report:
+    """The plan report of `items` on `devices` under batching `mode` (virtual time). `options`:
+    keys of the mode's schema (its packer's `config_schema`: window, cache_tokens, ...); the
+    others keep the schema's defaults."""
     from forge.driver.plan import plan
-    from forge.pluginmanager import make_plugin_manager
+    from forge.pluginmanager import batching_modes, make_plugin_manager
 
-    options = dict(options or {})
-    splits = mode != "item" and options.get("prefix_cache", True)
+    pm = pm or make_plugin_manager()
+    factory = batching_modes(pm).get(mode, (None, None))[0]
+    config = dataclasses.asdict(getattr(factory, "config_schema", Batching)(**(options or {})))
     spec = RunSpec(
         function=GeometryFunction(items, cost),
         mode=mode,
-        mode_options=options,
+        mode_options=config,
         devices=devices,
-        window=window,
-        cache_tokens=cache_tokens if splits else 0,
+        window=config["window"],
+        cache_tokens=config["cache_tokens"] if config.get("prefix_cache") else 0,  # cacheless modes have neither key
     )
-    return plan(spec, pm or make_plugin_manager(), keep_batches=keep_batches)
+    return plan(spec, pm, keep_batches=keep_batches)

@@ -1,34 +1,37 @@
 """Workers in the calling process, one batch at a time: no isolation, easiest to debug.
 
 A batch runs when its outcome is collected, so errors carry a plain traceback in a
-debugger. Timeouts cannot be enforced here (use the process executor).
+debugger. Timeouts cannot be enforced here (use the process executor). A batch runs through
+the same body as in a worker process (`forge.executors.worker.run_batch`): fault points,
+error classification, memory clean-up after an out-of-memory error.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
-from forge.executors.base import Executor, Outcome, Status, classify_error, one_line
+from forge.executors.base import Executor, Outcome
+from forge.executors.worker import run_batch
 from forge.vocab.geometry import Batch, Device
+
+if TYPE_CHECKING:
+    from forge.config.schema import Runtime
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, function, cache_tokens: int, hook=None, *, keep_freed_memory: bool):
+    """The executor `runtime.executor=inprocess` builds (a forge_executors factory). `plugins`
+    are registered in this process already: only worker processes load them."""
+
+    def __init__(self, function, cache_tokens: int, runtime: Runtime, *, plugins: tuple[str, ...] = (), hook=None):
         super().__init__()
-        self.keep_freed_memory = keep_freed_memory  # runtime.keep_freed_memory, for this process's CPU forwards
+        self.keep_freed_memory = runtime.keep_freed_memory  # for this process's CPU forwards
         self.hook = hook  # fault points fire here too (a test plugin may raise; killing would kill the run)
         self.function = function
         self.cache_tokens = cache_tokens
-        self.workers: dict = {}
+        self.workers: dict[str, Any] = {}
         self._queue: deque[tuple[int, Device, Batch]] = deque()
-
-    @classmethod
-    def from_runtime(
-        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
-    ) -> InProcessExecutor:
-        """The executor `runtime.executor=inprocess` builds (a forge_executors factory)."""
-        return cls(function, cache_tokens, hook, keep_freed_memory=runtime.keep_freed_memory)
 
     def start(self, devices: list[Device]) -> None:
         if self.keep_freed_memory and any(d.torch_device == "cpu" for d in devices):
@@ -54,14 +57,8 @@ class InProcessExecutor(Executor):
         if not self._queue:
             return []
         ticket, device, batch = self._queue.popleft()
-        t0 = time.perf_counter()
-        try:
-            if self.hook is not None:
-                self.hook.forge_fault(point="before_forward", device=device, batch=batch)
-            output = self.workers[device.name].run(batch)
-        except Exception as exc:  # noqa: BLE001 - every error becomes an outcome
-            return [Outcome(ticket, device.name, classify_error(exc), None, one_line(exc), time.perf_counter() - t0)]
-        return [Outcome(ticket, device.name, Status.COMPLETED, output, "", time.perf_counter() - t0)]
+        # a sticky device error retires nothing here: the driver's own process cannot be replaced
+        return [run_batch(self.workers[device.name], self.hook, device, batch).outcome(ticket, device.name)]
 
     def close(self, grace_s: float = 5.0) -> None:
         for worker in self.workers.values():

@@ -28,10 +28,15 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait as wait_any
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
-from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
+from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
 from forge.executors.warm_fork import forget_dead_fork_server
+from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
+
+if TYPE_CHECKING:
+    from forge.config.schema import Runtime
 
 # Workers fork from a server process that imported torch and the function's module once, so a
 # replacement starts in well under a second; fork from the driver would copy its threads and
@@ -72,45 +77,20 @@ class _Slot(Slot):
 
 
 class ProcessExecutor(SlotExecutor[_Slot]):
-    def __init__(
-        self,
-        function,
-        cache_tokens: int,
-        *,
-        plugins: tuple[str, ...],
-        max_in_flight: int,
-        max_restarts: int,
-        startup_timeout_s: float,
-        kill_grace_s: float,
-        keep_freed_memory: bool,
-    ):
-        super().__init__(
-            max_in_flight=max_in_flight,
-            max_restarts=max_restarts,
-            startup_timeout_s=startup_timeout_s,
-            kill_grace_s=kill_grace_s,
-        )
-        self.function = function
-        self.cache_tokens = cache_tokens
-        self.plugins = tuple(plugins)
-        self.keep_freed_memory = keep_freed_memory  # a CPU worker's allocator (forge.executors.cpu_process)
-        self._threads = 1
+    """The executor `runtime.executor=process` builds (a forge_executors factory)."""
 
-    @classmethod
-    def from_runtime(
-        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
-    ) -> ProcessExecutor:
-        """The executor `runtime.executor=process` builds (a forge_executors factory)."""
-        return cls(
-            function,
-            cache_tokens,
-            plugins=plugins,
+    def __init__(self, function, cache_tokens: int, runtime: Runtime, *, plugins: tuple[str, ...] = (), hook=None):
+        super().__init__(
             max_in_flight=runtime.max_in_flight,
             max_restarts=runtime.max_restarts,
             startup_timeout_s=runtime.startup_timeout_s,
             kill_grace_s=runtime.kill_grace_s,
-            keep_freed_memory=runtime.keep_freed_memory,
         )
+        self.function = function
+        self.cache_tokens = cache_tokens
+        self.plugins = tuple(plugins)  # registered in each worker: its fault points fire there, not via `hook`
+        self.keep_freed_memory = runtime.keep_freed_memory  # a CPU worker's allocator (forge.executors.cpu_process)
+        self._threads = 1
 
     # -- lifecycle --------------------------------------------------------------
     def start(self, devices: list[Device]) -> None:
@@ -238,17 +218,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                 if slot.queue and slot.queue[0][0] == ticket:
                     slot.queue.popleft()
                 self._answered(slot)
-                status = Status(kind)
-                self._pending.append(
-                    Outcome(
-                        ticket,
-                        name,
-                        status,
-                        payload if status == Status.COMPLETED else None,
-                        "" if status == Status.COMPLETED else payload,
-                        seconds,
-                    )
-                )
+                self._pending.append(Ran(Status(kind), payload, seconds).outcome(ticket, name))
         except (EOFError, OSError):
             ended = True
         if not alive and not ended and _outlives_server(slot.process):
@@ -332,20 +302,10 @@ def worker_main(
         if msg is None:
             break
         ticket, batch = msg
-        t0 = time.perf_counter()
-        try:
-            hook.forge_fault(point="before_forward", device=device, batch=batch)
-            output = worker.run(batch)
-            hook.forge_fault(point="after_forward", device=device, batch=batch)
-        except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
-            status = classify_error(exc)
-            _send(conn, (status.value, ticket, one_line(exc), time.perf_counter() - t0))
-            if status == Status.OOM:
-                _free_device_memory(device)
-            elif "CUDA error" in str(exc) or "device-side assert" in str(exc):
-                break  # a sticky device error: this process is done; the driver starts another
-            continue
-        _send(conn, (Status.COMPLETED.value, ticket, output, time.perf_counter() - t0))
+        ran = run_batch(worker, hook, device, batch)
+        _send(conn, (ran.status.value, ticket, ran.payload, ran.seconds))
+        if ran.sticky:
+            break  # this process is done: the driver sees it exit and starts another
     worker.close()
 
 
@@ -371,10 +331,3 @@ def _read_into(conn, inbox: queue.SimpleQueue) -> None:
         inbox.put(msg)
         if msg is None:
             return
-
-
-def _free_device_memory(device: Device) -> None:
-    if device.torch_device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()

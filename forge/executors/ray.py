@@ -20,11 +20,15 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge.errors import ForgeError
-from forge.executors.base import Outcome, Slot, SlotExecutor, Status, classify_error, one_line
+from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
+from forge.executors.worker import Ran, run_batch, sticky_error
 from forge.vocab.geometry import Batch, Device
+
+if TYPE_CHECKING:
+    from forge.config.schema import RayRuntime
 
 ENV_PREFIXES = ("FORGE_", "HF_")  # driver variables actors get (cache, offline mode, test faults)
 
@@ -44,56 +48,25 @@ class _Slot(Slot):
 
 
 class RayExecutor(SlotExecutor[_Slot]):
+    """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
+
     worker = "actor"
 
-    @classmethod
-    def from_runtime(
-        cls, function, cache_tokens: int, runtime, *, plugins: tuple[str, ...] = (), hook=None
-    ) -> RayExecutor:
-        """The executor `runtime=ray` builds (a forge_executors factory), from a RayRuntime."""
-        return cls(
-            function,
-            cache_tokens,
-            plugins=plugins,
-            address=runtime.address,
-            num_cpus=runtime.num_cpus,
-            cpus_per_actor=runtime.cpus_per_actor,
+    def __init__(self, function, cache_tokens: int, runtime: RayRuntime, *, plugins: tuple[str, ...] = (), hook=None):
+        super().__init__(
             max_in_flight=runtime.max_in_flight,
             max_restarts=runtime.max_restarts,
             startup_timeout_s=runtime.startup_timeout_s,
             kill_grace_s=runtime.kill_grace_s,
-            keep_freed_memory=runtime.keep_freed_memory,
-        )
-
-    def __init__(
-        self,
-        function,
-        cache_tokens: int,
-        *,
-        plugins: tuple[str, ...],
-        address: str | None,
-        num_cpus: int | None,
-        cpus_per_actor: float,
-        max_in_flight: int,
-        max_restarts: int,
-        startup_timeout_s: float,
-        kill_grace_s: float,
-        keep_freed_memory: bool,
-    ):
-        super().__init__(
-            max_in_flight=max_in_flight,
-            max_restarts=max_restarts,
-            startup_timeout_s=startup_timeout_s,
-            kill_grace_s=kill_grace_s,
         )
         self.ray = import_ray()
         self.function = function
         self.cache_tokens = cache_tokens
-        self.plugins = tuple(plugins)
-        self.address = address
-        self.num_cpus = num_cpus
-        self.cpus_per_actor = float(cpus_per_actor)
-        self.keep_freed_memory = keep_freed_memory  # a CPU actor's allocator (forge.executors.cpu_process)
+        self.plugins = tuple(plugins)  # registered in each actor: its fault points fire there, not via `hook`
+        self.address = runtime.address
+        self.num_cpus = runtime.num_cpus
+        self.cpus_per_actor = float(runtime.cpus_per_actor)
+        self.keep_freed_memory = runtime.keep_freed_memory  # a CPU actor's allocator (forge.executors.cpu_process)
         self.actors: dict[str, dict] = {}  # device -> what its (latest) actor reported when it loaded
         self._owns_ray = False  # this executor called ray.init: shutdown at close (stops a local instance)
         self._actor_cls: Any = None  # DeviceActor as a Ray actor class, made at start
@@ -207,10 +180,10 @@ class RayExecutor(SlotExecutor[_Slot]):
                 return self._replace(slot, f"actor of {name} died ({_cause(exc)})")
             slot.queue.popleft()
             self._answered(slot)
-            status = Status(kind)
-            ok = status == Status.COMPLETED
-            self._pending.append(Outcome(ticket, name, status, payload if ok else None, "" if ok else payload, seconds))
-            if not ok and ("CUDA error" in payload or "device-side assert" in payload):
+            ran = Ran(Status(kind), payload, seconds)
+            self._pending.append(ran.outcome(ticket, name))
+            # the actor's reason is all that crossed: the marker of a sticky error must be in its first line
+            if ran.status != Status.COMPLETED and sticky_error(payload):
                 return self._replace(slot, f"actor of {name}: sticky device error: {payload}")
 
 
@@ -280,16 +253,5 @@ class DeviceActor:
         return info
 
     def run(self, batch: Batch) -> tuple[str, Any, float]:
-        t0 = time.perf_counter()
-        try:
-            self.hook.forge_fault(point="before_forward", device=self.device, batch=batch)
-            output = self.worker.run(batch)
-            self.hook.forge_fault(point="after_forward", device=self.device, batch=batch)
-        except Exception as exc:  # noqa: BLE001 - every error goes back as an outcome
-            status = classify_error(exc)
-            if status == Status.OOM and self.device.torch_device.startswith("cuda"):
-                import torch
-
-                torch.cuda.empty_cache()
-            return status.value, one_line(exc), time.perf_counter() - t0
-        return Status.COMPLETED.value, output, time.perf_counter() - t0
+        ran = run_batch(self.worker, self.hook, self.device, batch)
+        return ran.status.value, ran.payload, ran.seconds

@@ -31,10 +31,10 @@ class ModelSpec:
     """The `model` config node: which model, in which precision and attention implementation."""
 
     name: str = MISSING  # hub id, local path, "embedded:tiny-llama" or "module:<package>/<dir>"
-    torch_dtype: str = one_of("float32", *DTYPES)
-    attn_implementation: str | None = "auto"  # auto: SDPA where the model supports it, else eager
-    revision: str | None = None  # hub branch, tag or commit
-    trust_remote_code: bool = False  # run the model repository's own Python code
+    torch_dtype: str = one_of("float32", *DTYPES)  # float32 | float16 | bfloat16
+    attn_implementation: str | None = "auto"  # auto: SDPA where the model class supports it, else eager | sdpa | eager
+    revision: str | None = None  # hub branch, tag or commit (null: the default branch)
+    trust_remote_code: bool = False  # true: run Python code shipped with the model repository (only if you trust it)
 
     def hub_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"trust_remote_code": bool(self.trust_remote_code)}

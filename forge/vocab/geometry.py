@@ -19,8 +19,8 @@ from forge.errors import ForgeError
 NO_PREFIX = -1  # prefix code of an item without a shared prefix
 
 #: `batching.window`'s default, defined here once: the most items the scheduler holds waiting
-#: for a batch (its bounded look-ahead). forge.config.schema.Batching, the Scheduler, RunSpec and
-#: plan_geometry all take it from here.
+#: for a batch (its bounded look-ahead). The schema (forge.config.modes.Batching), the Scheduler
+#: and RunSpec take it from here.
 DEFAULT_WINDOW = 65536
 
 

@@ -1,6 +1,7 @@
 """Hydra discovers plugins in the `hydra_plugins` namespace package: this one puts installed
-Forge plugins' config directories on the search path (see forge/cli/searchpath.py)."""
+Forge plugins' config directories on the search path, and serves the functions' and batching
+modes' schemas (see forge/cli/searchpath.py)."""
 
-from forge.cli.searchpath import ForgeSearchPathPlugin
+from forge.cli.searchpath import ForgeSearchPathPlugin, SchemaSource
 
-__all__ = ["ForgeSearchPathPlugin"]
+__all__ = ["ForgeSearchPathPlugin", "SchemaSource"]

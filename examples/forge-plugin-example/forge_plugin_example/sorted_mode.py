@@ -9,15 +9,29 @@ packer with another order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from forge.batching import ItemPacker
+from forge.config.modes import ItemBatching
+
+
+@dataclass
+class SortedBatching(ItemBatching):
+    """`sorted`: item batches from a window sorted by length (`order` is not read: the sort decides)."""
+
+    mode: str = "sorted"
+    descending: bool = False  # false: shortest first; true: longest first
 
 
 class SortedPacker(ItemPacker):
-    def __init__(self, batch_size: int = 32, descending: bool = False, batch_overhead_tokens: int = 0):
-        super().__init__(batch_size=batch_size, order="arrival", batch_overhead_tokens=batch_overhead_tokens)
-        self.descending = bool(descending)
+    config_schema = SortedBatching  # its keys, types and defaults: the run's config is checked against it
+
+    def __init__(self, config: SortedBatching | None = None):
+        config = config if config is not None else SortedBatching()
+        super().__init__(config)
+        self.descending = config.descending
 
     def sort_key(self, lengths: np.ndarray) -> np.ndarray:
         return -lengths if self.descending else lengths

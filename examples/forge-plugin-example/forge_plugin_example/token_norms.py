@@ -15,7 +15,7 @@ from forge.api import CausalLMFunction, Field, Forward, ItemView, ModelFunctionC
 class TokenNormsConfig(ModelFunctionConfig):
     """The root keys token_norms reads: the model's, the input's, and its layer."""
 
-    layer: int = 4  # hidden-state index (0 = input embeddings, N = the final normed output)
+    layer: int = 4  # hidden-state index: 0 = input embeddings, 4 = the tiny Llama's final output
 
 
 class TokenNorms(CausalLMFunction):
@@ -28,10 +28,10 @@ class TokenNorms(CausalLMFunction):
         Field("norms", "float32", ragged=True),
     )
 
-    def __init__(self, model: dict, input: dict, layer: int = 4, shard_size: int = 4096, too_long: str = "skip"):
-        self.layer = int(layer)
+    def __init__(self, config: TokenNormsConfig):
+        self.layer = config.layer
         self.forward = Forward(layers=(self.layer,))  # set before the base checks it against the model
-        super().__init__(model, input, shard_size, too_long)
+        super().__init__(config)
 
     def options(self) -> dict:
         return {"layer": self.layer}
