@@ -35,9 +35,9 @@ Every name this module exports is listed in ``__all__`` and held stable by tests
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from forge.batching.cost import CostModel
 from forge.config.schema import positive
@@ -181,7 +181,7 @@ class ModelFunction(Function):
             self._rule = TokenRule(self.tokenizer)
         return self._rule
 
-    def records(self) -> Iterator[Item | Rejected | Skipped]:
+    def records(self) -> Generator[Item | Rejected | Skipped, None, None]:
         """Items in input order. An item's commit key (`Item.index`) counts items, a rejected row
         counting one, so a function that makes one item per row keys each by its row's position."""
         pending: list[tuple[Row, Prompt, int]] = []
@@ -189,11 +189,11 @@ class ModelFunction(Function):
         for row in self.rows():
             made = row if not isinstance(row, Row) else self.prompts(row)
             if isinstance(made, (Rejected, Skipped, str)):
-                yield made if not isinstance(made, str) else row.reject(made)
+                yield made if not isinstance(made, str) else cast(Row, row).reject(made)
                 counter += 1
                 continue
             for p in made:
-                pending.append((row, p, counter))
+                pending.append((cast(Row, row), p, counter))
                 counter += 1
             if len(pending) >= TOKENIZE_CHUNK:
                 yield from self._items(pending)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from forge.batching.cost import CostModel
 from forge.vocab.geometry import Batch, Device, Item
-from forge.vocab.records import Rejected, ResultColumns  # noqa: F401 (ResultColumns: the generic output)
+from forge.vocab.records import Rejected, ResultColumns, Skipped  # noqa: F401 (ResultColumns: the generic output)
 
 if TYPE_CHECKING:
     from forge.io.results import ResultSchema
@@ -77,8 +77,9 @@ class Function(ABC):
     tree_rows: bool = False
 
     @abstractmethod
-    def records(self) -> Iterator[Item | Rejected]:
-        """Read and tokenize the input: one Item per good record, one Rejected per bad one."""
+    def records(self) -> Iterator[Item | Rejected | Skipped]:
+        """Read and tokenize the input: one Item per good record, one Rejected per bad one (a Skipped
+        per row the function passes over)."""
 
     @abstractmethod
     def open_worker(self, device: Device, cache_tokens: int) -> Worker:
