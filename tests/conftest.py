@@ -128,3 +128,26 @@ def forge_process(*args, env=None, **kw) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         **kw,
     )
+
+
+@pytest.fixture
+def short_lease(monkeypatch):
+    """An object-store lease of 0.9 s (settled in 0.02 s), so a test can outlive one."""
+    import forge.io.lock
+
+    monkeypatch.setattr(forge.io.lock, "LEASE_TTL_S", 0.9)
+    monkeypatch.setattr(forge.io.lock, "LEASE_SETTLE_S", 0.02)
+
+
+@pytest.fixture
+def lease_url():
+    """A run directory on fsspec's in-memory object store (no locks: a lease), removed after."""
+    import uuid
+
+    import fsspec
+
+    path = f"/forge-lease-{uuid.uuid4().hex[:8]}"
+    yield f"memory://{path}/run"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import fsspec
@@ -111,27 +110,11 @@ def test_a_local_holder_paused_inside_a_commit_never_counts_twice(tmp_path, befo
     assert RunStore(run, {"f": 1}, resume=True).committed == {0, 1}
 
 
-@pytest.fixture
-def short_lease(monkeypatch):
-    import forge.io.lock
-
-    monkeypatch.setattr(forge.io.lock, "LEASE_TTL_S", 0.9)
-    monkeypatch.setattr(forge.io.lock, "LEASE_SETTLE_S", 0.02)
-
-
-@pytest.fixture
-def url():
-    path = f"/forge-fence-{uuid.uuid4().hex[:8]}"
-    yield f"memory://{path}/run"
-    fs = fsspec.filesystem("memory")
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
 @pytest.mark.parametrize("before_record", [True, False], ids=["before-verify", "after-verify"])
 def test_a_lease_holder_paused_past_its_lease_inside_a_commit_deletes_and_duplicates_nothing(
-    url, short_lease, before_record
+    lease_url, short_lease, before_record
 ):
+    url = lease_url
     old = RunStore(url, {"f": 1})
     _shard(old, 0, [0])
     taken = []

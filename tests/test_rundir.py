@@ -10,10 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 from typer.testing import CliRunner
 
@@ -155,25 +153,9 @@ def test_a_dead_holders_lock_is_taken_over(tmp_path):
     RunStore(run, {"f": 1}, resume=True).close("finished")
 
 
-@pytest.fixture
-def short_lease(monkeypatch):
-    import forge.io.lock
-
-    monkeypatch.setattr(forge.io.lock, "LEASE_TTL_S", 0.9)
-    monkeypatch.setattr(forge.io.lock, "LEASE_SETTLE_S", 0.02)
-
-
-@pytest.fixture
-def url():
-    path = f"/forge-lease-{uuid.uuid4().hex[:8]}"
-    yield f"memory://{path}/run"
-    fs = fsspec.filesystem("memory")
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
 @pytest.mark.slow
-def test_an_object_store_lease_refuses_a_second_run_and_is_taken_over_once_expired(url, short_lease):
+def test_an_object_store_lease_refuses_a_second_run_and_is_taken_over_once_expired(lease_url, short_lease):
+    url = lease_url
     holder = RunStore(url, {"f": 1})
     time.sleep(1.2)  # past the first lease time: renewals keep it
     with pytest.raises(ForgeError, match=r"in use by another Forge run .*its lease expires in \d+ s"):
