@@ -13,6 +13,7 @@ arrow. `forge/__init__.py` re-exports and is left out.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)

@@ -193,6 +193,7 @@ def _group(pgid: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize(
     "at,signum", [(0.0, signal.SIGTERM), (0.3, signal.SIGTERM), (0.8, signal.SIGTERM), (0.3, signal.SIGINT)]

@@ -109,6 +109,7 @@ def test_run_bad_input_is_one_clear_line(cli, tmp_path):
     assert "no such file" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_run_on_an_input_of_only_bad_rows_stops_with_exit_code_2(cli, tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text('{"text": "broken\n' * 3)
@@ -255,6 +256,7 @@ def test_plan_bad_config_is_one_line(cli, override):
     _one_error_line(cli.invoke(app, ["plan", override]), BAD_CONFIG[override])
 
 
+@pytest.mark.slow
 def test_run_refuses_simulated_devices_before_any_work_and_plan_takes_them(cli, tmp_path):
     out = tmp_path / "run"
     result = cli.invoke(app, ["run", "devices=mix_16g_32g", f"output_dir={out}"])

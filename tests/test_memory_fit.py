@@ -89,6 +89,7 @@ def test_probe_gen_falls_back_to_shape_with_a_warning(monkeypatch):
     assert any("tracker exploded" in w for w in fn.warnings())
 
 
+@pytest.mark.slow
 def test_probe_gen_cost_model_is_measured_and_cached(monkeypatch):
     from forge.api import InputSpec, ModelSpec
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig

@@ -89,6 +89,7 @@ def test_ray_schema_is_its_own():
         spec_for("runtime=local", "runtime.address=auto")  # local's keys stay local's
 
 
+@pytest.mark.slow
 @needs_ray
 def test_same_results_as_in_process(tmp_path, ray_local, clean):
     url = f"file://{tmp_path}/run"  # output_dir as a URL (a local directory all the same)
@@ -102,6 +103,7 @@ def test_same_results_as_in_process(tmp_path, ray_local, clean):
     same_output(url, clean)
 
 
+@pytest.mark.slow
 @needs_ray
 def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean):
     # one actor SIGKILLed inside its forward pass, a later one hangs past its timeout; the
@@ -125,6 +127,7 @@ def test_killed_and_hung_actors_lose_nothing(tmp_path, ray_local, faults, clean)
     same_output(url, clean)
 
 
+@pytest.mark.slow
 @needs_ray
 def test_retired_after_max_restarts(tmp_path, ray_local, faults):
     faults(kill={"point": "before_forward", "every": 1, "times": 10})

@@ -168,6 +168,7 @@ def test_errors_and_exit_codes_are_the_cold_commands(tmp_path, server):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_a_changed_environment_runs_cold(server):
     served = ask(server.address)["served"]
     other = {**server.env, "FORGE_SERVER_TEST_EXTRA": "1"}
