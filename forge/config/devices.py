@@ -1,6 +1,6 @@
 """Devices: every local CUDA device (or the CPU), or an inventory from config.
 
-An inventory entry (see README, "Devices"):
+An inventory entry (docs/devices.md):
 
     - name: cuda:0            # unique name used in reports
       device: cuda:0          # torch device the worker uses (default: the name)
