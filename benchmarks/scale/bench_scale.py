@@ -100,25 +100,32 @@ def run_one(mode: str, n: int, window: int, chunk: int, variant: str = "loop") -
     led = ledger.ledger_of(run)
     clocks = list(executor.clocks.values())
     return {
-        "mode": mode,
-        "n": n,
-        "window": window,
-        "devices": source,
-        "wall_s": wall,
-        "gen_s": gen_s[0],
-        "items_per_s": n / wall,
-        "items_per_s_without_gen": n / (wall - gen_s[0]),
-        "cpu_s": cpu,
-        "items_per_cpu_s": n / cpu,
+        **_figures(mode, n, window, source, wall, cpu, gen_s[0], rss_before),
         "scheduler_s": loop.scheduler_s,
-        "rss_before_mib": rss_before / 1024,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "batches": sum(t.batches for t in loop.tallies.values()),
         "items": dict(led.items),
         "balanced": not led.check(),
         "imbalance": led.check(),
         "finish_spread": (max(clocks) - min(clocks)) / max(clocks),
         "max_window_items": scheduler.max_window_seen,
+    }
+
+
+def _figures(mode, n, window, source, wall, cpu, gen_s, rss_before) -> dict:
+    """What both ways of timing report alike: the run's shape, its rates and its memory."""
+    return {
+        "mode": mode,
+        "n": n,
+        "window": window,
+        "devices": source,
+        "wall_s": wall,
+        "gen_s": gen_s,
+        "items_per_s": n / wall,
+        "items_per_s_without_gen": n / (wall - gen_s),
+        "cpu_s": cpu,
+        "items_per_cpu_s": n / cpu,
+        "rss_before_mib": rss_before / 1024,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -135,19 +142,8 @@ def _scheduler_only(scheduler, packer, devs, n, gen_s, mode, window, source) -> 
         items += len(b.items)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
-        "mode": mode,
-        "n": n,
-        "window": window,
-        "devices": source,
-        "wall_s": wall,
-        "gen_s": gen_s[0],
-        "items_per_s": n / wall,
-        "items_per_s_without_gen": n / (wall - gen_s[0]),
-        "cpu_s": cpu,
-        "items_per_cpu_s": n / cpu,
+        **_figures(mode, n, window, source, wall, cpu, gen_s[0], rss_before),
         "scheduler_s": wall,
-        "rss_before_mib": rss_before / 1024,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "batches": batches,
         "items": {"received": n, "completed": items},
         "balanced": items == n,
