@@ -187,3 +187,16 @@ def test_the_issue_repro_lock_removed_while_live_then_a_resume(tmp_path, faults)
     assert len(ids) == len(set(ids)) == N
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
     assert json.loads((out / "report.json").read_text())["status"] == "finished"
+
+
+def test_an_abandoned_first_session_removes_only_the_empty_folders_it_made(tmp_path):
+    """Its clean-up never reaches through a link into a folder that is not the run's."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    store = RunStore(run, {"f": 1})
+    (run / "activations" / "empty").mkdir(parents=True)  # as a sink that failed at start-up leaves it
+    (run / "link").symlink_to(outside)  # someone else's, linked in meanwhile
+    store.abandon()
+    assert (outside / "keep").is_dir()
+    assert not (run / "activations").exists()
+    assert (run / "link").is_symlink()

@@ -272,10 +272,11 @@ class RunStore:
     def _remove_empty_folders(self) -> None:
         if not self.where.durable_rename:
             return  # an object store has no folders of its own
-        for folder in sorted(Path(self.where.root).rglob("*"), key=lambda p: -len(p.parts)):
-            if folder.is_dir() and not folder.is_symlink():
+        # bottom up, never through a link: a folder a link points at is not this run's
+        for top, folders, _ in os.walk(self.where.root, topdown=False, followlinks=False):
+            for name in folders:
                 try:
-                    folder.rmdir()  # only an empty one: a file in it is never touched
+                    os.rmdir(os.path.join(top, name))  # only an empty one: a file in it is never touched
                 except OSError:
                     pass
 
