@@ -6,8 +6,9 @@ everything that is the same for every function of a model kind; the author write
 * ``fields``: the result fields (`Field`: name, dtype, per-value shape, ragged: a variable
   number of values per item, such as one hidden state per token);
 * ``forward``: what the forward pass must give (`Forward`: hidden states at chosen layers,
-  the log-probabilities of the target tokens, or both);
-* ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item;
+  values at any hook point, target log-probabilities, logits);
+* ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item; a field may be an
+  `Aggregate`, folded over the dataset (exactly once per item, across resumes) instead of stored;
 * optionally ``prompts(row)``: a `Row` -> the `Prompt`s it becomes (default: one, from its
   ``text``, ``prefix`` and ``label``), ``options()``: what of its settings decides results, and
   ``config_schema``: its settings, a dataclass extending `ModelFunctionConfig` (the one home of
@@ -25,10 +26,8 @@ special tokens, its text alone without them; a text without a prefix, alone with
 (`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
 first from the prefix's last token); without a prefix, every token after the first.
 
-Accounting (the runtime's, never the author's): a batch that runs its shared prefix once
-reports those prefix tokens as computed; a prefix taken from the device's cache counts as a
-hit (0 computed); rows of whole sequences compute every token of every item. Tokens per item
-are its `Item.num_tokens`, prefix included.
+Accounting is the runtime's, never the author's (docs/functions.md). Interventions are config:
+the function config's ``intervene:`` list (`forge.runtime.interventions`).
 
 Every name this module exports is listed in ``__all__`` and held stable by tests/test_api.py.
 """
@@ -47,7 +46,10 @@ from forge.io.inputs import Column, InputFile, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
 from forge.runtime.cost_models import check_layers
+from forge.runtime.forward import Forward
+from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
 from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
+from forge.runtime.prompts import Prompt, Tokens
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
 from forge.vocab.geometry import Device, Item
@@ -76,36 +78,6 @@ TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
 TEXT_COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
 
 
-@dataclass(frozen=True)
-class Forward:
-    """What a function needs from the forward pass; Forge computes nothing else."""
-
-    layers: tuple[int, ...] = ()  # hidden-state indices kept for each item (0 = embeddings, N = final normed)
-    targets: bool = False  # log-probabilities of each item's target tokens (the LM head runs only there)
-
-
-@dataclass
-class Prompt:
-    """What one input row becomes: an item to run (a row may become several)."""
-
-    text: str  # the text, tokenized without special tokens after a prefix (with them alone)
-    prefix: str | None = None  # a shared prefix (few-shot examples): run once per batch, cacheable
-    label: Any = None  # kept with the item (and in the journal by functions that keep labels)
-    data: Any = None  # the function's own per-item metadata, handed back in `ItemView.data`
-    suffix: str | None = None  # the item id is "<row id>/<suffix>" (rows that become several items)
-
-
-@dataclass
-class Tokens:
-    """A prompt's token ids, as the function's token rule makes them (`ModelFunction.tokenize`)."""
-
-    prefix: list[int]  # the shared prefix's ids ([]: none)
-    text: list[int]  # the ids after it: the item's own tokens
-    prefix_key: str | None = None  # identity of the prefix (items sharing it share its KV)
-    targets: tuple[int, ...] | None = None  # None: the text's tokens given the prefix (the token rule)
-    target_start: int | None = None  # position whose state predicts targets[0]; None: the prefix's last
-
-
 @dataclass
 class ModelFunctionConfig:
     """The root keys every model function reads; its `config_schema` extends this with its own."""
@@ -113,6 +85,8 @@ class ModelFunctionConfig:
     model: ModelSpec = field(default_factory=ModelSpec)  # which model, in which precision (model=<name> picks one)
     input: InputSpec = field(default_factory=InputSpec)  # the input rows and how they are read
     shard_size: int = positive(4096)  # rows per results shard
+    # interventions at hook points (forge.runtime.interventions): steering, zero or mean ablation, patching
+    intervene: list[InterventionConfig] = field(default_factory=list)
 
 
 class ModelFunction(Function):
@@ -134,6 +108,7 @@ class ModelFunction(Function):
         self.input_path = self.input.path
         self._rule: TokenRule | None = None
         self._warnings: list[str] = []
+        self.interventions: Interventions = load_interventions(config.intervene)
 
     def check_too_long(self, policy: str) -> None:
         if policy == "truncate" and self.forward.targets:
@@ -204,7 +179,7 @@ class ModelFunction(Function):
         from forge.runtime.prompts import make_items, tokenized
 
         made = tokenized(self.tokenize, [p for _, p, _ in pending])
-        return make_items(pending, made, self.forward.targets)
+        return make_items(pending, made, self.forward.targets, self.interventions.key)
 
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
@@ -238,6 +213,7 @@ class ModelFunction(Function):
             "model": self.hf.identity(),
             "input": self.input.fingerprint(),
             "token_rule": TOKEN_RULE,
+            **({"intervene": self.interventions.fingerprint()} if self.interventions else {}),
             **self.options(),
         }
 
@@ -299,10 +275,12 @@ class CausalLMFunction(ModelFunction):
         super().__init__(config)
         from forge.runtime.capabilities import causal_lm_capabilities
         from forge.runtime.hf_compat import num_layers
+        from forge.runtime.hooks import check_points
 
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
         self.caps = causal_lm_capabilities(self.config, self.model, self.hf.source)
+        check_points(self.forward.capture, self.interventions.items, n, self.caps.attn, self.name)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
@@ -352,9 +330,11 @@ class CausalLMFunction(ModelFunction):
             pad_token_id=self.hf.pad_token_id,
             caps=self.caps,
             allow_no_layers=True,
-            stop_after_deepest=not self.forward.targets,  # the LM head reads the last layer's state
+            stop_after_deepest=not self.forward.lm_head,  # the LM head reads the last layer's state
+            captures=list(self.forward.capture),
+            interventions=self.interventions,
         )
-        return self._reducing_worker(CausalViews(runner, self.forward.targets))
+        return self._reducing_worker(CausalViews(runner, self.forward))
 
 
 class EncoderFunction(ModelFunction):
@@ -369,7 +349,7 @@ class EncoderFunction(ModelFunction):
         from forge.runtime.hf_compat import num_layers
 
         check_layers(self.forward.layers, num_layers(self.config))
-        check_encoder(self.config, self.forward, self.name, self.model.name)
+        check_encoder(self.config, self.forward, self.name, self.model.name, bool(self.interventions))
         self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
         self._mode = (False, False)  # (packed, prefix cache) until check_mode says
 

@@ -20,7 +20,7 @@ model's dtype by default. Shards are safetensors under ``activations/``, labels 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
@@ -44,6 +44,9 @@ class ProbeGenConfig(ModelFunctionConfig):
     """The root keys probe_gen reads, checked at the edge."""
 
     layers: list[int] = MISSING  # hidden_states[L] of the forward pass; 0 = embeddings
+    # hook points kept too, pooled alike (resid_pre.L, resid_post.L, attn_out.L, mlp_in.L, mlp_out.L, or a
+    # module path with one vector per token): a field per point, named as the point
+    capture: list[str] = field(default_factory=list)
     # last: the last token; mean: mean over the tokens after the prefix; none: every token's state
     # after the prefix (forge.data.token_states reads them)
     pooling: str = one_of("last", *POOLINGS)
@@ -69,16 +72,20 @@ class ProbeGen(CausalLMFunction):
                 "(or null: float32 pooled, the model's dtype per token)"
             )
         self.layers, self.pooling, self.prefix_states = list(config.layers), pooling, config.prefix_states
+        self.capture = list(config.capture)
         self.shard_bytes = int(config.shard_mb) << 20
-        if not self.layers:
-            raise ForgeError("layers=[]: choose at least one layer (0 = embeddings)")
-        self.forward = Forward(layers=tuple(self.layers))  # set before the base checks it against the model
+        if not self.layers and not self.capture:
+            raise ForgeError("layers=[] and capture=[]: choose at least one layer (0 = embeddings) or hook point")
+        if any(c.startswith("attn_pattern.") for c in self.capture):
+            raise ForgeError("probe_gen keeps one vector per token; read attention patterns in a function of your own")
+        # set before the base checks it against the model
+        self.forward = Forward(layers=tuple(self.layers), capture=tuple(self.capture))
         super().__init__(config)
         self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
         hidden = (self.hidden_size,)
         self.fields = tuple(
             Field(f"layer_{layer}", self.dtype, hidden, ragged=pooling == "none") for layer in self.layers
-        )
+        ) + tuple(Field(name, self.dtype, None, ragged=pooling == "none") for name in self.capture)
         if pooling == "none":
             self.fields += (
                 Field("token_ids", "int32", (), ragged=True),
@@ -95,7 +102,8 @@ class ProbeGen(CausalLMFunction):
             if self.dtype != "float32"
             else {}
         )
-        return {"layers": self.layers, "pooling": self.pooling, **per_token}
+        captured = {"capture": self.capture} if self.capture else {}
+        return {"layers": self.layers, "pooling": self.pooling, **captured, **per_token}
 
     def memory_pooling(self) -> str:
         return "last" if self.pooling == "last" else "mean"
@@ -134,21 +142,32 @@ class ProbeGen(CausalLMFunction):
         return RoutedSink(sinks, lambda item: PREFIX_FOLDER if isinstance(item.meta.data, PrefixRow) else "items")
 
     def reduce(self, view: ItemView) -> dict[str, Any]:
+        own = view.tokens[view.prefix_len :]
         if self.pooling == "last":
-            return {f"layer_{layer}": view.last(layer).to(self.torch_dtype) for layer in self.layers}
+            out = {f"layer_{layer}": view.last(layer) for layer in self.layers}
+            if self.capture and not own:
+                raise ValueError(f"item {view.id!r} has no tokens after its prefix: no last token to capture at")
+            return {k: v.to(self.torch_dtype) for k, v in {**out, **self._captured(view, -1)}.items()}
         if self.pooling == "none":
             import torch
 
             key = view.data.key if isinstance(view.data, PrefixRow) else view.prefix_key
             return {
                 **{f"layer_{layer}": view.hidden[layer].to(self.torch_dtype) for layer in self.layers},
-                "token_ids": torch.as_tensor(view.tokens[view.prefix_len :], dtype=torch.int32),
+                **{name: v.to(self.torch_dtype) for name, v in self._captured(view, None).items()},
+                "token_ids": torch.as_tensor(own, dtype=torch.int32),
                 "prefix_id": prefix_id(key),
                 "prefix_len": view.prefix_len,
             }
-        if not view.hidden[self.layers[0]].shape[0]:
+        if not own:
             raise ValueError(f"item {view.id!r} has no tokens after its prefix; mean pooling needs at least one")
-        return {f"layer_{layer}": view.hidden[layer].float().mean(dim=0).to(self.torch_dtype) for layer in self.layers}
+        states = {f"layer_{layer}": view.hidden[layer] for layer in self.layers} | self._captured(view, None)
+        return {name: v.float().mean(dim=0).to(self.torch_dtype) for name, v in states.items()}
+
+    def _captured(self, view: ItemView, at: int | None) -> dict[str, Any]:
+        """Each capture's per-token vectors (flattened past the token axis), or the one at `at`."""
+        values = {name: view.captured[name].flatten(1) for name in self.capture}
+        return values if at is None else {name: v[at] for name, v in values.items()}
 
     @property
     def torch_dtype(self):
@@ -159,4 +178,4 @@ class ProbeGen(CausalLMFunction):
 
 def prefix_id(key: str | None) -> int:
     """A prefix key (12 hex digits) as the integer stored in `prefix_id` (-1: no prefix)."""
-    return -1 if key is None else int(key, 16)
+    return -1 if key is None else int(key.partition("|")[0], 16)  # (after "|": the interventions' key)

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
+from forge.runtime.forward import Forward  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
@@ -80,7 +81,9 @@ def _layouts(items: list[Item]) -> dict[str, Batch]:
 @pytest.mark.parametrize("prefix_len", [0, 9])
 @pytest.mark.parametrize("cache_tokens", [0, 100], ids=["nocache", "cache"])
 def test_a_view_is_the_same_in_every_layout(model, prefix_len, cache_tokens):
-    views = CausalViews(CausalLMRunner(model, layers=LAYERS, cache_tokens=cache_tokens, pad_token_id=0), targets=True)
+    views = CausalViews(
+        CausalLMRunner(model, layers=LAYERS, cache_tokens=cache_tokens, pad_token_id=0), Forward(targets=True)
+    )
     items = _items(prefix_len)
     refs = {it.id: _reference(model, it) for it in items}
     computed = 0
@@ -107,6 +110,6 @@ def test_a_view_is_the_same_in_every_layout(model, prefix_len, cache_tokens):
 
 
 def test_only_the_asked_layers_are_kept(model):
-    views = CausalViews(CausalLMRunner(model, layers=[], pad_token_id=0, allow_no_layers=True), targets=True)
+    views = CausalViews(CausalLMRunner(model, layers=[], pad_token_id=0, allow_no_layers=True), Forward(targets=True))
     out = views.run(_layouts(_items(5))["packed"])
     assert all(v.hidden == {} and v.logprobs is not None for v in out.views)

@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
-from forge.runtime import hf_compat, shared_prefix
+from forge.runtime import hf_compat, hooks, shared_prefix
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.items import check_batch_items, resolve_layers, token_tensor
 from forge.runtime.masks import additive_masks
 from forge.runtime.outputs import PooledOutput, RowStates
+from forge.runtime.pooling import pool_states
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry
 from forge.runtime.reference import (
     POOLINGS as _POOLINGS,
@@ -77,6 +78,8 @@ class CausalLMRunner:
         allow_no_layers: bool = False,
         stop_after_deepest: bool = False,
         device: str | None = None,
+        captures: list[str] = (),  # type: ignore[assignment]
+        interventions: Any = None,
     ) -> None:
         if pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
@@ -93,8 +96,11 @@ class CausalLMRunner:
         # an encoder-decoder is unusable: run() refuses it with a clear message
         self.base = model if self.encoder_decoder else hf_compat.base_decoder(model)
         keep = hf_compat.layers_to_run(self._hs_select, self.num_layers)  # later layers change no state asked for
+        keep = max(keep, hooks.layers_read(model, self.base, self.num_layers, captures))
         cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, keep)
         self.layers_run = keep if cut else self.num_layers
+        ivs = list(getattr(interventions, "items", interventions or ()))
+        self.hooks = hooks.HookSet(model, self.base, self.num_layers, list(captures), ivs)
         if device is not None:
             model.to(device)
         self.device = next(model.parameters()).device
@@ -108,7 +114,8 @@ class CausalLMRunner:
             caps = replace(caps, attn=self.attn_implementation, attn_note="as loaded")  # what runs decides
         self.caps = caps
         self.causal = caps.causal and self._is_causal()  # the architecture says so; a probe confirms
-        self._share_prefix = True  # rows after a cached prefix attend to one copy of its keys
+        # rows after a cached prefix attend to one copy of its keys (attention patterns need the model's own)
+        self._share_prefix = not self.hooks.patterns
 
     # -- construction helpers
 
@@ -165,7 +172,11 @@ class CausalLMRunner:
                 self.cache.misses += 1
         P = prefix.numel()
         kv_cache = plain_cache()  # every layer keeps all prefix keys; masks apply the windows
-        out = self.base(
+        slots = hooks.Slots.prefix(P, self.device) if self.hooks.active else None
+        out, _ = self.hooks.run(
+            self.base,
+            slots,
+            False,  # captures keep an item's own tokens: a split-off prefix is not one
             input_ids=prefix.view(1, P).to(self.device),
             position_ids=torch.arange(P, device=self.device).view(1, P),
             use_cache=True,
@@ -191,7 +202,7 @@ class CausalLMRunner:
         if states is None:
             h = self.hidden_size or 0
             return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
-        pooled = self._pool(states, len(batch.items))
+        pooled = pool_states(states, len(batch.items), self.pooling, self.layers, self._layer_idx, self.device)
         return PooledOutput(
             pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens, cache_hit=states.cache_hit
         )
@@ -251,11 +262,12 @@ class CausalLMRunner:
         prefix_at = prefix_places(layout, row_map) if layout is not None else None
 
         hidden: dict[int, torch.Tensor] = {}
+        captured: dict[str, torch.Tensor] = {}
         last, tok = None, None
         total = int(lens.sum())
         if total > 0:
-            hidden, tok, last = self._forward_rows(
-                seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, row_map
+            hidden, tok, last, captured = self._forward_rows(
+                items, seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, row_map
             )
         return RowStates(
             hidden=hidden,
@@ -271,9 +283,12 @@ class CausalLMRunner:
             entry=entry,
             cache_hit=hit,
             prefix_computed_tokens=prefix_computed,
+            captured=captured,
         )
 
-    def _forward_rows(self, seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, rmap):
+    def _forward_rows(
+        self, items, seqs, item_off, lens, starts, item_row, B, S, used, keep_rows, entry, packed, layout, rmap
+    ):
         dev = self.device
         n = lens.numel()
         total = int(lens.sum())
@@ -292,9 +307,12 @@ class CausalLMRunner:
             position_ids[tok_row, tok_col] = item_off[tok_item] + tok_within
         P = entry.length if entry is not None else 0
         tok = (tok_item, tok_within, tok_row, tok_col)
-        out = self._shared(entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev))
+        slots = hooks.row_slots(items, tok, B, S, position_ids) if self.hooks.active else None
+        out, caught = self._shared(
+            entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev), slots
+        )
         if out is not None:  # it builds its own masks
-            return {i: out.hidden_states[i] for i in self._hs_select}, tok, out.last_hidden_state
+            return {i: out.hidden_states[i] for i in self._hs_select}, tok, out.last_hidden_state, caught
 
         if packed or (P and self.caps.windows):
             # Per-item 4D masks: packed rows keep items apart; sliding windows cut off far prefix keys.
@@ -306,6 +324,8 @@ class CausalLMRunner:
                 group = torch.tensor(layout.group_of, dtype=torch.long)
                 ctx[tok_row, tok_col] = torch.where(group >= 0, n + group, NO_CONTEXT)[tok_item]
                 write_prefix_spans(layout, seqs, rmap, n, input_ids, position_ids, seg, ctx)
+                if slots is not None:
+                    slots = hooks.row_slots(items, tok, B, S, position_ids, prefix_spans=seg >= n)
             window = self.caps.windows[0] if self.caps.windows else None
             mask = additive_masks(seg, position_ids, P, self.caps.layer_types, window, self.dtype, dev, ctx)
         else:
@@ -322,7 +342,10 @@ class CausalLMRunner:
             kwargs["use_cache"] = True
         else:
             kwargs["use_cache"] = False
-        out = self.base(
+        out, caught = self.hooks.run(
+            self.base,
+            slots,
+            True,
             input_ids=input_ids.to(dev),
             attention_mask=mask,
             position_ids=position_ids.to(dev),
@@ -330,62 +353,25 @@ class CausalLMRunner:
             **kwargs,
         )
         hidden = {i: out.hidden_states[i] for i in self._hs_select}
-        return hidden, tok, out.last_hidden_state
+        return hidden, tok, out.last_hidden_state, caught
 
-    def _shared(self, entry: PrefixEntry | None, packed: bool, used: list[int], input_ids, position_ids):
+    def _shared(self, entry: PrefixEntry | None, packed: bool, used: list[int], input_ids, position_ids, slots):
         """Rows after a cached prefix, through `forge.runtime.shared_prefix` where that is exact
         and pays (no per-row copy of the prefix's keys); None: run the cache path."""
         caps = self.caps
         if entry is None or packed or not self._share_prefix or caps.windows or caps.alibi or caps.softcap:
-            return None
+            return None, {}
         heads = int(getattr(text_config(self.config), "num_attention_heads", 0) or 0)
         if not shared_prefix.worth_sharing(input_ids.shape[1], heads, entry.key_values):
-            return None
+            return None, {}
         hs = self._hs_select or False
-        out = shared_prefix.forward(
-            self.base, entry.key_values, used, input_ids=input_ids, position_ids=position_ids, output_hidden_states=hs
+        out, caught = self.hooks.run(
+            lambda **kw: shared_prefix.forward(self.base, entry.key_values, used, **kw),
+            slots,
+            True,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            output_hidden_states=hs,
         )
         self._share_prefix = out is not None  # a family that cannot take it is not asked again
-        return out
-
-    def _pool(self, states: RowStates, n: int) -> dict[int, torch.Tensor]:
-        hidden, tok, lens, starts = states.hidden, states.tok, states.lens, states.starts
-        item_row, pool_from, entry = states.item_row, states.pool_from, states.entry
-        dev = self.device
-        result: dict[int, torch.Tensor] = {}
-        if self.pooling == "last":
-            has = lens > 0
-            rows_d = item_row[has].to(dev)
-            cols_d = (starts + lens - 1)[has].to(dev)
-            for i in self._hs_select:
-                out: torch.Tensor | None = None
-                if hidden:
-                    vals = hidden[i][rows_d, cols_d].float().cpu()
-                    out = torch.empty(n, vals.shape[-1], dtype=torch.float32)
-                    out[has] = vals
-                if not bool(has.all()):  # items that are all prefix: the prefix's last state
-                    if states.prefix_at is not None:  # tree rows: the prefix's span in the row
-                        p_row, p_col = states.prefix_at
-                        last = hidden[i][p_row[~has].to(dev), p_col[~has].to(dev)].float().cpu()
-                    else:
-                        assert entry is not None  # an item all prefix has its prefix's cache entry
-                        last = entry.last_hidden[i]
-                    if out is None:
-                        out = torch.empty(n, last.shape[-1], dtype=torch.float32)
-                    out[~has] = last
-                assert out is not None  # n > 0: some item has states or is all prefix
-                result[i] = out
-        else:
-            assert tok is not None  # mean pooling runs only over row tokens, which exist (n > 0)
-            tok_item, tok_within, tok_row, tok_col = tok
-            sel = tok_within >= pool_from[tok_item]
-            sel_item = tok_item[sel].to(dev)
-            sel_row = tok_row[sel].to(dev)
-            sel_col = tok_col[sel].to(dev)
-            counts = (lens - pool_from).clamp_(min=1).to(dev, torch.float32)
-            for i in self._hs_select:
-                vals = hidden[i][sel_row, sel_col].float()
-                sums = torch.zeros(n, vals.shape[-1], dtype=torch.float32, device=dev)
-                sums.index_add_(0, sel_item, vals)
-                result[i] = (sums / counts[:, None]).cpu()
-        return {layer: result[i] for layer, i in zip(self.layers, self._layer_idx)}
+        return out, caught

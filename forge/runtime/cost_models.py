@@ -80,7 +80,8 @@ def causal_lm_cost_model(fn: Any) -> CostModel:
     from forge.runtime.memory_fit import fitted_cost_model
 
     trust = bool(fn.model.trust_remote_code)
-    config = fn.config if fn.forward.targets else config_as_run(fn.config, fn.forward.layers, trust)
+    forward = fn.forward
+    config = fn.config if forward.lm_head else config_as_run(fn.config, layers_read(fn), trust)
     try:
         base = fitted_cost_model(config, _target(fn, fn.memory_pooling()), trust)
     except ForgeError:
@@ -88,10 +89,52 @@ def causal_lm_cost_model(fn: Any) -> CostModel:
     except Exception as exc:  # noqa: BLE001  (any tracker failure: fall back, say so)
         base = _fell_back(fn, exc)
     extra = fn.extra_bytes_per_token()
-    if fn.forward.targets:
-        vocab = int(getattr(text_config(fn.config), "vocab_size", 0) or 0)
-        extra += vocab * (DTYPES[fn.model.torch_dtype] + 4 * LOGIT_COPIES)
-    return replace(base, bytes_per_token=base.bytes_per_token + extra) if extra else base
+    cfg, size = text_config(fn.config), DTYPES[fn.model.torch_dtype]
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    if forward.lm_head:
+        extra += vocab * (size + 4 * LOGIT_COPIES)
+    if forward.logits == "all" or forward.head:
+        extra += vocab * 4 * LOGIT_COPIES  # logits kept at every token / view.head's float32 logits
+    widths = [_capture_width(cfg, name) for name in forward.capture]
+    extra += size * sum(w for w in widths if w)  # each capture keeps its value at every token until reduced
+    scores = base.bytes_per_score + size * int(getattr(cfg, "num_attention_heads", 0) or 0) * widths.count(0)
+    return replace(base, bytes_per_token=base.bytes_per_token + extra, bytes_per_score=scores)
+
+
+def _capture_width(cfg: Any, name: str) -> int:
+    """Values a capture keeps per token (0: an attention pattern, kept per score); a module path:
+    the widest of the hidden and MLP sizes."""
+    kind = name.rpartition(".")[0]
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    if kind == "attn_pattern":
+        return 0
+    if kind in ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out"):
+        return hidden
+    return max(hidden, int(getattr(cfg, "intermediate_size", 0) or 0))
+
+
+def layers_read(fn: Any) -> tuple[int, ...]:
+    """Hidden-state indices a function's forward pass must reach: its layers and, for each
+    capture at layer L, L + 1 (a module path outside the layers: all of them)."""
+    from forge.runtime.hf_compat import num_layers
+    from forge.runtime.hooks import parse_point
+
+    n = num_layers(fn.config)
+    out = list(fn.forward.layers)
+    for name in fn.forward.capture:
+        point = parse_point(name, n)
+        layer = point.layer if point.kind != "module" else _module_layer(name)
+        out.append(n if layer is None else layer + 1)
+    return tuple(out)
+
+
+def _module_layer(path: str) -> int | None:
+    """The layer index a module path names (``model.layers.3.mlp``: 3), read from the path."""
+    parts = path.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a in ("layers", "h", "layer", "blocks") and b.isdigit():
+            return int(b)
+    return None
 
 
 def encoder_cost_model(fn: Any) -> CostModel:

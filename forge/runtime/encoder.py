@@ -326,11 +326,13 @@ class FakeEncoder:
         return int(max(v.get("Total", 0) for v in peaks.values()))
 
 
-def check_encoder(config: Any, forward: Any, name: str, model_name: str) -> None:
-    """Refuse, at construction, an encoder function that cannot run: targets (an encoder has no
-    LM head), a model_type without an AutoModel class."""
-    if forward.targets:
-        raise ForgeError(f"{name}: an encoder has no LM head; Forward(targets=True) needs a CausalLMFunction")
+def check_encoder(config: Any, forward: Any, name: str, model_name: str, intervene: bool = False) -> None:
+    """Refuse, at construction, an encoder function that cannot run: targets or logits (an encoder
+    has no LM head), hook points (causal LMs only, so far), a model_type without an AutoModel class."""
+    if forward.lm_head or forward.head:
+        raise ForgeError(f"{name}: an encoder has no LM head; Forward(targets/logits/head) needs a CausalLMFunction")
+    if forward.capture or intervene:
+        raise ForgeError(f"{name}: capture and intervene run on causal LMs (a CausalLMFunction), not encoders")
     if encoder_facts(config).name is None:
         raise ForgeError(
             f"model.name={model_name}: transformers has no encoder (AutoModel) class for "

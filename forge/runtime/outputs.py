@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,3 +39,4 @@ class RowStates:
     entry: PrefixEntry | None  # the shared prefix's KV, when split off
     cache_hit: bool  # the prefix came from the device's cache
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
+    captured: dict[str, torch.Tensor] = field(default_factory=dict)  # hook point -> [rows run, padded_len, ...]

@@ -1,4 +1,5 @@
-"""Prompts to items: batched tokenization by the token rule, and each item's targets.
+"""Prompts to items: batched tokenization by the token rule, and each item's targets. `Prompt`
+and `Tokens` (what a row becomes, and its ids) are the public API's (`forge.api`).
 
 `forge.api.ModelFunction.records` gathers prompts in chunks; `tokenized` runs its `tokenize`
 over a chunk (a prompt the tokenizer cannot take fails alone, with the error) and
@@ -8,6 +9,7 @@ over a chunk (a prompt the tokenizer cannot take fails alone, with the error) an
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,28 @@ from forge.runtime.modelspec import first_line
 from forge.runtime.views import ItemMeta
 from forge.vocab.geometry import Item
 from forge.vocab.records import Rejected
+
+
+@dataclass
+class Prompt:
+    """What one input row becomes: an item to run (a row may become several)."""
+
+    text: str  # the text, tokenized without special tokens after a prefix (with them alone)
+    prefix: str | None = None  # a shared prefix (few-shot examples): run once per batch, cacheable
+    label: Any = None  # kept with the item (and in the journal by functions that keep labels)
+    data: Any = None  # the function's own per-item metadata, handed back in `ItemView.data`
+    suffix: str | None = None  # the item id is "<row id>/<suffix>" (rows that become several items)
+
+
+@dataclass
+class Tokens:
+    """A prompt's token ids, as the function's token rule makes them (`ModelFunction.tokenize`)."""
+
+    prefix: list[int]  # the shared prefix's ids ([]: none)
+    text: list[int]  # the ids after it: the item's own tokens
+    prefix_key: str | None = None  # identity of the prefix (items sharing it share its KV)
+    targets: tuple[int, ...] | None = None  # None: the text's tokens given the prefix (the token rule)
+    target_start: int | None = None  # position whose state predicts targets[0]; None: the prefix's last
 
 
 def tokenized(tokenize: Callable[[list[Any]], list[Any]], prompts: list[Any]) -> list[Any]:
@@ -55,9 +79,10 @@ def by_token_rule(rule: Any, encode_texts: Callable[[list[str]], list[list[int]]
 
 
 def make_items(
-    pending: list[tuple[Any, Any, int]], tokens_of: list[Any], with_targets: bool
+    pending: list[tuple[Any, Any, int]], tokens_of: list[Any], with_targets: bool, key: str | None = None
 ) -> Iterator[Item | Rejected]:
-    """(row, prompt, commit key) with its `Tokens` (or why it has none) -> an `Item` (or `Rejected`)."""
+    """(row, prompt, commit key) with its `Tokens` (or why it has none) -> an `Item` (or `Rejected`).
+    `key`: what every prefix key carries (interventions that change prefix tokens make another prefix)."""
     for (row, p, index), made in zip(pending, tokens_of):
         iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
         if isinstance(made, str):
@@ -69,7 +94,8 @@ def make_items(
         tokens = np.asarray(tokens, dtype=np.int32)  # 4 bytes a token while it waits (a list: ~36)
         start = first - 1 if made.target_start is None else made.target_start
         meta = ItemMeta(targets, start, p.label, p.data, row.index)
-        yield Item(iid, len(tokens), made.prefix_key, len(made.prefix), tokens, meta, index)
+        prefix_key = made.prefix_key if key is None or made.prefix_key is None else f"{made.prefix_key}|{key}"
+        yield Item(iid, len(tokens), prefix_key, len(made.prefix), tokens, meta, index)
 
 
 def sample_output(records: Generator[Any, None, None], rows: int) -> tuple[int, int, int]:

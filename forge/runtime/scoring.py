@@ -122,3 +122,56 @@ class ScoreRunner:
 
     def close(self) -> None:
         self.runner = None
+
+
+NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "final_layernorm", "norm_f", "final_norm")
+
+
+class StateHead:
+    """`ItemView.head`: the model's final norm, then its LM head (`LogitHead`), on any states.
+
+    The final norm is the decoder's module that turns its last layer's output into its
+    `last_hidden_state` (found by name, then checked on a few tokens: norm(input) must equal the
+    decoder's output), so ``head(view.captured["resid_post.L"])`` is the logit lens at layer L."""
+
+    def __init__(self, model: Any, base: Any):
+        self.logits = LogitHead(model)
+        self.base = base
+        self.norm: Any = None
+        self.project = getattr(base, "project_out", None)  # OPT: a projection after the norm
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] of states [..., hidden] (the model's dtype, or any float)."""
+        if self.norm is None:
+            self.norm = self._find_norm()
+        dtype = next(self.base.parameters()).dtype
+        h = self.norm(states.to(dtype))
+        if self.project is not None:
+            h = self.project(h)
+        return self.logits(h).float()
+
+    def _find_norm(self) -> Any:
+        for name in NORM_NAMES:
+            norm = getattr(self.base, name, None)
+            if isinstance(norm, torch.nn.Module) and self._checks(norm):
+                return norm
+        raise ValueError(
+            f"view.head: cannot tell {type(self.base).__name__}'s final norm (none of {', '.join(NORM_NAMES)} "
+            "maps its last layer's output to its output); read view.hidden at the last index instead"
+        )
+
+    def _checks(self, norm: Any) -> bool:
+        seen: list[torch.Tensor] = []
+        handle = norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]) and None)
+        vocab = int(getattr(text_config(self.base.config), "vocab_size", 8) or 8)
+        ids = torch.arange(1, 7, device=next(self.base.parameters()).device).remainder(vocab).view(1, -1)
+        try:
+            with torch.inference_mode():
+                out = self.base(input_ids=ids, use_cache=False).last_hidden_state
+                if len(seen) != 1:
+                    return False
+                got = norm(seen[0])
+                got = self.project(got) if self.project is not None else got
+        finally:
+            handle.remove()
+        return got.shape == out.shape and bool(torch.allclose(got.float(), out.float(), rtol=1e-4, atol=1e-5))

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.runtime.scoring import HEAD_CHUNK_TOKENS, LogitHead
+from forge.runtime.forward import Forward
+from forge.runtime.scoring import HEAD_CHUNK_TOKENS, LogitHead, StateHead
 from forge.vocab.geometry import Batch, Item
 from forge.vocab.records import ResultColumns
 
@@ -56,6 +57,20 @@ class ItemView:
     label: Any = None  # the row's label
     data: Any = None  # the function's own per-item metadata (`ItemMeta.data`)
     prefix_key: str | None = None  # identity of its shared prefix (None: it has none)
+    # hook point -> its own tokens' values [len(tokens) - prefix_len, ...] in order (Forward.capture);
+    # an attention pattern: [heads, own tokens, len(tokens)] (each own token over every key of its sequence)
+    captured: dict[str, torch.Tensor] = field(default_factory=dict)
+    logits: torch.Tensor | None = (
+        None  # float32 [m, vocab]: at each target's position, or each own token (Forward.logits)
+    )
+    final_head: Any = field(default=None, repr=False)  # the worker's StateHead (Forward.head)
+
+    def head(self, states: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab]: the model's final norm and LM head on `states` [..., hidden]
+        (for example ``view.head(view.hidden[L])``: the logit lens). Needs ``Forward(head=True)``."""
+        if self.final_head is None:
+            raise ValueError("view.head needs Forward(head=True) in the function's forward")
+        return self.final_head(states)
 
     def last(self, layer: int) -> torch.Tensor:
         """The state of the item's last token at `layer` (the prefix's, for an item that is all prefix)."""
@@ -75,14 +90,19 @@ class ViewBatch:
 class CausalViews:
     """Item views of batches run through a `CausalLMRunner` (layers as the runner keeps them)."""
 
-    def __init__(self, runner: Any, targets: bool):
-        self.runner = runner
-        self.head = None
-        if targets:
-            from forge.runtime.hf_compat import text_config
+    def __init__(self, runner: Any, forward: Forward):
+        from forge.runtime.hf_compat import text_config
 
+        self.runner = runner
+        self.logits = forward.logits
+        self.targets = forward.targets
+        self.head = None
+        if forward.lm_head:
             self.head = LogitHead(runner.model)
             self.head.verify(runner.base, int(getattr(text_config(runner.config), "vocab_size", 8) or 8))
+        self.final_head = StateHead(runner.model, runner.base) if forward.head else None
+        hooks = getattr(runner, "hooks", None)
+        self.patterns = {n for n, p in hooks.captures.items() if p.kind == "attn_pattern"} if hooks else set()
 
     def run(self, batch: Batch) -> ViewBatch:
         if batch.split_prefix and not batch.prefix_len:
@@ -101,7 +121,8 @@ class CausalViews:
         dev = self.runner.device
         layers = list(zip(self.runner.layers, self.runner._layer_idx))
         prefix_split = {layer: entry.last_hidden[i].to(dev) for layer, i in layers} if entry is not None else {}
-        logprobs, greedy = self._targets(items, states) if self.head is not None else (None, None)
+        logprobs, greedy, at_targets = self._targets(items, states) if self.targets else (None, None, None)
+        logits: Any = at_targets if self.logits == "targets" else {} if self.logits == "all" else None
         views = []
         places = zip(states.item_row.tolist(), states.starts.tolist(), states.lens.tolist())
         in_row = [t.tolist() for t in states.prefix_at] if states.prefix_at is not None else None
@@ -120,6 +141,12 @@ class CausalViews:
                 else:
                     assert span is not None  # the prefix is in the row: the row's span holds it
                     prefix_state[layer] = span[own_from - 1]
+            own = (row, start + own_from, start + n)
+            captured = {
+                name: self._captured(name, value, states, k, item, own) for name, value in states.captured.items()
+            }
+            if self.logits == "all":
+                logits[k] = self._own_logits(states, own)
             meta = item.meta if isinstance(item.meta, ItemMeta) else ItemMeta(label=item.meta)
             views.append(
                 ItemView(
@@ -135,12 +162,44 @@ class CausalViews:
                     meta.label,
                     meta.data,
                     item.prefix_key,
+                    captured,
+                    None if logits is None else logits[k],
+                    self.final_head,
                 )
             )
         return views
 
+    def _captured(self, name: str, value: torch.Tensor, states, k: int, item: Item, own) -> torch.Tensor:
+        """One item's share of a captured value: its own tokens (an attention pattern: their rows,
+        over every key of its sequence, wherever the layout put those keys)."""
+        row, lo, hi = own
+        if name not in self.patterns:
+            return value[row, lo:hi] if hi > lo else value.new_empty((0, *value.shape[2:]))
+        if hi <= lo:
+            return value.new_empty((value.shape[1], 0, item.num_tokens))
+        off = int(states.item_off[k])
+        start = int(states.starts[k])
+        cached = states.entry.length if states.entry is not None and states.prefix_at is None else 0
+        pos = torch.arange(item.num_tokens)
+        keys = cached + start + pos - off
+        if off:
+            if states.prefix_at is not None:  # tree rows: the prefix's span sits in the row
+                first = int(states.prefix_at[1][k]) - (off - 1)
+                keys[:off] = first + pos[:off]
+            else:  # the split prefix: the cache's keys come first
+                keys[:off] = pos[:off]
+        return value[row][:, lo:hi][:, :, keys.to(value.device)]
+
+    def _own_logits(self, states, own) -> torch.Tensor:
+        row, lo, hi = own
+        head = self.head
+        assert head is not None  # logits are asked for: the views hold the LM head
+        h = states.last[row, lo:hi] if states.last is not None else states.entry.last_state[None, :0]
+        return torch.cat([head(h[a : a + HEAD_CHUNK_TOKENS]).float() for a in range(0, h.shape[0], HEAD_CHUNK_TOKENS)])
+
     def _targets(self, items: list[Item], states):
-        """Per item: float32 log-probabilities and greedy flags of its targets."""
+        """Per item: float32 log-probabilities and greedy flags of its targets, and (Forward.logits
+        = "targets") the float32 logits at their positions."""
         metas = [it.meta for it in items]
         counts = torch.tensor([len(m.targets) for m in metas], dtype=torch.long)
         start = torch.tensor([m.target_start for m in metas], dtype=torch.long)
@@ -177,14 +236,19 @@ class CausalViews:
         best = torch.empty(total, dtype=torch.bool, device=dev)
         head = self.head
         assert head is not None  # a scoring function's views are built with the model's head
+        kept = []
         for lo in range(0, total, HEAD_CHUNK_TOKENS):
             hi = min(lo + HEAD_CHUNK_TOKENS, total)
-            logp = torch.log_softmax(head(h[lo:hi]).float(), dim=-1)
+            logits = head(h[lo:hi]).float()
+            logp = torch.log_softmax(logits, dim=-1)
             tgt = targets[lo:hi].to(dev)
             logprob[lo:hi] = logp.gather(1, tgt[:, None])[:, 0]
             best[lo:hi] = logp.argmax(dim=-1) == tgt
+            if self.logits == "targets":
+                kept.append(logits)
         sizes = counts.tolist()
-        return torch.split(logprob, sizes), torch.split(best, sizes)
+        at = torch.split(torch.cat(kept), sizes) if kept else None
+        return torch.split(logprob, sizes), torch.split(best, sizes), at
 
     def close(self) -> None:
         self.runner = None
