@@ -31,6 +31,8 @@ from forge.runtime.interventions import Intervention
 POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out", "attn_pattern")
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")  # the attention block, by family
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")  # the MLP (or mixture-of-experts) block
+# layers without an MLP block (OPT): its input is the first projection's input, its output the second's output
+MLP_IN_LINEAR, MLP_OUT_LINEAR = ("fc1",), ("fc2",)
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,10 @@ class HookSet:
                 module = layer
             elif point.kind in ("attn_out", "attn_pattern"):
                 module = _child(layer, ATTN_NAMES, "attention", name)
-            else:
+            elif any(isinstance(getattr(layer, n, None), torch.nn.Module) for n in MLP_NAMES):
                 module = _child(layer, MLP_NAMES, "MLP", name)
+            else:
+                module = _child(layer, MLP_IN_LINEAR if pre else MLP_OUT_LINEAR, "MLP", name)
         pattern = point.kind == "attn_pattern"
         if pre:
             self.handles.append(module.register_forward_pre_hook(self._pre_hook(name, ivs, keep), with_kwargs=True))
@@ -225,7 +229,12 @@ class HookSet:
         slots = self._slots
         if slots is None:
             return value  # a forward pass Forge did not start (a probe): untouched
-        if value.dim() < 2 or tuple(value.shape[:2]) != tuple(slots.position.shape):
+        shape = tuple(slots.position.shape)
+        flat = value.dim() >= 2 and tuple(value.shape[:2]) != shape and value.shape[0] == shape[0] * shape[1]
+        if flat:  # tokens flattened into one axis (OPT's MLP): [rows * tokens, ...]
+            out = self._apply(name, value.view(*shape, *value.shape[1:]), ivs, keep)
+            return out.view(value.shape) if out is not None else value
+        if value.dim() < 2 or tuple(value.shape[:2]) != shape:
             raise ValueError(
                 f"hook point {name!r}: its value has shape {tuple(value.shape)}, not one value per token "
                 f"[{slots.position.shape[0]}, {slots.position.shape[1]}, ...]; choose a module inside a layer"
