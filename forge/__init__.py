@@ -13,6 +13,7 @@ __all__ = [
     "hookimpl",
     "load_activations",
     # the public function API (forge.api), imported on first use: `import forge` stays light
+    "Aggregate",
     "CausalLMFunction",
     "Column",
     "EncoderFunction",

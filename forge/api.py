@@ -42,6 +42,7 @@ from forge.batching.cost import CostModel
 from forge.config.schema import positive
 from forge.errors import ForgeError
 from forge.function import Function
+from forge.io.aggregate import Aggregate
 from forge.io.inputs import Column, InputFile, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
@@ -56,6 +57,7 @@ from forge.vocab.geometry import Device, Item
 from forge.vocab.records import Rejected, Skipped
 
 __all__ = [
+    "Aggregate",
     "CausalLMFunction",
     "Column",
     "EncoderFunction",
@@ -93,7 +95,7 @@ class ModelFunction(Function):
     """Everything a function over one Hugging Face model shares, whatever the model's kind."""
 
     config_schema: type[ModelFunctionConfig] = ModelFunctionConfig
-    fields: tuple[Field, ...] = ()  # the result fields, in column order
+    fields: tuple[Field | Aggregate, ...] = ()  # result fields, in column order; Aggregates fold over the dataset
     forward: Forward = Forward()
     columns: dict[str, Column] = TEXT_COLUMNS  # input columns read and checked (forge.io.rows)
     format: str = "parquet"  # parquet | safetensors (tensors only)
@@ -214,6 +216,11 @@ class ModelFunction(Function):
             "input": self.input.fingerprint(),
             "token_rule": TOKEN_RULE,
             **({"intervene": self.interventions.fingerprint()} if self.interventions else {}),
+            **(
+                {"aggregates": folds}
+                if (folds := [f.as_dict() for f in self.fields if isinstance(f, Aggregate)])
+                else {}
+            ),
             **self.options(),
         }
 
@@ -226,7 +233,8 @@ class ModelFunction(Function):
 
     def result_schema(self) -> ResultSchema:
         return ResultSchema(
-            fields=tuple(self.fields),
+            fields=tuple(f for f in self.fields if isinstance(f, Field)),
+            aggregates=tuple(f for f in self.fields if isinstance(f, Aggregate)),
             format=self.format,
             folder=self.folder or self.name,
             rows_per_shard=self.cfg.shard_size,
@@ -246,7 +254,8 @@ class ModelFunction(Function):
     def open_sink(self, store):
         from forge.io.sinks import ResultSink
 
-        return ResultSink(store, self.result_schema(), meta_of=lambda item: getattr(item.meta, "label", item.meta))
+        label = lambda item: getattr(item.meta, "label", item.meta)  # noqa: E731
+        return ResultSink(store, self.result_schema(), meta_of=label, finish=getattr(self, "finish", None))
 
     # -- the author's part ------------------------------------------------------------
     def reduce(self, view: ItemView) -> dict[str, Any]:
@@ -265,7 +274,8 @@ class ModelFunction(Function):
     def _reducing_worker(self, views):
         from forge.runtime.views import ReducingWorker
 
-        return ReducingWorker(views, self.reduce, [f.name for f in self.fields])
+        folded = [f.name for f in self.fields if isinstance(f, Aggregate)]
+        return ReducingWorker(views, self.reduce, [f.name for f in self.fields], folded)
 
 
 class CausalLMFunction(ModelFunction):
@@ -280,7 +290,8 @@ class CausalLMFunction(ModelFunction):
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
         self.caps = causal_lm_capabilities(self.config, self.model, self.hf.source)
-        check_points(self.forward.capture, self.interventions.items, n, self.caps.attn, self.name)
+        check_points(self.forward.capture, self.interventions.items, n, self.caps.attn, self.name, self.config)
+        self.interventions.check_widths(self.hidden_size, self.name)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says

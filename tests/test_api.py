@@ -8,6 +8,7 @@ import forge
 import forge.api as api
 
 PUBLIC = [
+    "Aggregate",
     "CausalLMFunction",
     "Column",
     "EncoderFunction",
@@ -48,11 +49,14 @@ def test_the_item_view_and_specs_keep_their_fields():
         "label",
         "data",
         "prefix_key",
+        "captured",
+        "logits",
+        "final_head",
     ]
-    assert names(api.Forward) == ["layers", "targets"]
+    assert names(api.Forward) == ["layers", "targets", "capture", "logits", "head"]
     assert names(api.Prompt) == ["text", "prefix", "label", "data", "suffix"]
     assert names(api.ModelSpec) == ["name", "torch_dtype", "attn_implementation", "revision", "trust_remote_code"]
-    assert names(api.ModelFunctionConfig) == ["model", "input", "shard_size"]
+    assert names(api.ModelFunctionConfig) == ["model", "input", "shard_size", "intervene"]
     assert names(api.Tokens) == ["prefix", "text", "prefix_key", "targets", "target_start"]
 
 

@@ -222,14 +222,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
         loop = RunLoop(scheduler, executor, committer, run=run, hook=pm.hook, policy=spec.runtime)
         run.timings["loop_at"] = time.time()
         status, error = _drive(loop, executor, list(scheduler.devices.values()))
-        try:
-            outputs = sink.close()
-        except OSError as exc:
-            outputs, status, error = (
-                {},
-                "stopped",
-                f"writing the last shard failed ({exc}); resume=true finishes the run",
-            )
+        outputs, status, error = _close_sink(sink, status, error)
         report = make_report(
             run,
             spec,
@@ -252,6 +245,17 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
     finally:
         scheduler.close()
         store.close(status)  # after the report: the directory stays ours until it is written
+
+
+def _close_sink(sink: Any, status: str, error: str | None) -> tuple[dict, str, str | None]:
+    """The sink's figures once it flushed its last shard and folded the dataset result; a write
+    or a dataset result that fails stops the run with the reason (what was committed stays)."""
+    try:
+        return sink.close(), status, error
+    except OSError as exc:
+        return {}, "stopped", f"writing the last shard failed ({exc}); resume=true finishes the run"
+    except ForgeError as exc:  # the dataset result: an aggregate's finish, or shards that disagree
+        return {}, "stopped", f"{exc}; the items' shards stay committed"
 
 
 def phases(

@@ -2,6 +2,7 @@
 
     run_dir/<folder>/meta.json          format, fields, meta_key, and the function's own meta
     run_dir/<folder>/shard-SSS-KKKKK.*  .safetensors (one tensor per field) or .parquet (a table)
+    run_dir/<folder>/aggregate.json     the dataset result (`Aggregate`s) as the last close folded it
     run_dir/commits.jsonl (or commits/*.json)  one record per shard: file, index, ids (and per-item meta)
 
 A result is one row per committed item: its `id`, its input `index` and one value per
@@ -9,6 +10,8 @@ field (a scalar, a fixed shape, a string, or ragged: a variable number of values
 each of the field's shape, such as one hidden state per token: [tokens, hidden]).
 `load` reads only journaled shards (`forge.io.store.read_journal`) and puts rows back in input
 order; `shards` streams them one shard at a time. The one sink (`forge.io.sinks`) writes them.
+Dataset-level results (`forge.io.aggregate.Aggregate`) are folded from every committed item:
+`load(run).aggregate`, or `aggregate(run)` alone.
 `run_dir` is a local path or an fsspec URL (`forge.io.location`).
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from forge.errors import ForgeError
+from forge.io.aggregate import Aggregate, dataset_result
 from forge.io.location import Location, open_location
 from forge.io.store import read_journal
 
@@ -108,14 +112,15 @@ class ResultSchema:
     bytes_per_shard: int = SHARD_BYTES  # ... or once the rows waiting hold this many bytes (per-token states)
     meta_key: str | None = None  # journal key recording each item's `meta` (e.g. "labels"); None: not kept
     meta: dict[str, Any] = field(default_factory=dict)  # written to meta.json (model, pooling, ...)
+    aggregates: tuple[Aggregate, ...] = ()  # dataset-level results folded from every item (none per item)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ForgeError(f"result format {self.format!r}; choose one of: {', '.join(FORMATS)}")
-        names = [f.name for f in self.fields]
+        names = [f.name for f in self.fields] + [a.name for a in self.aggregates]
         clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED)))
         if clash or not names:
-            raise ForgeError(f"result fields {names}: need at least one, unique, none named id or index")
+            raise ForgeError(f"result fields and aggregates {names}: need at least one, unique, none named id or index")
         if self.format == "safetensors" and any(f.dtype == STRING for f in self.fields):
             raise ForgeError("result format safetensors holds tensors only; write string fields as parquet")
         if self.format == "parquet" and any(f.dtype == BFLOAT16 for f in self.fields):
@@ -143,6 +148,7 @@ class ResultSchema:
             "format": self.format,
             "fields": [f.as_dict() for f in self.fields],
             "meta_key": self.meta_key,
+            **({"aggregates": [a.as_dict() for a in self.aggregates]} if self.aggregates else {}),
         }
 
 
@@ -155,6 +161,7 @@ class Results:
     columns: dict[str, np.ndarray]  # field name -> array [rows, *shape] (object array for strings and ragged fields)
     meta: list[Any] | None  # each item's meta (labels, ...) where the function keeps it
     info: dict[str, Any]  # meta.json: format, fields and the function's own meta
+    aggregate: dict[str, Any] = field(default_factory=dict)  # the dataset result (`aggregate`); {}: none
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -238,7 +245,24 @@ def load(run_dir, folder: str | None = None) -> Results:
     order = np.argsort(index, kind="stable")
     columns = {f.name: _concat([part.columns[f.name] for part in parts], f)[order] for f in fields}
     meta = [m for part in parts for m in (part.meta or ())] if info.get("meta_key") else None
-    return Results([ids[i] for i in order], index[order], columns, [meta[i] for i in order] if meta else meta, info)
+    ordered_meta = [meta[i] for i in order] if meta else meta
+    return Results(
+        [ids[i] for i in order], index[order], columns, ordered_meta, info, _aggregate(run_dir, folder, info)
+    )
+
+
+def aggregate(run_dir, folder: str | None = None) -> dict[str, Any]:
+    """A run's dataset result, without reading per-item values: name -> value (a float, an int
+    for count, a float64 array) or, for `by="label"`, name -> {label: value}; {} when the
+    function declares no `Aggregate`. A closed run's includes its `finish` values; a partial
+    run's is the committed shards folded now (and has none)."""
+    folder = _folder(run_dir, folder)
+    return _aggregate(run_dir, folder, read_info(run_dir, folder))
+
+
+def _aggregate(run_dir, folder: str, info: dict[str, Any]) -> dict[str, Any]:
+    aggregates = [Aggregate.from_dict(d) for d in info.get("aggregates", ())]
+    return dataset_result(open_location(run_dir), folder, aggregates, read_journal(run_dir)) if aggregates else {}
 
 
 def _read_shard(where: Location, rel: str, fmt: str, fields: list[Field]) -> dict[str, np.ndarray]:
@@ -264,7 +288,7 @@ def _read_shard(where: Location, rel: str, fmt: str, fields: list[Field]) -> dic
     import pyarrow.parquet as pq
 
     source = str(path) if path is not None else pa.BufferReader(where.read_bytes(rel))
-    table = pq.read_table(source, columns=list(wanted))
+    table = pq.read_table(source, columns=list(wanted), thrift_string_size_limit=2**31 - 1)  # big partials
     return {name: _numpy_column(table.column(name)) for name in wanted}
 
 

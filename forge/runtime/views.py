@@ -291,11 +291,16 @@ class ReducingWorker:
     views: Any  # CausalViews (or an encoder's equivalent): run(batch) -> ViewBatch
     reduce: Callable[[ItemView], dict[str, Any]]  # one item's view -> its result values
     names: list[str] = field(default_factory=list)  # the result fields, in schema order
+    folded: list[str] = field(default_factory=list)  # of them, the Aggregates (dataset-level)
 
     def run(self, batch: Batch):
         out = self.views.run(batch)
         with torch.inference_mode():
             values = [self.reduce(view) for view in out.views]
+            for name in self.folded:  # an Aggregate's values are summed in float64 by the sink: never bit patterns
+                for v in values:
+                    if isinstance(v[name], torch.Tensor) and v[name].is_floating_point():
+                        v[name] = v[name].double()
         return ResultColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
 
     def close(self) -> None:
