@@ -14,6 +14,50 @@ def test_the_guide_shows_surprisal_as_it_is():
     assert blocks[0] == (ROOT / "functions" / "surprisal.py").read_text()
 
 
+MARKED = re.compile(r"<!-- file: (\S+) -->\n```(\w+)\n(.*?)```", flags=re.S)
+
+
+def test_the_guides_files_are_the_repositorys_byte_for_byte():
+    """Every block the guide marks with `<!-- file: PATH -->` is that file as it is (the function
+    YAML a plugin author copies included), and no YAML block goes unmarked."""
+    guide = (ROOT / "docs" / "functions.md").read_text()
+    marked = MARKED.findall(guide)
+    shown = {path for path, _, _ in marked}
+    assert {
+        "conf/function/surprisal.yaml",
+        "examples/forge-plugin-example/forge_plugin_example/conf/function/token_norms.yaml",
+        "examples/forge-plugin-example/forge_plugin_example/plugin.py",
+        "examples/forge-plugin-example/forge_plugin_example/token_norms.py",
+    } <= shown
+    for path, _, block in marked:
+        assert block == (ROOT / path).read_text(), f"docs/functions.md shows {path} as it is not"
+    yaml_blocks = re.findall(r"```yaml\n(.*?)```", guide, flags=re.S)
+    assert len(yaml_blocks) == sum(lang == "yaml" for _, lang, _ in marked), "a YAML block without its file"
+    for block in yaml_blocks:
+        assert block.startswith("# @package _global_\n")
+
+
+@pytest.mark.slow
+def test_a_function_yaml_from_the_guide_sets_budget_and_one_without_its_header_is_told(tmp_path):
+    """A plugin author's YAML, the guide's with a `budget:` block added: the root config has
+    `budget`, so it composes; without the header line, the error names the line to add."""
+    from forge.cli.build import to_plain
+    from forge.cli.compose import compose
+    from forge.errors import ForgeError
+
+    guide = (ROOT / "docs" / "functions.md").read_text()
+    block = next(b for path, _, b in MARKED.findall(guide) if path == "conf/function/surprisal.yaml")
+    (tmp_path / "function").mkdir()
+    (tmp_path / "function" / "mine.yaml").write_text(block + "\nbudget:\n  tokens_per_step: 4096\n")
+    plain = to_plain(compose(["function=mine", "devices=cpu"], tmp_path))
+    assert plain["budget"]["tokens_per_step"] == 4096 and plain["function"]["name"] == "surprisal"
+    headless = block.split("\n", 1)[1]
+    (tmp_path / "function" / "headless.yaml").write_text(headless + "\nbudget:\n  tokens_per_step: 4096\n")
+    for extra in ([], ["input.limit=5"]):  # the error at validation, and at composition
+        with pytest.raises(ForgeError, match="# @package _global_. its first line"):
+            to_plain(compose(["function=headless", "devices=cpu", *extra], tmp_path))
+
+
 def test_the_line_budgets_hold():
     from linecount import code_lines
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from forge.config.devices import resolve_devices
 from forge.config.modes import Batching
 from forge.config.nodes import instantiate
-from forge.config.schema import RUNTIMES, Runtime, validate
+from forge.config.schema import RUNTIMES, Runtime, check_function_package, validate
 from forge.driver.engine import RunSpec
 from forge.errors import ForgeError
 from forge.io.location import hydra_dir
@@ -39,6 +39,7 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     listed = OmegaConf.select(cfg, "plugins", default=None, throw_on_missing=False)
     modules = [m for m in listed if isinstance(m, str)] if isinstance(listed, ListConfig) else []
     pm = make_plugin_manager(modules=modules)
+    check_function_package(cfg)  # a function YAML without its header: said before its lookup fails
     return validate(cfg, function_schema(cfg), executors(pm), mode_schemas(pm))
 
 

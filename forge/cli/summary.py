@@ -75,12 +75,14 @@ def _run_table(report: Mapping[str, Any]) -> Table:
             )
         ),
     )
-    table.add_row("batches", f"{report.get('batches', 0):,}")
+    layouts = ", ".join(f"{name} {n:,}" for name, n in (report.get("layouts") or {}).items())
+    table.add_row("batches", f"{report.get('batches', 0):,}" + (f" ({layouts})" if layouts else ""))
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")
-    table.add_row("cache hit rate", "-" if hit is None else f"{100 * hit:.2f}%")
+    prefixes = report.get("prefixes")
+    table.add_row("prefixes", prefixes["words"] if prefixes else "none")
     reuse = report.get("prefix_reuse_rate")
-    if reuse is not None and reuse != hit:  # tree rows shared prefixes besides the cache
-        table.add_row("prefix reuse", f"{100 * reuse:.2f}% (cache, and prefixes shared in tree rows)")
+    if reuse is not None and hit is not None:
+        table.add_row("prefix tokens", _reuse_words(reuse, hit, tokens))
     if report.get("path"):
         table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
@@ -105,6 +107,16 @@ def _run_table(report: Mapping[str, Any]) -> Table:
     if not report.get("dry_run"):
         _ran_rows(table, report)
     return table
+
+
+def _reuse_words(reuse: float, hit: float, tokens: Mapping[str, Any]) -> str:
+    """What share of the prefix tokens the items needed ran again, and why not (the ledger's
+    `cache_hit` tokens are those a split-prefix batch did not run: its prefix ran once for all
+    its items, or came from the cache)."""
+    shared = tokens.get("prefix_shared", 0) / tokens["prefix"] if tokens.get("prefix") else 0.0
+    parts = [f"{100 * hit:.2f}% in split-prefix batches (cache_hit_rate)"] if hit else []
+    parts += [f"{100 * shared:.2f}% in tree rows"] if shared else []
+    return f"{100 * reuse:.2f}% not computed again" + (f": {', '.join(parts)}" if parts else "")
 
 
 def _ran_rows(table: Table, report: Mapping[str, Any]) -> None:

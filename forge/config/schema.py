@@ -206,6 +206,7 @@ def validate(
     interpolations (values that are interpolations are then checked only for their type once
     resolved, by a later `validate`)."""
     cfg = _without_hydra(cfg)
+    check_function_package(cfg)
     choices = {"runtime": RUNTIMES, "batching": modes}
     schema_cls = schema_for(fn_schema, runtime_schema(cfg), batching_schema(cfg, modes))
     schema = _structured(schema_cls, typed_root=fn_schema is not None)
@@ -220,6 +221,24 @@ def validate(
     _check_values(schema_cls, plain, "")
     _check_executor((plain.get("runtime") or {}).get("executor"), executors)
     return plain
+
+
+def check_function_package(cfg: DictConfig) -> None:
+    """A function's YAML without `# @package _global_` as its first line lands under `function:`,
+    where every root key (budget, input, ...) is unknown: say that, not the first unknown key."""
+    if line := _package_line(cfg):
+        raise ForgeError(line)
+
+
+def _package_line(root: DictConfig) -> str | None:
+    node = root._get_node("function") if "function" in root else None
+    if not (isinstance(node, DictConfig) and not node._is_none() and "function" in node):
+        return None
+    nested = ", ".join(f"function.{k}" for k in node if k not in ("name", "_target_"))
+    return (
+        f"config: the function's YAML put its keys under function: ({nested}); make `# @package _global_` "
+        "its first line, so that they (function, input, budget, ...) sit at the root (docs/functions.md)"
+    )
 
 
 def _check_executor(name, offered: Iterable[str]) -> None:
@@ -238,6 +257,9 @@ def explain_compose_error(exc: BaseException, modes: Mapping[str, type]) -> str 
     mode has."""
     cause = exc.__cause__
     key = getattr(cause, "full_key", None)
+    node = getattr(cause, "parent_node", None)
+    if isinstance(node, DictConfig) and (line := _package_line(node._get_root())):
+        return line
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
         return explain_unknown_key(key, cause, {"runtime": RUNTIMES, "batching": modes})
     if isinstance(cause, ValidationError) and key:

@@ -22,9 +22,10 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from forge.core.layouts import BatchShapes
 from forge.core.scheduler import Scheduler
 from forge.errors import LockLost
 from forge.executors.base import Executor, Outcome, Status
@@ -356,8 +357,10 @@ class DeviceTally:
     cache_misses: int = 0  # prefix computed on this device because its cache lacked it
     peak_bytes: int = 0  # batching=memory: largest predicted peak of a batch routed here
     budget_bytes: int | None = None  # batching=memory: the budget it was planned against
+    shapes: BatchShapes = field(default_factory=BatchShapes)  # batches per layout, prefix computations
 
     def add(self, batch: Batch, stats: BatchStats) -> None:
+        self.shapes.add(batch, stats)
         self.batches += 1
         self.tree_batches += batch.tree
         self.tokens += batch.num_tokens

@@ -57,6 +57,7 @@ class DeviceReport:
     busy_s: float | None  # wall seconds busy; None in a plan (it has only virtual time)
     cache_misses: int
     predicted_cache_misses: int
+    layouts: dict[str, int] | None = None  # completed batches per layout (forge.core.layouts.layout)
     predicted_peak_bytes: int | None = None  # batching=memory: the largest predicted peak routed here
     memory_budget_bytes: int | None = None  # batching=memory: the budget it was planned against
     # a plan's, in virtual time (forge.executors.sim)
@@ -132,6 +133,8 @@ class Report(Mapping[str, Any]):
     attempts: dict[str, int] = field(default_factory=dict)  # failed attempts by kind, and OOM splits
     effective_limits: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> limits, where changed
     batches: int = 0
+    layouts: dict[str, int] = field(default_factory=dict)  # completed batches per layout, every device
+    prefixes: dict[str, Any] | None = None  # how the items' prefixes were had (`prefix_figures`)
     run: RunFigures | None = None  # a run's own figures
     plan: PlanFigures | None = None  # a plan's own figures
     plugins: dict[str, Any] = field(default_factory=dict)  # keys forge_run_end implementations added
@@ -158,6 +161,7 @@ class Report(Mapping[str, Any]):
         out["effective_limits"] = self.effective_limits
         out.update(self.plugins)
         out["batches"] = self.batches
+        out.update(layouts=self.layouts, prefixes=self.prefixes)
         if run is not None:
             out["useful_tokens_per_s"] = run.useful_tokens_per_s
         if plan is not None:
@@ -198,6 +202,64 @@ def effective_limits(scheduled: Mapping[str, Device], declared: list[Device]) ->
     return {name: d.limits.as_dict() for name, d in scheduled.items() if d.limits != was[name]}
 
 
+_WHERE = {
+    "tree rows": "in tree rows (shared by a group's items)",
+    "split-prefix batches": "split off (shared by the batch's items)",
+    "whole rows": "in whole rows (one per item)",
+}
+
+
+def prefix_figures(shapes: list, config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How the completed items' prefixes were had, over every device (`shapes`: each device's
+    `forge.core.layouts.BatchShapes`); None when no item had a prefix. `computed`: prefix
+    computations, by where they ran; `cache_hits`: split-prefix batches served by the device's
+    cache; `repeated`: computations of a prefix its device had computed before (what a cache
+    could have saved; None when too many distinct prefixes to track); `words`: all that, as the
+    summary says it."""
+    items = sum(s.items for s in shapes)
+    if not items:
+        return None
+    known = all(s.keys is not None for s in shapes)
+    computed_in = {where: n for where in _WHERE if (n := sum(s.computed.get(where, 0) for s in shapes))}
+    figures: dict[str, Any] = {
+        "items": items,
+        "distinct": len(set().union(*(s.keys for s in shapes))) if known else None,
+        "computed": sum(computed_in.values()),
+        "computed_in": computed_in,
+        "cache_hits": sum(s.cache_hits for s in shapes),
+        "repeated": sum(max(0, sum(s.computed.values()) - len(s.keys)) for s in shapes) if known else None,
+    }
+    cache_on = (config.get("batching") or {}).get("prefix_cache")
+    figures["words"] = prefix_words(figures, cache_on)
+    return figures
+
+
+def _times(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def prefix_words(p: Mapping[str, Any], cache_on: bool | None = None) -> str:
+    """The prefix figures in a user's words: how many distinct prefixes, how often each ran and
+    where, and the cache hits, with why there were none."""
+    head = f"{p['distinct']:,} distinct in " if p.get("distinct") is not None else "in "
+    where = [f"{n:,} {_WHERE.get(k, k)}" for k, n in p["computed_in"].items() if n]
+    text = f"{head}{_times(p['items'], 'item', 'items')}; computed {_times(p['computed'], 'time', 'times')}"
+    text += f": {', '.join(where)}" if where else ""
+    hits, repeated = p["cache_hits"], p.get("repeated")
+    if hits:
+        why = f"{hits:,} (split-prefix {'batch' if hits == 1 else 'batches'} served from the device's cache)"
+    elif repeated == 0:
+        why = "0 (none needed: no device computed a prefix twice)"
+    elif cache_on is False:
+        why = "0 (prefix cache off)"
+    elif not p["computed_in"].get("split-prefix batches"):
+        why = "0 (only split-prefix batches use the cache; none ran)"
+    else:
+        again = "" if repeated is None else f" ({_times(repeated, 'computation', 'computations')} of a prefix again)"
+        why = f"0{again}"
+    return f"{text}; cache hits {why}"
+
+
 def make_report(
     run: RunContext,
     spec,  # the run's `forge.driver.engine.RunSpec` (not imported: the engine imports this module)
@@ -230,8 +292,13 @@ def make_report(
                 predicted_cache_misses=predicted_misses.get(d.name, 0),
                 predicted_peak_bytes=t.peak_bytes or None,
                 memory_budget_bytes=t.budget_bytes if t.peak_bytes else None,  # only beside a peak
+                layouts=dict(t.shapes.layouts),
             )
         )
+    layouts: dict[str, int] = {}
+    for d in devices:
+        for name, n in (d.layouts or {}).items():
+            layouts[name] = layouts.get(name, 0) + n
     return Report(
         function=spec.function.name,
         batching=spec.mode,
@@ -249,6 +316,8 @@ def make_report(
         attempts=attempts,
         effective_limits=effective_limits(scheduler.devices, spec.devices),
         batches=sum(t.batches for t in tallies.values()),
+        layouts=layouts,
+        prefixes=prefix_figures([t.shapes for t in tallies.values()], spec.config),
         run=figures if isinstance(figures, RunFigures) else None,
         plan=figures if isinstance(figures, PlanFigures) else None,
     )
