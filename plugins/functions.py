@@ -10,4 +10,7 @@ def forge_functions():
         "score": "forge.functions.score:Score",
         "embed": "forge.functions.embed:Embed",
         "surprisal": "forge.functions.surprisal:Surprisal",
+        "logit_lens": "forge.functions.logit_lens:LogitLens",
+        "token_entropy": "forge.functions.token_entropy:TokenEntropy",
+        "class_means": "forge.functions.class_means:ClassMeans",
     }
