@@ -81,6 +81,15 @@ class ProbeGen(CausalLMFunction):
         # set before the base checks it against the model
         self.forward = Forward(layers=tuple(self.layers), capture=tuple(self.capture))
         super().__init__(config)
+        if (
+            pooling == "none"
+            and self.prefix_states == "once"
+            and any(iv.span in ("text", "last", "prefix") for iv in self.interventions.items)
+        ):
+            raise ForgeError(
+                "prefix_states=once stores each prefix run as an item of its own, where intervene spans text, last "
+                "and prefix name other tokens than in the items; set prefix_states=none (or span: all or positions)"
+            )
         self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
         hidden = (self.hidden_size,)
         self.fields = tuple(

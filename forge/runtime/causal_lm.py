@@ -95,7 +95,8 @@ class CausalLMRunner:
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
         # an encoder-decoder is unusable: run() refuses it with a clear message
         self.base = model if self.encoder_decoder else hf_compat.base_decoder(model)
-        keep = hf_compat.layers_to_run(self._hs_select, self.num_layers)  # later layers change no state asked for
+        # later layers change no state asked for (captures alone: the layers they read)
+        keep = hf_compat.layers_to_run(self._hs_select, self.num_layers) if self._hs_select or not captures else 0
         keep = max(keep, hooks.layers_read(model, self.base, self.num_layers, captures))
         cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, keep)
         self.layers_run = keep if cut else self.num_layers

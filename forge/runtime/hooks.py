@@ -79,6 +79,26 @@ def layer_of(model: Any, base: Any, path: str, num_layers: int) -> int | None:
     return None
 
 
+def _path_layer(model: Any, base: Any, num_layers: int, path: str) -> int | None:
+    """The layer a module path names by its index under the decoder's layer list (which the cut
+    may have shortened, so the path need not exist any more); None: not under it."""
+    layers = decoder_layers(base, num_layers)
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is layers), None)
+    index = path[len(prefix) :].partition(".")[0] if prefix and path.startswith(prefix) else ""
+    return int(index) if index.isdigit() else None
+
+
+def _meta_model(config: Any) -> Any:
+    """The model of `config` on the meta device (None: it cannot be built so; checked when it loads)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  (remote code, exotic configs: the worker's load finds a bad path)
+        return None
+
+
 def find_module(model: Any, path: str) -> torch.nn.Module:
     try:
         return model.get_submodule(path)
@@ -166,7 +186,8 @@ class HookSet:
             points.setdefault(name, (point, []))
         for iv in interventions:
             point = parse_point(iv.at, num_layers)
-            if point.layer is not None and point.layer >= kept:
+            layer = point.layer if point.kind != "module" else _path_layer(model, base, num_layers, iv.at)
+            if layer is not None and layer >= kept:
                 continue  # past the layers this worker runs: it changes nothing read
             points.setdefault(point.name, (point, []))[1].append(iv)
         for name, (point, ivs) in points.items():
@@ -320,8 +341,11 @@ def row_slots(
     return Slots(position_ids.clone(), prefix_len, seq_len, valid)
 
 
-def check_points(captures: Any, interventions: Any, num_layers: int, attn: str, function: str) -> None:
-    """Refuse, before any work, hook points the model cannot have (ForgeError naming the point)."""
+def check_points(
+    captures: Any, interventions: Any, num_layers: int, attn: str, function: str, config: Any = None
+) -> None:
+    """Refuse, before any work, hook points the model cannot have (ForgeError naming the point);
+    module paths are looked up in the model built from `config` on the meta device (no weights)."""
     from forge.errors import ForgeError
 
     for where, names in (("capture", captures), ("intervene", [iv.at for iv in interventions])):
@@ -337,3 +361,11 @@ def check_points(captures: Any, interventions: Any, num_layers: int, attn: str, 
                     f"{function}: capture {name!r}: {attn} attention never forms the attention probabilities; "
                     "set model.attn_implementation=eager"
                 )
+    named = [*captures, *(iv.at for iv in interventions)]
+    paths = [n for n in named if n.rpartition(".")[0] not in POINTS] if config is not None else []
+    model = _meta_model(config) if paths else None
+    for path in paths if model is not None else ():
+        try:
+            find_module(model, path)
+        except ValueError as exc:
+            raise ForgeError(f"{function}: {exc}") from None

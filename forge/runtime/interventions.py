@@ -32,6 +32,7 @@ from forge.errors import ForgeError
 
 OPS = ("add", "set", "zero")
 SPANS = ("text", "prefix", "all", "last")
+WIDE_POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out")  # one hidden-size vector per token
 
 
 @dataclass
@@ -108,6 +109,18 @@ class Interventions:
     def __bool__(self) -> bool:
         return bool(self.items)
 
+    def check_widths(self, hidden_size: int, function: str, where: str = "intervene") -> None:
+        """Refuse, before any work, a vector whose length is not the model's hidden size at a
+        named point (each holds one hidden-size vector per token). A module path's width is known
+        only once it runs: there a wrong length fails the batch's items, with the reason."""
+        for k, iv in enumerate(self.items):
+            kind = iv.at.rpartition(".")[0]
+            if iv.vector is not None and kind in WIDE_POINTS and len(iv.vector) != hidden_size:
+                raise ForgeError(
+                    f"{function}: {where}[{k}] at {iv.at!r}: its vector has {len(iv.vector)} values, but the "
+                    f"model's hidden size is {hidden_size}"
+                )
+
 
 def load_interventions(entries: Any, where: str = "intervene") -> Interventions:
     """The ``intervene:`` list checked and its vectors loaded (ForgeError naming the entry otherwise)."""
@@ -136,15 +149,24 @@ def _span(span: Any, name: str) -> str | tuple[int, ...]:
             raise ForgeError(f"{name}.span={span!r}; choose one of: {', '.join(SPANS)}, or a list of positions")
         return span
     try:
-        positions = tuple(int(p) for p in span)
+        positions = tuple(_position(p) for p in span)
     except (TypeError, ValueError):
         raise ForgeError(f"{name}.span={span!r}; choose one of: {', '.join(SPANS)}, or a list of positions") from None
-    if not positions or any(p < 0 for p in positions):
+    if not positions:
+        raise ForgeError(f"{name}.span=[]: name at least one position (or span: all)")
+    if any(p < 0 for p in positions):
         raise ForgeError(
             f"{name}.span={list(positions)}: positions count from 0 at the sequence's first token (use span: last "
             "for the last token)"
         )
     return positions
+
+
+def _position(p: Any) -> int:
+    """A whole number (2 or 2.0), never a bool or 2.5."""
+    if isinstance(p, bool) or not float(p).is_integer():
+        raise ValueError(p)
+    return int(p)
 
 
 def _vector(source: Any, name: str, op: str) -> tuple[float, ...]:

@@ -162,7 +162,7 @@ class StateHead:
 
     def _checks(self, norm: Any) -> bool:
         seen: list[torch.Tensor] = []
-        handle = norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]) and None)
+        handle = norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
         vocab = int(getattr(text_config(self.base.config), "vocab_size", 8) or 8)
         ids = torch.arange(1, 7, device=next(self.base.parameters()).device).remainder(vocab).view(1, -1)
         try:
