@@ -13,4 +13,5 @@ def forge_functions():
         "logit_lens": "forge.functions.logit_lens:LogitLens",
         "token_entropy": "forge.functions.token_entropy:TokenEntropy",
         "class_means": "forge.functions.class_means:ClassMeans",
+        "generate": "forge.functions.generate:Generate",
     }

@@ -71,7 +71,7 @@ def _cuts(config: Any, trust_remote_code: bool) -> bool:
         return False
 
 
-def causal_lm_cost_model(fn: Any) -> CostModel:
+def causal_lm_cost_model(fn: Any, forward: Any = None) -> CostModel:
     """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
     per token: float32 logits when targets are scored, and the function's own extras. A function
     that reads hidden states alone is measured on the layers its workers keep (`config_as_run`):
@@ -80,7 +80,7 @@ def causal_lm_cost_model(fn: Any) -> CostModel:
     from forge.runtime.memory_fit import fitted_cost_model
 
     trust = bool(fn.model.trust_remote_code)
-    forward = fn.forward
+    forward = fn.forward if forward is None else forward  # (what the forward pass gives, if not fn.forward)
     config = fn.config if forward.lm_head else config_as_run(fn.config, layers_read(fn), trust)
     try:
         base = fitted_cost_model(config, _target(fn, fn.memory_pooling()), trust)

@@ -1,0 +1,128 @@
+"""The generate function's worker and sink: a batch of prompts through the engine, its figures into the report.
+
+`GenerateWorker.run(batch)` generates every item of the batch (`forge.runtime.generation.Engine`)
+and returns `GenerationColumns`: the result fields, one row per item, plus what the engine did
+(`GenerationFigures`). `GenerateSink` commits the rows through the generic sink and adds the
+figures up for the report (``outputs.generation``): prompt, prefill and generated tokens, the
+steps by their size (none over the budget), time per output token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from forge.runtime.generation import Engine, final_states, step_histogram
+from forge.vocab.records import ResultColumns
+
+
+@dataclass
+class GenerationFigures:
+    """What the engine did for one batch."""
+
+    prompt_tokens: int  # the items' prompt tokens (prefix included)
+    generated_tokens: int
+    steps: list[int]  # query tokens of each engine step
+    decode_tokens: int  # generated tokens fed back to the model: all but each row's last
+    seconds: float  # generating (not the states' forward pass)
+    budget: int  # the step budget it ran under (tokens)
+
+    @property
+    def prefill_computed(self) -> int:
+        """Prompt tokens the engine ran: fewer where pages of a shared prefix were reused, more where
+        a preempted sequence was recomputed."""
+        return sum(self.steps) - self.decode_tokens
+
+
+@dataclass
+class GenerationColumns(ResultColumns):
+    figures: GenerationFigures | None = None
+
+
+@dataclass
+class GenerateWorker:
+    engine: Engine
+    runner: Any  # a CausalLMRunner for the generated tokens' states (None: none asked)
+    from_prompt: bool  # states of the prompt's own tokens too
+    budget: int  # tokens per engine step
+    names: list[str] = field(default_factory=list)
+
+    def run(self, batch) -> GenerationColumns:
+        from forge.runtime.generation import RowLimits
+
+        items = batch.items
+        limits = [it.meta.data if isinstance(it.meta.data, RowLimits) else RowLimits(1) for it in items]
+        t0 = time.perf_counter()
+        done, steps = self.engine.generate([list(it.tokens) for it in items], limits)
+        seconds = time.perf_counter() - t0
+        columns: dict[str, Any] = {
+            "generated_ids": [np.asarray(g.ids, np.int32) for g in done],
+            "text": [g.text for g in done],
+            "finish_reason": [g.finish_reason for g in done],
+            "num_prompt_tokens": np.asarray([len(it.tokens) for it in items], np.int32),
+            "num_generated_tokens": np.asarray([len(g.ids) for g in done], np.int32),
+        }
+        if self.runner is not None:
+            import torch
+
+            with torch.inference_mode():
+                states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt)
+            for name in states[0] if states else ():
+                columns[name] = [s[name].float().cpu().numpy() for s in states]
+        prompt = sum(len(it.tokens) for it in items)
+        generated = sum(len(g.ids) for g in done)
+        fed = sum(max(0, len(g.ids) - 1) for g in done)
+        figures = GenerationFigures(prompt, generated, steps, fed, seconds, self.budget)
+        computed = batch.prefix_len if batch.split_prefix else 0
+        return GenerationColumns(columns, computed, False, figures)
+
+    def close(self) -> None:
+        self.engine = None  # type: ignore[assignment]
+        self.runner = None
+
+
+class GenerateSink:
+    """The generic sink, plus the engine's figures added up for the report."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.prompt = self.generated = self.seconds_total = 0
+        self.prefill = 0
+        self.steps: list[int] = []
+        self.budget = 0
+
+    def write(self, batch, output, keep) -> None:
+        self.inner.write(batch, output, keep)
+        f = getattr(output, "figures", None)
+        if f is not None:
+            self.prompt += f.prompt_tokens
+            self.generated += f.generated_tokens
+            self.prefill += f.prefill_computed
+            self.steps += f.steps
+            self.seconds_total += f.seconds
+            self.budget = max(self.budget, f.budget)
+
+    def full(self) -> bool:
+        return self.inner.full()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> dict[str, Any]:
+        out = dict(self.inner.close())
+        out["generation"] = {
+            "prompt_tokens": self.prompt,
+            "prefill_tokens_computed": self.prefill,
+            "prefill_tokens_shared": self.prompt - self.prefill,  # negative: recomputed after preemption
+            "generated_tokens": self.generated,
+            "steps": len(self.steps),
+            "largest_step_tokens": max(self.steps, default=0),
+            "tokens_per_step_budget": self.budget,
+            "steps_by_tokens": step_histogram(self.steps, self.budget or 1),
+            "output_tokens_per_s": round(self.generated / self.seconds_total, 1) if self.seconds_total else None,
+            "ms_per_output_token": round(1000 * self.seconds_total / self.generated, 3) if self.generated else None,
+        }
+        return out

@@ -1,0 +1,135 @@
+"""generate: text from a causal LM for each row, greedy, with continuous batching, and optionally
+the activations of the generated tokens.
+
+Rows: ``prompt`` (the text), optional ``prefix`` (a shared few-shot prefix: token rule as everywhere,
+its KV pages shared between the prompts of a batch), ``id``, ``max_new_tokens`` (this row's limit)
+and ``stop`` (a string or a list: the text ends before the first one found). Per row, Parquet:
+``generated_ids`` (int32, ragged), ``text``, ``finish_reason`` (length | stop | eos),
+``num_prompt_tokens`` and ``num_generated_tokens``; with ``layers`` / ``capture``, per generated
+token (and, ``states_of: all``, per prompt token after the prefix first) the states from a plain
+forward over the final sequence, in ``generated_states/`` as safetensors.
+
+Each batch Forge cuts runs in transformers' continuous-batching engine
+(`forge.runtime.generation`): every engine step holds at most the device's ``max_batch_tokens``
+query tokens (``budget.tokens_per_step`` by default), chunks of new prompts plus one token per
+running sequence. An item's token geometry is its prompt plus its ``max_new_tokens``: the KV it may
+hold, what batching=memory and ``max_seq_len`` see. Greedy output equals one-prompt-at-a-time
+`generate` token for token, in every batching mode (tests/test_generate.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from forge.api import CausalLMFunction, Column, Field, ForgeError, Forward, ModelFunctionConfig, Prompt, Row
+from forge.config.schema import one_of, positive
+
+FINISH = ("length", "stop", "eos")
+STATES_FOLDER = "generated_states"
+
+
+@dataclass
+class GenerateConfig(ModelFunctionConfig):
+    """The root keys generate reads."""
+
+    max_new_tokens: int = positive(64)  # tokens generated per row at most (a row's own max_new_tokens overrides it)
+    stop: list[str] = field(default_factory=list)  # the text ends before the first of these (a row's stop adds to them)
+    eos: bool = True  # stop a row at the model's end-of-sequence token
+    layers: list[int] = field(default_factory=list)  # hidden_states[L] of the generated tokens (0 = embeddings)
+    capture: list[str] = field(default_factory=list)  # hook points kept for the generated tokens (as probe_gen's)
+    states_of: str = one_of("generated", "generated", "all")  # all: the prompt's own tokens' states too
+
+
+class Generate(CausalLMFunction):
+    name = "generate"
+    config_schema = GenerateConfig
+    columns = {"prompt": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
+    fields = (
+        Field("generated_ids", "int32", (), ragged=True),
+        Field("text", "string"),
+        Field("finish_reason", "string"),
+        Field("num_prompt_tokens", "int32"),
+        Field("num_generated_tokens", "int32"),
+    )
+    tree_rows = False  # a batch is a set of prompts: the engine lays out its own steps
+
+    def __init__(self, config: GenerateConfig):
+        self.forward = Forward(layers=tuple(config.layers), capture=tuple(config.capture))
+        super().__init__(config)
+        self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
+        self.states_of = config.states_of
+        self.states = bool(config.layers or config.capture)
+        names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
+        self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
+
+    def options(self) -> dict[str, Any]:
+        states = {"layers": list(self.forward.layers), "capture": list(self.forward.capture)} if self.states else {}
+        return {
+            "decoding": "greedy",
+            "max_new_tokens": self.max_new,
+            "stop": list(self.stop),
+            "eos": self.eos,
+            **states,
+        }
+
+    def prompts(self, row: Row) -> list[Prompt] | str:
+        from forge.runtime.generation import RowLimits
+
+        data = row.data
+        limit = data.get("max_new_tokens", self.max_new)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            return f"'max_new_tokens' is {limit!r}; give a positive integer or leave it out"
+        stop = data.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            return f"'stop' is {stop!r}; give a non-empty string or a list of them"
+        limits = RowLimits(limit, (*self.stop, *stop))
+        return [Prompt(data["prompt"], data.get("prefix") or None, data.get("label"), limits)]
+
+    def records(self):
+        """Items whose geometry is what they may hold: the prompt's tokens plus the row's max_new_tokens."""
+        for record in super().records():
+            limits = getattr(getattr(record, "meta", None), "data", None)
+            yield record if limits is None else replace(record, num_tokens=record.num_tokens + limits.max_new_tokens)
+
+    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
+        super().check_mode(split_prefix, packed, cache)  # the capture forward's layouts (rows of whole sequences)
+
+    def path(self) -> str:
+        return f"{self.caps.family}: continuous batching ({self.caps.attn} attention), greedy"
+
+    def cost_model(self):
+        from forge.runtime.cost_models import causal_lm_cost_model
+
+        return causal_lm_cost_model(self, replace(self.forward, logits="targets"))  # the LM head runs every step
+
+    def reduce(self, view):  # the engine's worker writes results itself
+        raise ForgeError("generate's worker writes its results; reduce is not used")
+
+    def open_worker(self, device, cache_tokens: int):
+        from transformers import AutoModelForCausalLM
+
+        from forge.runtime.generate_worker import GenerateWorker
+        from forge.runtime.generation import Engine
+
+        model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
+        engine = Engine(model, self.tokenizer, device.limits.max_batch_tokens, self.eos, self.hf.pad_token_id)
+        runner = None
+        if self.states:
+            from forge.runtime.causal_lm import CausalLMRunner
+
+            runner = CausalLMRunner(
+                model,
+                layers=list(self.forward.layers),
+                pad_token_id=self.hf.pad_token_id,
+                caps=self.caps,
+                allow_no_layers=True,
+                captures=list(self.forward.capture),
+            )
+        return GenerateWorker(engine, runner, self.states_of == "all", device.limits.max_batch_tokens)
+
+    def open_sink(self, store):
+        from forge.runtime.generate_worker import GenerateSink
+
+        return GenerateSink(super().open_sink(store))
