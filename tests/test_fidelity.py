@@ -265,7 +265,7 @@ def test_fidelity_float32(tmp_path, data, name, mode, pooling):
         assert "\n" not in message and "use batching." in message
         assert not (tmp_path / "report.json").exists()  # refused before any work
         return
-    report = _run(tmp_path, path, rows, mode, pooling)
+    report = _run(tmp_path, path, rows, mode, pooling, f"capture=[{','.join(CAPTURE)}]")
     assert report["items"]["completed"] == len(refs) and report["items"]["failed"] == 0, report.get("failures")
     assert report["balanced"], report["imbalance"]
     assert report["path"].startswith(f"{_family_type(path)}: ")
@@ -277,6 +277,59 @@ def test_fidelity_float32(tmp_path, data, name, mode, pooling):
         want = torch.stack([refs[i][pooling][layer] for i in ids])
         diff = (layers[layer] - want).abs().max().item()
         assert diff < TOL, (name, mode, pooling, layer, diff, report["path"])
+    # the hook points captured beside them (probe_gen capture=[...], pooled alike): plain transformers hooks
+    from forge.io.results import load
+
+    captured, hooked = load(tmp_path, "activations"), capture_reference(name, data)
+    for point in CAPTURE:
+        for rid, got in zip(captured.ids, captured.columns[point]):
+            own = hooked[rid][point]
+            want = own[-1] if pooling == "last" else own.mean(dim=0)
+            diff = (torch.as_tensor(got).float() - want).abs().max().item()
+            assert diff < TOL, (name, mode, pooling, point, rid, diff)
+
+
+# -- capture at hook points: plain transformers forward hooks on the same modules -----------------
+CAPTURE = ("attn_out.0", "mlp_out.1")
+ATTN_BLOCK = r"(self_attn|attn|attention|self_attention)"
+MLP_BLOCK = r"(mlp|feed_forward|block_sparse_moe|fc2)"  # OPT: no MLP block, its second projection
+_CAPTURE_REFS: dict[str, dict] = {}
+
+
+def _hook_module(model, kind: str, layer: int):
+    """The module a point names, found here by its path: <...>.(layers|h).<layer>.<block>."""
+    import re
+
+    pattern = re.compile(rf"(^|\.)(layers|h)\.{layer}\.{ATTN_BLOCK if kind == 'attn_out' else MLP_BLOCK}$")
+    found = [m for n, m in model.named_modules() if pattern.search(n)]
+    assert len(found) == 1, (kind, layer, [n for n, _ in model.named_modules() if pattern.search(n)])
+    return found[0]
+
+
+def capture_reference(name: str, data) -> dict:
+    """{item id: {point: [own tokens, hidden]}} from one-prompt forward passes with hooks."""
+    if name not in _CAPTURE_REFS:
+        path, _ = family(name, data)
+        from forge.api import InputSpec, ModelSpec
+        from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
+
+        fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(data[1])), layers=[1]))
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        seen: dict[str, torch.Tensor] = {}
+        for point in CAPTURE:
+            kind, _, layer = point.partition(".")
+            keep = (lambda key: lambda m, a, out: seen.__setitem__(key, out[0] if isinstance(out, tuple) else out))(
+                point
+            )
+            _hook_module(model, kind, int(layer)).register_forward_hook(keep)
+        refs = {}
+        with torch.inference_mode():
+            for item in fn.records():
+                model(input_ids=torch.as_tensor(item.tokens, dtype=torch.long)[None], use_cache=False)
+                per_token = {p: v.reshape(-1, v.shape[-1]) for p, v in seen.items()}  # OPT's MLP: [tokens, hidden]
+                refs[item.id] = {p: per_token[p][item.prefix_len :].clone() for p in CAPTURE}
+        _CAPTURE_REFS[name] = refs
+    return _CAPTURE_REFS[name]
 
 
 # the prefix cache path with rows attending to one copy of the prefix's keys (forge.runtime.
