@@ -341,17 +341,6 @@ def forge_run_killed(out: Path, *overrides: str, faults, at_write: int = 3) -> i
     return sum(len(json.loads(line)["index"]) for line in (out / "commits.jsonl").read_text().splitlines())
 
 
-@pytest.mark.slow
-def test_the_kill9_helper_kills_a_forge_run_mid_write(tmp_path, faults):
-    from conftest import run_forge, small_run
-
-    args = [*small_run(24, "batching.merge_groups=false"), "runtime.executor=process", "shard_size=8"]
-    committed = forge_run_killed(tmp_path / "run", *args, faults=faults)
-    assert 16 <= committed < 24
-    report = run_forge(tmp_path / "run", *args, "resume=true")
-    assert report["items"]["resumed"] == committed and report["items"]["completed"] == 24
-
-
 def test_bfloat16_shards_and_torch_values(tmp_path):
     """A safetensors shard written through torch (a bfloat16 field) keeps its partial; values
     may come as torch tensors of any float dtype (folded in float64)."""
