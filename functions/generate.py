@@ -7,14 +7,15 @@ and ``stop`` (a string or a list: the text ends before the first one found). Per
 ``generated_ids`` (int32, ragged), ``text``, ``finish_reason`` (length | stop | eos),
 ``num_prompt_tokens`` and ``num_generated_tokens``; with ``layers`` / ``capture``, per generated
 token (and, ``states_of: all``, per prompt token after the prefix first) the states from a plain
-forward over the final sequence, in ``generated_states/`` as safetensors.
+forward over the final sequence, as ragged float32 columns ``layer_<L>`` / ``<point>`` beside them.
 
 Each batch Forge cuts runs in transformers' continuous-batching engine
 (`forge.runtime.generation`): every engine step holds at most the device's ``max_batch_tokens``
 query tokens (``budget.tokens_per_step`` by default), chunks of new prompts plus one token per
 running sequence. An item's token geometry is its prompt plus its ``max_new_tokens``: the KV it may
 hold, what batching=memory and ``max_seq_len`` see. Greedy output equals one-prompt-at-a-time
-`generate` token for token, in every batching mode (tests/test_generate.py).
+`generate` token for token, in every batching mode (tests/test_generate.py). A family whose model
+code the engine cannot run (`engine_refusal`) is refused before any work, and so are interventions.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from forge.api import CausalLMFunction, Column, Field, ForgeError, Forward, Mode
 from forge.config.schema import one_of, positive
 
 FINISH = ("length", "stop", "eos")
-STATES_FOLDER = "generated_states"
 
 
 @dataclass
@@ -39,6 +39,37 @@ class GenerateConfig(ModelFunctionConfig):
     layers: list[int] = field(default_factory=list)  # hidden_states[L] of the generated tokens (0 = embeddings)
     capture: list[str] = field(default_factory=list)  # hook points kept for the generated tokens (as probe_gen's)
     states_of: str = one_of("generated", "generated", "all")  # all: the prompt's own tokens' states too
+
+
+# families whose model code breaks transformers' continuous-batching engine (transformers 5.x;
+# tests/test_generate.py runs each and checks that it still does)
+ENGINE_BREAKS = {
+    "gpt_neox": "its attention calls the cache's update() without the engine's arguments",
+    "opt": "its forward asks the cache for get_seq_length(), which the engine's paged cache lacks",
+}
+
+
+def engine_refusal(config: Any, caps: Any) -> str | None:
+    """Why transformers' continuous-batching engine cannot run this model (None: it can, or its class
+    cannot be read)."""
+    from forge.runtime.class_facts import class_fact
+
+    def attention_backend() -> bool | None:
+        import importlib
+
+        try:
+            cls = getattr(importlib.import_module(caps.model_module), caps.model_class)
+        except (ImportError, AttributeError, TypeError, ValueError):
+            return None
+        return bool(getattr(cls, "_supports_attention_backend", False))
+
+    if caps.family in ENGINE_BREAKS:
+        return ENGINE_BREAKS[caps.family]
+    if getattr(config, "kv_lora_rank", None):
+        return "multi-head latent attention (keys and values of different head sizes) does not fit its paged cache"
+    if class_fact(config, "AutoModelForCausalLM", "attention_backend", attention_backend) is False:
+        return "its attention does not go through transformers' attention interface, which the paged cache needs"
+    return None
 
 
 class Generate(CausalLMFunction):
@@ -57,6 +88,9 @@ class Generate(CausalLMFunction):
     def __init__(self, config: GenerateConfig):
         self.forward = Forward(layers=tuple(config.layers), capture=tuple(config.capture))
         super().__init__(config)
+        self.tree_rows = False  # CausalLMFunction.__init__ turns them on (for its runner's tree rows)
+        if self.interventions:
+            raise ForgeError("generate does not apply interventions (intervene): the engine runs the plain model")
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.states_of = config.states_of
         self.states = bool(config.layers or config.capture)
@@ -77,7 +111,8 @@ class Generate(CausalLMFunction):
         from forge.runtime.generation import RowLimits
 
         data = row.data
-        limit = data.get("max_new_tokens", self.max_new)
+        limit = data.get("max_new_tokens")
+        limit = self.max_new if limit is None else limit  # null: not given (a Parquet column other rows set)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             return f"'max_new_tokens' is {limit!r}; give a positive integer or leave it out"
         stop = data.get("stop") or []
@@ -94,6 +129,11 @@ class Generate(CausalLMFunction):
             yield record if limits is None else replace(record, num_tokens=record.num_tokens + limits.max_new_tokens)
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
+        reason = engine_refusal(self.config, self.caps)  # whatever the layout: first
+        if reason:
+            raise ForgeError(
+                f"generate cannot run {self.caps.family} in transformers' continuous-batching engine: {reason}"
+            )
         super().check_mode(split_prefix, packed, cache)  # the capture forward's layouts (rows of whole sequences)
 
     def path(self) -> str:

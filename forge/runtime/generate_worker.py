@@ -76,7 +76,11 @@ class GenerateWorker:
         generated = sum(len(g.ids) for g in done)
         fed = sum(max(0, len(g.ids) - 1) for g in done)
         figures = GenerationFigures(prompt, generated, steps, fed, seconds, self.budget)
-        computed = batch.prefix_len if batch.split_prefix else 0
+        # the ledger's prefix tokens of a split batch: what the engine actually prefilled of them
+        # (a fresh paged cache per batch: pages are shared only once a prompt's prefill finished)
+        own = sum(len(it.tokens) - it.prefix_len for it in items)
+        prefixes = sum(it.prefix_len for it in items)
+        computed = min(prefixes, max(0, figures.prefill_computed - own)) if batch.split_prefix else 0
         return GenerationColumns(columns, computed, False, figures)
 
     def close(self) -> None:

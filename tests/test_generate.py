@@ -1,0 +1,572 @@
+"""generate: greedy text through transformers' continuous-batching engine, token for token what
+one-prompt-at-a-time `generate` gives, in every batching mode, at any step budget and in every
+family the engine runs; stop strings, per-row limits, the step budget in the ledger, the states of
+the generated tokens, kill -9 and resume.
+
+The reference shares nothing with Forge but the model's files: each row is tokenized with
+`AutoTokenizer` (a prefix with special tokens, the prompt after it without; a prompt alone with
+them) and run alone through `model.generate(ids, do_sample=False, max_new_tokens=N)`: no padding,
+the model's own end-of-sequence token (generation stops there, the token kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from forge.errors import ForgeError  # noqa: E402
+from forge.io.results import load  # noqa: E402
+from forge.testing import MODES, run_function  # noqa: E402
+
+N = 8  # max_new_tokens of the runs
+N_LONG = 12  # the longer greedy run per-row limits are cut from
+TOL = 1e-4
+SMALL_BUDGET, LARGE_BUDGET = 128, 1024
+
+
+def limits(budget: int = SMALL_BUDGET) -> list[str]:
+    """Steps of `budget` tokens; max_seq_len covers an item's geometry (a ~75-token prompt + N_LONG)."""
+    return [
+        "devices=auto",
+        f"devices.limits.max_batch_tokens={budget}",
+        "devices.limits.max_seq_len=128",
+        f"budget.tokens_per_step={budget}",
+        f"max_new_tokens={N}",
+    ]
+
+
+def _rows() -> list[dict]:
+    """12 embedded prompts: 11 under 3 few-shot prefixes (4, 4, 3) and one without a prefix."""
+    from forge.functions.assets import ASSETS_DIR
+
+    rows = [json.loads(line) for line in open(Path(ASSETS_DIR) / "prompts.jsonl")]
+    prefixes = list(dict.fromkeys(r["prefix"] for r in rows if r.get("prefix")))[:3]
+    out = [r for r in rows if r.get("prefix") in prefixes][:12]
+    out[-1] = {"id": out[-1]["id"], "prompt": out[-1]["prompt"]}
+    return out
+
+
+ROWS = _rows()
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def prompt_ids(tok, row: dict) -> list[int]:
+    if row.get("prefix"):
+        return tok(row["prefix"])["input_ids"] + tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    return tok(row["prompt"])["input_ids"]
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """One prompt alone through `generate`: its new tokens (ending at EOS when the model emits it)."""
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
+    return out[0, len(ids) :].tolist()
+
+
+class Reference:
+    """A model dir's tokenizer and model, and each row's greedy tokens (computed once per length)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self._runs: dict[tuple[str, int], list[int]] = {}
+
+    def prompt(self, row: dict) -> list[int]:
+        return prompt_ids(self.tok, row)
+
+    def new_tokens(self, row: dict, n: int = N) -> list[int]:
+        key = (row["id"], n)
+        if key not in self._runs:
+            self._runs[key] = greedy(self.model, self.prompt(row), n)
+        return self._runs[key]
+
+    def divergence(self, row: dict, got: list[int], want: list[int]) -> str:
+        """Where `got` leaves the greedy tokens, and the reference's top-2 logit gap there."""
+        at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        ids = torch.tensor([self.prompt(row) + want[:at]])
+        with torch.inference_mode():
+            top = self.model(input_ids=ids).logits[0, -1].topk(2).values
+        gap = (top[0] - top[1]).item()
+        return f"first differing token {at}: got {got[at : at + 3]}, want {want[at : at + 3]}; logit gap {gap:.3g}"
+
+    def check(self, run_dir: Path, rows: list[dict], n: int = N) -> None:
+        """Every row of `rows` committed once, its tokens the greedy ones, its figures consistent."""
+        res = load(run_dir)
+        by_id = {r["id"]: r for r in rows}
+        assert sorted(res.ids) == sorted(by_id), (res.ids, list(by_id))
+        for k, rid in enumerate(res.ids):
+            row, got = by_id[rid], res.columns["generated_ids"][k].tolist()
+            want = self.new_tokens(row, n)
+            assert got == want, f"{run_dir.name} {rid}: {self.divergence(row, got, want)}"
+            assert res.columns["num_prompt_tokens"][k] == len(self.prompt(row)), rid
+            assert res.columns["num_generated_tokens"][k] == len(want), rid
+            assert res.columns["text"][k] == self.tok.decode(want, skip_special_tokens=True), rid
+            eos = want[-1] in _eos_ids(self.model)
+            assert res.columns["finish_reason"][k] == ("eos" if eos else "length"), rid
+
+
+def _eos_ids(model) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one torch thread is much faster than two contending."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("generate")
+    _write(root / "rows.jsonl", ROWS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def embedded(work) -> Reference:
+    """The embedded model (weights from its seed) with its tokenizer, in one directory."""
+    import shutil
+
+    from forge.functions.assets import embedded_model_source, materialize_model
+
+    path = work / "embedded-model"
+    shutil.copytree(materialize_model(embedded_model_source()), path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(embedded_model_source() / f, path / f)
+    return Reference(path)
+
+
+@pytest.fixture(scope="module")
+def base(work):
+    """One run on the embedded default (batching=token) under steps of SMALL_BUDGET tokens."""
+    report = run_function("generate", work / "rows.jsonl", work / "base", limits())
+    return report, load(work / "base")
+
+
+# -- greedy equality -----------------------------------------------------------------------------
+
+
+def test_greedy_equals_one_prompt_at_a_time(work, base, embedded):
+    report, _ = base
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert report["path"].startswith("llama: continuous batching")
+    embedded.check(work / "base", ROWS)
+
+
+CASES = [(mode, budget) for mode in MODES for budget in (SMALL_BUDGET, LARGE_BUDGET)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", CASES, ids=[f"{m}-{b}" for m, b in CASES])
+def test_greedy_in_every_batching_mode_and_budget(work, embedded, mode, budget):
+    """Item batches, prefix groups with and without the cache, packed rows, memory-sized and merged
+    batches; a small budget splits prompts' prefill across steps, a large one takes them whole."""
+    run = work / f"mode-{mode}-{budget}"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(budget), *MODES[mode]])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert "tree rows" not in report["layouts"]  # the engine takes prompts: prefix groups are never merged
+    embedded.check(run, ROWS)
+    gen = report["outputs"]["generation"]
+    assert gen["tokens_per_step_budget"] == budget and 0 < gen["largest_step_tokens"] <= budget, gen
+    assert sum(gen["steps_by_tokens"].values()) == gen["steps"]
+
+
+# -- families ------------------------------------------------------------------------------------
+
+# gpt2 is built without BASE's num_key_value_heads=2: GPT-2 ignores the key, but the engine's paged
+# cache reads it and sizes its pages for 2 key heads, then fails on the model's 4 (index_copy_)
+FAMILY_NAMES = ["llama", "qwen2", "phi3", "mistral-window", "gemma2", "gemma3", "gpt_oss", "mixtral", "gpt2"]
+# refused before work: the engine fails on their model code (an error in the generation loop)
+REFUSED = {
+    "gpt_neox": "update",
+    "opt": "get_seq_length",
+    "falcon": "attention interface",
+    "falcon-alibi": "attention interface",
+    "stablelm": "attention interface",
+    "bloom": "attention interface",
+    "deepseek_v3": "latent attention",
+}
+_FAMILIES: dict[str, Reference] = {}
+
+
+def family(name: str, root: Path) -> Reference:
+    """A tiny random-weight model of the family (tests/test_fidelity.py's), built once per module."""
+    if name not in _FAMILIES:
+        from test_fidelity import _config, _save
+
+        cfg = _config(name)
+        if name == "gpt2":
+            del cfg.num_key_value_heads
+        path, _ = _save(cfg, root / f"family-{name}")
+        _FAMILIES[name] = Reference(path)
+    return _FAMILIES[name]
+
+
+_COMPOSED: dict[tuple, object] = {}
+
+
+def run_model(run_dir: Path, model_dir: Path, rows: Path, *overrides: str):
+    """`forge run function=generate model=hf model.name=DIR` in this process (composed once per overrides)."""
+    from forge.cli.build import build_spec
+    from forge.cli.compose import compose
+    from forge.driver.engine import execute
+    from forge.pluginmanager import make_plugin_manager
+
+    key = (str(rows), overrides)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose(
+            ["function=generate", "model=hf", "model.name=DIR", f"input.path={rows}", "runtime.executor=inprocess"]
+            + [*limits(), *overrides]
+        )
+    cfg = copy.deepcopy(_COMPOSED[key])
+    cfg.model.name = str(model_dir)
+    return execute(build_spec(cfg, run_dir), make_plugin_manager())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_greedy_equals_one_prompt_at_a_time_in_each_family(work, name):
+    ref = family(name, work)
+    report = run_model(work / f"run-{name}", ref.path, work / "rows.jsonl")
+    assert report["items"]["completed"] == len(ROWS) and report["items"]["failed"] == 0, report.get("failures")
+    assert report["balanced"]
+    ref.check(work / f"run-{name}", ROWS)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_family_the_engine_cannot_run_is_refused_before_work(work, name):
+    ref = family(name, work)
+    with pytest.raises(ForgeError, match=f"generate cannot run .*{REFUSED[name]}") as err:
+        run_model(work / f"refused-{name}", ref.path, work / "rows.jsonl")
+    assert "\n" not in str(err.value)
+    assert not (work / f"refused-{name}" / "report.json").exists()
+
+
+def test_interventions_are_refused_before_work(work):
+    """The engine runs the plain model: a steering or ablation there would not be applied."""
+    with pytest.raises(ForgeError, match="generate does not apply interventions"):
+        run_function(
+            "generate", work / "rows.jsonl", work / "intervene", [*limits(), "intervene=[{at: mlp_out.1, op: zero}]"]
+        )
+    assert not (work / "intervene" / "report.json").exists()
+
+
+@pytest.mark.slow
+def test_the_refused_families_do_break_the_engine(work):
+    """What the refusals stand for: each refused family's model fails in the engine itself."""
+    from forge.runtime.generation import Engine, RowLimits
+
+    for name in REFUSED:
+        ref = family(name, work)
+        engine = Engine(ref.model, ref.tok, SMALL_BUDGET, True, 3)
+        prompts = [ref.prompt(r) for r in ROWS[:2]]
+        with pytest.raises(RuntimeError, match="generation failed"):
+            engine.generate(prompts, [RowLimits(2)] * 2)
+
+
+@pytest.mark.slow
+def test_eos_ends_a_row_and_eos_false_runs_on(work, embedded):
+    """The embedded model with a second EOS id, a token its greedy text emits: rows stop at it (kept,
+    finish_reason eos) as `generate` does; `eos=false` runs every row to its limit."""
+    import shutil
+
+    path = work / "embedded-eos"
+    shutil.copytree(embedded.path, path)
+    first = [embedded.new_tokens(r) for r in ROWS]
+    held = [(sum(t in ids[1:] for ids in first), t) for t in sorted({t for ids in first for t in ids[1:]})]
+    token = max(h for h in held if h[0] < len(ROWS))[1]  # a token some rows emit (not first) and others never
+    config = transformers.GenerationConfig.from_model_config(embedded.model.config)
+    config.eos_token_id = [int(embedded.model.config.eos_token_id), int(token)]
+    config.save_pretrained(path)
+    ref = Reference(path)
+    report = run_model(work / "eos-on", path, work / "rows.jsonl")
+    assert report["items"]["completed"] == len(ROWS)
+    ref.check(work / "eos-on", ROWS)
+    res = load(work / "eos-on")
+    reasons = list(res.columns["finish_reason"])
+    assert "eos" in reasons and "length" in reasons, reasons  # some rows stopped early, some ran on
+    report = run_model(work / "eos-off", path, work / "rows.jsonl", "eos=false")
+    off = load(work / "eos-off")
+    for k, rid in enumerate(off.ids):
+        row = next(r for r in ROWS if r["id"] == rid)
+        assert off.columns["generated_ids"][k].tolist() == embedded.new_tokens(row), rid  # no EOS: N tokens
+        assert off.columns["finish_reason"][k] == "length"
+
+
+# -- stop strings and per-row limits -------------------------------------------------------------
+
+
+def _stop_string(texts: list[str]) -> str:
+    """An alphanumeric piece some texts hold after their first character and others lack."""
+    pieces = {t[i : i + k] for t in texts for k in (3, 2, 1) for i in range(1, len(t) - k + 1)}
+    pieces = {p for p in pieces if p.isalnum() and p.isascii()}
+    best = [(sum(p in t for t in texts), len(p), p) for p in sorted(pieces)]
+    best = [b for b in best if 0 < b[0] < len(texts)]
+    assert best, texts
+    return max(best)[2]
+
+
+def _cut(tok, ids: list[int], stops: list[str]) -> tuple[list[int], str, bool]:
+    """Independently of Forge: the text before the first stop string, and the fewest ids whose text holds it."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return ids, text, False
+    at = min(hits)
+    stop = next(s for s in stops if text.find(s) == at)
+    k = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=True))
+    return ids[:k], text[:at], True
+
+
+@pytest.mark.slow
+def test_stop_strings_and_per_row_max_new_tokens(work, base, embedded):
+    _, res = base
+    texts = {rid: str(t) for rid, t in zip(res.ids, res.columns["text"])}
+    stop = _stop_string(list(texts.values()))
+    holders = [r for r in ROWS if stop in texts[r["id"]]][:2]
+    assert len(holders) == 2, (stop, texts)
+    rows = [dict(r) for r in holders + [r for r in ROWS if r not in holders]]
+    rows[0]["stop"], rows[1]["stop"] = stop, ["never in a text", stop]  # a string, a list
+    rows[2]["max_new_tokens"], rows[3]["max_new_tokens"], rows[4]["max_new_tokens"] = 1, 3, N_LONG  # [5]: N
+    rows[6]["max_new_tokens"], rows[7]["max_new_tokens"], rows[8]["max_new_tokens"] = 0, "x", True
+    rows[9]["stop"] = 5
+    rows[10]["stop"], rows[11]["max_new_tokens"] = None, None  # null: not given (a column other rows set)
+    report = run_function("generate", _write(work / "limits.jsonl", rows), work / "limits", limits())
+    items = report["items"]
+    assert items["received"] == 12 and items["failed"] == 4 and items["completed"] == 8, items
+    assert report["balanced"], report.get("imbalance")
+    reasons = {f["id"]: f["reason"] for f in report["failures"]}
+    assert "'max_new_tokens' is 0; give a positive integer" in reasons[rows[6]["id"]]
+    assert "'max_new_tokens' is 'x'" in reasons[rows[7]["id"]]
+    assert "'max_new_tokens' is True" in reasons[rows[8]["id"]]
+    assert "'stop' is 5; give a non-empty string or a list" in reasons[rows[9]["id"]]
+    got = load(work / "limits")
+    assert sorted(got.ids) == sorted(r["id"] for r in rows if r["id"] not in reasons)
+    for k, rid in enumerate(got.ids):
+        row = next(r for r in rows if r["id"] == rid)
+        col = got.columns
+        ids, text, why = col["generated_ids"][k].tolist(), col["text"][k], col["finish_reason"][k]
+        n = row.get("max_new_tokens") or N
+        longer = embedded.new_tokens(row, N_LONG)
+        if row.get("stop"):
+            stops = [row["stop"]] if isinstance(row["stop"], str) else row["stop"]
+            want_ids, want_text, stopped = _cut(embedded.tok, longer[:n], stops)
+            assert stopped and why == "stop" and (ids, text) == (want_ids, want_text), (rid, ids, text)
+            assert text == texts[rid][: texts[rid].find(stop)] and stop not in text
+        else:  # the first n tokens of the longer greedy run
+            assert ids == longer[:n] and got.columns["num_generated_tokens"][k] == n and why == "length", rid
+            assert text == embedded.tok.decode(longer[:n], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_a_config_stop_applies_to_every_row(work, base, embedded):
+    _, res = base
+    texts = {rid: str(t) for rid, t in zip(res.ids, res.columns["text"])}
+    stop = _stop_string(list(texts.values()))
+    report = run_function("generate", work / "rows.jsonl", work / "config-stop", [*limits(), f"stop=['{stop}']"])
+    assert report["items"]["completed"] == len(ROWS)
+    got = load(work / "config-stop")
+    stopped = 0
+    for k, rid in enumerate(got.ids):
+        row = next(r for r in ROWS if r["id"] == rid)
+        want_ids, want_text, hit = _cut(embedded.tok, embedded.new_tokens(row), [stop])
+        assert got.columns["generated_ids"][k].tolist() == want_ids and got.columns["text"][k] == want_text, rid
+        assert got.columns["finish_reason"][k] == ("stop" if hit else "length"), rid
+        assert got.columns["num_generated_tokens"][k] == len(want_ids)
+        stopped += hit
+    assert 0 < stopped < len(ROWS)
+
+
+# -- the step budget in the report ---------------------------------------------------------------
+
+
+def test_no_step_over_the_budget(base):
+    report, res = base
+    gen = report["outputs"]["generation"]
+    assert gen["tokens_per_step_budget"] == SMALL_BUDGET  # the device's max_batch_tokens
+    assert gen["largest_step_tokens"] == SMALL_BUDGET  # full steps: prompts' prefill split across steps
+    assert sum(gen["steps_by_tokens"].values()) == gen["steps"] > N
+    assert all(int(b[2:]) <= SMALL_BUDGET for b in gen["steps_by_tokens"])
+    assert gen["prompt_tokens"] == int(res.columns["num_prompt_tokens"].sum())
+    assert gen["generated_tokens"] == int(res.columns["num_generated_tokens"].sum()) == N * len(ROWS)
+    assert gen["prefill_tokens_computed"] + gen["prefill_tokens_shared"] == gen["prompt_tokens"]
+    tokens = report["tokens"]  # an item's geometry: its prompt plus its max_new_tokens
+    assert tokens["received"] == gen["prompt_tokens"] + N * len(ROWS) and report["balanced"]
+
+
+def test_histogram_and_stop_cut_helpers():
+    from forge.functions.assets import embedded_model_source
+    from forge.runtime.generation import cut_at_stop, step_histogram
+
+    assert step_histogram([1, 2, 3, 64, 65, 128, 128], 128) == {"<=1": 1, "<=2": 1, "<=4": 1, "<=64": 1, "<=128": 3}
+    tok = transformers.AutoTokenizer.from_pretrained(str(embedded_model_source()))
+    ids = tok("Answer: True, because it is.", add_special_tokens=False)["input_ids"]
+    got = cut_at_stop(tok, ids, (",", "because"))
+    assert got == _cut(tok, ids, [",", "because"]) and got[1] == "Answer: True" and got[2]
+    assert cut_at_stop(tok, ids, ("never",)) == (ids, tok.decode(ids), False)
+
+
+def test_the_engine_frees_its_cache_without_a_full_collection(embedded):
+    """The engine's manager stops without full collections (forge.runtime.generation): its paged
+    cache and batch processor must go by reference counting alone."""
+    import gc
+
+    from transformers.generation.continuous_batching import cache, continuous_api
+
+    from forge.runtime.generation import Engine, RowLimits
+
+    engine = Engine(embedded.model, embedded.tok, SMALL_BUDGET, True, 3)
+    kinds = (
+        cache.PagedAttentionCache,
+        continuous_api.ContinuousBatchProcessor,
+        continuous_api.ContinuousBatchingManager,
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        done, steps = engine.generate([embedded.prompt(r) for r in ROWS[:3]], [RowLimits(2)] * 3)
+        left = [type(o).__name__ for o in gc.get_objects() if type(o) in kinds]
+    finally:
+        gc.enable()
+    assert [g.ids for g in done] == [embedded.new_tokens(r)[:2] for r in ROWS[:3]] and steps
+    assert left == []
+
+
+# -- states of the generated tokens --------------------------------------------------------------
+
+
+def _plain_states(ref: Reference, ids: list[int], layers: list[int], mlp_layer: int | None = None) -> dict:
+    """hidden_states[L] (and layer `mlp_layer`'s MLP output) of a plain forward over `ids`."""
+    seen = {}
+    handle = None
+    if mlp_layer is not None:
+        mlp = ref.model.model.layers[mlp_layer].mlp
+        handle = mlp.register_forward_hook(lambda m, i, o: seen.__setitem__("mlp", o))
+    try:
+        with torch.inference_mode():
+            out = ref.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+    states = {f"layer_{L}": out.hidden_states[L][0] for L in layers}
+    if mlp_layer is not None:
+        states[f"mlp_out.{mlp_layer}"] = seen["mlp"][0]
+    return states
+
+
+@pytest.mark.slow
+def test_generated_states_equal_a_plain_forward_over_the_final_sequence(work, embedded):
+    run = work / "states"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(), "layers=[1,3]", "capture=[mlp_out.2]"])
+    assert report["items"]["completed"] == len(ROWS)
+    embedded.check(run, ROWS)
+    res = load(run)
+    for k, rid in enumerate(res.ids):
+        row = next(r for r in ROWS if r["id"] == rid)
+        prompt, new = embedded.prompt(row), res.columns["generated_ids"][k].tolist()
+        want = _plain_states(embedded, prompt + new, [1, 3], mlp_layer=2)
+        for name, w in want.items():
+            got = res.columns[name][k]
+            assert got.dtype == np.float32 and got.shape == (len(new), w.shape[-1]), (name, got.shape)
+            diff = np.abs(got - w[len(prompt) :].numpy()).max()
+            assert diff < TOL, (rid, name, diff)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token-cache", "item"])
+def test_states_of_all_start_at_the_prefix_end(work, embedded, mode):
+    """In a split-prefix mode and with whole prompts per row alike: from the prefix's end on."""
+    run = work / f"states-all-{mode}"
+    overrides = [*limits(), *MODES[mode], "layers=[1]", "states_of=all"]
+    report = run_function("generate", work / "rows.jsonl", run, overrides)
+    assert report["items"]["completed"] == len(ROWS)
+    res = load(run)
+    for k, rid in enumerate(res.ids):
+        row = next(r for r in ROWS if r["id"] == rid)
+        prompt, new = embedded.prompt(row), res.columns["generated_ids"][k].tolist()
+        start = len(embedded.tok(row["prefix"])["input_ids"]) if row.get("prefix") else 0
+        want = _plain_states(embedded, prompt + new, [1])["layer_1"][start:].numpy()
+        got = res.columns["layer_1"][k]
+        assert got.shape == want.shape and np.abs(got - want).max() < TOL, (rid, got.shape, want.shape)
+
+
+# -- kill -9 and resume --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill9_and_resume_give_every_id_once_with_the_clean_text(tmp_path, faults):
+    from test_aggregate import forge_run_killed
+
+    from conftest import run_forge
+
+    n = 24
+    args = [
+        "function=generate",
+        f"input.limit={n}",
+        "max_new_tokens=4",
+        "devices=auto",
+        "devices.limits.max_batch_tokens=256",
+        "devices.limits.max_seq_len=128",
+        "budget.tokens_per_step=256",
+        "batching.window=8",
+        "shard_size=4",
+    ]
+    clean = run_forge(tmp_path / "clean", *args, "runtime.executor=inprocess")
+    assert clean["items"]["completed"] == n
+    args.append("runtime.executor=process")
+    committed = forge_run_killed(tmp_path / "killed", *args, faults=faults)
+    assert 0 < committed < n
+    report = run_forge(tmp_path / "killed", *args, "resume=true")
+    assert report["items"]["resumed"] == committed and report["items"]["completed"] == n
+    got, want = load(tmp_path / "killed"), load(tmp_path / "clean")
+    assert len(got.ids) == len(set(got.ids)) == n and got.ids == want.ids  # every id once, in input order
+    for name in ("text", "finish_reason", "num_generated_tokens"):
+        assert list(got.columns[name]) == list(want.columns[name]), name
+    assert [a.tolist() for a in got.columns["generated_ids"]] == [a.tolist() for a in want.columns["generated_ids"]]
+
+
+# -- reading the results; the README's command ----------------------------------------------------
+
+
+def test_load_reads_every_field(base):
+    _, res = base
+    assert res.ids == [r["id"] for r in ROWS]
+    assert res.columns["num_prompt_tokens"].dtype == np.int32 and res.columns["num_generated_tokens"].dtype == np.int32
+    assert all(a.dtype == np.int32 and a.ndim == 1 for a in res.columns["generated_ids"])
+    assert all(isinstance(t, str) for t in res.columns["text"])
+    assert set(res.columns["finish_reason"]) <= {"length", "stop", "eos"}
+    table = res.table()
+    assert set(table.column_names) >= {"generated_ids", "text", "finish_reason", "num_prompt_tokens"}
+
+
+@pytest.mark.slow
+def test_the_readme_command_runs_on_the_embedded_default(tmp_path):
+    from typer.testing import CliRunner
+
+    from forge.cli.app import app
+
+    out = tmp_path / "run"
+    args = ["run", "function=generate", "input.limit=3", "max_new_tokens=4", f"output_dir={out}"]
+    result = CliRunner().invoke(app, [*args, "runtime.executor=inprocess"])
+    assert result.exit_code == 0, result.output
+    res = load(out)
+    assert res.ids == ["g0001", "g0002", "g0003"]
+    assert list(res.columns["num_generated_tokens"]) == [4, 4, 4]
+    assert "generate" in result.output and "finished" in result.output
