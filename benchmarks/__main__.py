@@ -18,6 +18,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "peers": ("benchmarks.peers.bench_peers", "bench"),
         "embed": ("benchmarks.peers.bench_embed", "minilm"),
         "token-states": ("benchmarks.peers.bench_token_states", "bench-token-states"),
+        "generate": ("benchmarks.peers.bench_generate", "bench"),
     },
     "scale and batching (benchmarks/scale/)": {
         "scale": ("benchmarks.scale.bench_scale", ""),
@@ -37,6 +38,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
     "helpers, not benchmarks": {
         "realistic": ("benchmarks.peers.realistic", ""),
         "compare-trees": ("benchmarks.dev.compare_trees", ""),
+        "capture": ("benchmarks.dev.bench_capture", ""),
     },
 }
 BENCHMARKS = {name: entry for group in GROUPS.values() for name, entry in group.items()}
