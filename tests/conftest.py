@@ -151,3 +151,15 @@ def lease_url():
     fs = fsspec.filesystem("memory")
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one torch thread is much faster than two contending
+    (a module's tests ask for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

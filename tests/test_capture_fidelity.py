@@ -18,7 +18,8 @@ import test_fidelity as fidelity  # noqa: E402
 
 from conftest import compose  # noqa: E402
 
-data, _one_thread = fidelity.data, fidelity._one_thread  # its module fixtures, shared
+data = fidelity.data  # its module fixture, shared
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 _COMPOSED: dict[str, object] = {}
 
 

@@ -123,13 +123,7 @@ def _eos_ids(model) -> set[int]:
     return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread is much faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -51,13 +51,7 @@ ALL_MODES = {"one-at-a-time": ONE_AT_A_TIME, **MODES, "token-shared": MODES["tok
 STEER = {"at": "resid_post.1", "op": "add", "vector": "FILE", "scale": 4.0, "span": "all"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread is much faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 # -- the model, the vector and the rows ------------------------------------------------------

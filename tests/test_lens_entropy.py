@@ -41,13 +41,7 @@ def _rows() -> list[dict]:
     return out + [{"id": "np0", "text": texts[30]}, {"id": "np1", "text": " ".join(texts[31:33])}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """A tiny model on a shared 2-core machine: one torch thread is much faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
