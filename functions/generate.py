@@ -33,7 +33,7 @@ FINISH = ("length", "stop", "eos")
 class GenerateConfig(ModelFunctionConfig):
     """The root keys generate reads."""
 
-    max_new_tokens: int = positive(64)  # tokens generated per row at most (a row's own max_new_tokens overrides it)
+    max_new_tokens: int = positive(32)  # tokens generated per row at most (a row's own max_new_tokens overrides it)
     stop: list[str] = field(default_factory=list)  # the text ends before the first of these (a row's stop adds to them)
     eos: bool = True  # stop a row at the model's end-of-sequence token
     layers: list[int] = field(default_factory=list)  # hidden_states[L] of the generated tokens (0 = embeddings)
