@@ -144,9 +144,6 @@ class Generate(CausalLMFunction):
 
         return causal_lm_cost_model(self, replace(self.forward, logits="targets"))  # the LM head runs every step
 
-    def reduce(self, view):  # the engine's worker writes results itself
-        raise ForgeError("generate's worker writes its results; reduce is not used")
-
     def open_worker(self, device, cache_tokens: int):
         from transformers import AutoModelForCausalLM
 

@@ -10,7 +10,7 @@ steps by their size (none over the budget), time per output token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,6 @@ class GenerateWorker:
     runner: Any  # a CausalLMRunner for the generated tokens' states (None: none asked)
     from_prompt: bool  # states of the prompt's own tokens too
     budget: int  # tokens per engine step
-    names: list[str] = field(default_factory=list)
 
     def run(self, batch) -> GenerationColumns:
         from forge.runtime.generation import RowLimits
