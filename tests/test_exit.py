@@ -100,3 +100,40 @@ def test_a_cold_run_starts_its_workers_fork_server_first_unless_its_overrides_sa
     for args in (["-m", "batching=item,token"], ["--cfg", "job"], ["runtime=ray"], ["runtime.executor=inprocess"]):
         assert not start_workers(args), args
     assert len(warmed) == 2
+
+
+def test_a_stop_inside_stops_wait_takes_effect_as_the_block_ends_and_at_once_inside_stops_at_once():
+    """Hydra's compose runs inside `stops_wait`: a KeyboardInterrupt raised in its `finally`
+    clauses can come out as an unrelated OmegaConf error (exit 1, a traceback), not a stop."""
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from forge.cli import early
+        early.catch_stop_signals()
+        seen = []
+        try:
+            with early.stops_wait():
+                os.kill(os.getpid(), signal.SIGTERM)
+                seen.append("went on")
+                try:
+                    with early.stops_at_once():
+                        seen.append("not reached")
+                except KeyboardInterrupt:
+                    seen.append("raised on entry")
+                os.kill(os.getpid(), signal.SIGTERM)
+                seen.append("went on again")
+        except KeyboardInterrupt:
+            seen.append("raised at the end")
+        try:
+            with early.stops_wait():
+                raise SystemExit(1)  # a block that failed keeps its own error
+        except SystemExit:
+            seen.append("own error")
+        print(seen, early.STOPPED_BY)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "['went on', 'raised on entry', 'went on again', 'raised at the end', 'own error'] ['SIGTERM', 'SIGTERM']"
+    )

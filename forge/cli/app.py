@@ -56,7 +56,8 @@ def run(ctx: typer.Context) -> None:
         saved = sys.argv
         sys.argv = ["forge run", *ctx.args]
         try:
-            task()
+            with early.stops_wait():  # Hydra's code; the task's body stops at once (`stops_at_once`)
+                task()
         finally:
             sys.argv = saved
     except ForgeError as exc:
@@ -90,7 +91,8 @@ def _hydra_task(ran: list[str]):
 
         composed = time.time()  # Hydra composed the config and set up its job (report.json: compose_s)
         try:
-            with _run_dir_of_job(str(cfg.output_dir), HydraConfig.get().runtime.output_dir) as (run_dir, files):
+            job_dir = HydraConfig.get().runtime.output_dir
+            with early.stops_at_once(), _run_dir_of_job(str(cfg.output_dir), job_dir) as (run_dir, files):
                 report = _execute(cfg, run_dir, files, composed)
                 ran.append(str(run_dir))
         except ForgeError as exc:

@@ -21,7 +21,8 @@ import os
 import signal
 import sys
 import threading
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 #: the status a command stopped by a signal exits with, whichever signal (as a Ctrl-C'd run does)
@@ -30,6 +31,10 @@ STOPPED_STATUS = 130
 STOPPED_BY: list[str] = []
 #: the stop lines built for printing (`stopped_line`): a stop that ends with none was swallowed
 REPORTED: list[str] = []
+#: innermost last: True while a stop waits for the end of the block (`stops_wait`)
+_WAITING: list[bool] = []
+#: a stop that came while stops waited, raised when they no longer do
+_PENDING: list[str] = []
 
 #: what the worker needs besides torch and transformers, preloaded before the function is known
 RUNTIME_MODULES = ("forge.api", "forge.runtime.causal_lm", "forge.runtime.views")
@@ -76,7 +81,41 @@ def restore_signals(previous: dict[int, Any]) -> None:
 
 def _stop(signum: int, frame: object) -> None:
     STOPPED_BY.append(signal.Signals(signum).name)
+    if _WAITING and _WAITING[-1]:
+        _PENDING.append(STOPPED_BY[-1])
+        return
     raise KeyboardInterrupt
+
+
+def _raise_pending() -> None:
+    if _PENDING and not (_WAITING and _WAITING[-1]):
+        _PENDING.clear()
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def stops_wait() -> Iterator[None]:
+    """A stop signal inside the block takes effect as it ends (a KeyboardInterrupt then), unless
+    the block failed: for Hydra's own code, whose `finally` clauses can turn a KeyboardInterrupt
+    raised mid-compose into an unrelated error (an OmegaConf node half built). Composing takes
+    well under a second; `stops_at_once` opens the task's body inside it."""
+    _WAITING.append(True)
+    try:
+        yield
+    finally:
+        _WAITING.pop()
+    _raise_pending()
+
+
+@contextmanager
+def stops_at_once() -> Iterator[None]:
+    """Inside `stops_wait`: a stop raises at once again (one that waited raises on entry)."""
+    _WAITING.append(False)
+    try:
+        _raise_pending()
+        yield
+    finally:
+        _WAITING.pop()
 
 
 def stopped_line(during: str = "during start-up, before any work", ran: bool = False) -> str:
