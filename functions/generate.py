@@ -1,5 +1,5 @@
-"""generate: text from a causal LM for each row, greedy, with continuous batching, and optionally
-the activations of the generated tokens.
+"""generate: text from a causal LM for each row, greedy or sampled, with continuous batching, and
+optionally the activations of the generated tokens.
 
 Rows: ``prompt`` (the text), optional ``prefix`` (a shared few-shot prefix: token rule as everywhere,
 its KV pages shared between the prompts of a batch), ``id``, ``max_new_tokens`` (this row's limit)
@@ -9,13 +9,15 @@ and ``stop`` (a string or a list: the text ends before the first one found). Per
 token (and, ``states_of: all``, per prompt token after the prefix first) the states from a plain
 forward over the final sequence, as ragged float32 columns ``layer_<L>`` / ``<point>`` beside them.
 
-Each batch Forge cuts runs in transformers' continuous-batching engine
-(`forge.runtime.generation`): every engine step holds at most the device's ``max_batch_tokens``
-query tokens (``budget.tokens_per_step`` by default), chunks of new prompts plus one token per
-running sequence. An item's token geometry is its prompt plus its ``max_new_tokens``: the KV it may
+Each batch Forge cuts runs in Forge's continuous-batching decoder (`forge.runtime.decode`): every
+step holds at most the device's ``max_batch_tokens`` tokens (``budget.tokens_per_step`` by
+default), one per running sequence plus a chunk of new prompts, whose shared prefix is computed
+once per worker. An item's token geometry is its prompt plus its ``max_new_tokens``: the KV it may
 hold, what batching=memory and ``max_seq_len`` see. Greedy output equals one-prompt-at-a-time
-`generate` token for token, in every batching mode (tests/test_generate.py). A family whose model
-code the engine cannot run (`engine_refusal`) is refused before any work, and so are interventions.
+`generate` token for token, in every batching mode (tests/test_generate.py); ``sampling`` draws
+each row's tokens from its own stream, seeded by (seed, id): a row's text does not depend on its
+batch or the budget. A model whose cache is not keys and values per layer (`decoder_refusal`) is
+refused before any work, and so are interventions.
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from forge.api import CausalLMFunction, Column, Field, ForgeError, Forward, ModelFunctionConfig, Prompt, Row
+from forge.config.checks import non_negative, share
 from forge.config.schema import one_of, positive
 
 FINISH = ("length", "stop", "eos")
+
+
+@dataclass
+class SamplingConfig:
+    """How each token is chosen (forge.runtime.decode.Sampling): temperature 0 is greedy."""
+
+    temperature: float = non_negative(0.0)  # 0: greedy; else softmax(logits / temperature)
+    top_p: float = share(1.0)  # keep the most likely tokens up to this probability mass
+    top_k: int = non_negative(0)  # keep the k most likely tokens (0: all)
+    seed: int = 0  # with each row's id, seeds the row's own stream
 
 
 @dataclass
@@ -39,36 +52,41 @@ class GenerateConfig(ModelFunctionConfig):
     layers: list[int] = field(default_factory=list)  # hidden_states[L] of the generated tokens (0 = embeddings)
     capture: list[str] = field(default_factory=list)  # hook points kept for the generated tokens (as probe_gen's)
     states_of: str = one_of("generated", "generated", "all")  # all: the prompt's own tokens' states too
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless temperature > 0
 
 
-# families whose model code breaks transformers' continuous-batching engine (transformers 5.x;
-# tests/test_generate.py runs each and checks that it still does)
-ENGINE_BREAKS = {
-    "gpt_neox": "its attention calls the cache's update() without the engine's arguments",
-    "opt": "its forward asks the cache for get_seq_length(), which the engine's paged cache lacks",
-}
+def decoder_refusal(config: Any, model_module: str | None = None) -> str | None:
+    """Why Forge's decoder cannot run this model (None: it can): it places keys and values per layer
+    in slots, so a cache holding anything else (a recurrent state, layers sharing KV, a cache class
+    of the model's own, in `model_module`) is refused."""
+    import importlib
 
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-def engine_refusal(config: Any, caps: Any) -> str | None:
-    """Why transformers' continuous-batching engine cannot run this model (None: it can, or its class
-    cannot be read)."""
-    from forge.runtime.class_facts import class_fact
-
-    def attention_backend() -> bool | None:
-        import importlib
-
-        try:
-            cls = getattr(importlib.import_module(caps.model_module), caps.model_class)
-        except (ImportError, AttributeError, TypeError, ValueError):
-            return None
-        return bool(getattr(cls, "_supports_attention_backend", False))
-
-    if caps.family in ENGINE_BREAKS:
-        return ENGINE_BREAKS[caps.family]
-    if getattr(config, "kv_lora_rank", None):
-        return "multi-head latent attention (keys and values of different head sizes) does not fit its paged cache"
-    if class_fact(config, "AutoModelForCausalLM", "attention_backend", attention_backend) is False:
-        return "its attention does not go through transformers' attention interface, which the paged cache needs"
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:
+        return f"its layers include {', '.join(map(str, other))}, not attention with keys and values per layer"
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a cache for
+        return f"transformers builds no cache for its config ({type(exc).__name__}: {exc})"
+    layers = int(config.get_text_config().num_hidden_layers)
+    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) not in plain}
+    if kinds:
+        return f"its cache holds {', '.join(sorted(kinds))} (recurrent or shared state), not keys and values per layer"
+    if cache.layers and len(cache.layers) != layers:
+        return f"its cache has {len(cache.layers)} layers for {layers} decoder layers (layers share KV)"
+    try:
+        module = importlib.import_module(model_module) if model_module else None
+    except ImportError:
+        module = None
+    found = vars(module).items() if module is not None else ()
+    own = sorted(n for n, o in found if isinstance(o, type) and issubclass(o, Cache) and o.__module__ == model_module)
+    if own:
+        return f"its model code keeps its own cache ({', '.join(own)}), not keys and values per layer"
     return None
 
 
@@ -83,24 +101,28 @@ class Generate(CausalLMFunction):
         Field("num_prompt_tokens", "int32"),
         Field("num_generated_tokens", "int32"),
     )
-    tree_rows = False  # a batch is a set of prompts: the engine lays out its own steps
+    tree_rows = False  # a batch is a set of prompts: the decoder lays out its own steps
 
     def __init__(self, config: GenerateConfig):
         self.forward = Forward(layers=tuple(config.layers), capture=tuple(config.capture))
         super().__init__(config)
         self.tree_rows = False  # CausalLMFunction.__init__ turns them on (for its runner's tree rows)
         if self.interventions:
-            raise ForgeError("generate does not apply interventions (intervene): the engine runs the plain model")
+            raise ForgeError("generate does not apply interventions (intervene): the decoder runs the plain model")
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.states_of = config.states_of
+        sampling = config.sampling
+        self.sampling = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k), int(sampling.seed))
         self.states = bool(config.layers or config.capture)
         names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
         self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
 
     def options(self) -> dict[str, Any]:
         states = {"layers": list(self.forward.layers), "capture": list(self.forward.capture)} if self.states else {}
+        t, p, k, seed = self.sampling
+        decoding = "greedy" if t == 0 else {"temperature": t, "top_p": p, "top_k": k, "seed": seed}
         return {
-            "decoding": "greedy",
+            "decoding": decoding,
             "max_new_tokens": self.max_new,
             "stop": list(self.stop),
             "eos": self.eos,
@@ -129,15 +151,14 @@ class Generate(CausalLMFunction):
             yield record if limits is None else replace(record, num_tokens=record.num_tokens + limits.max_new_tokens)
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
-        reason = engine_refusal(self.config, self.caps)  # whatever the layout: first
+        reason = decoder_refusal(self.config, self.caps.model_module)  # whatever the layout: first
         if reason:
-            raise ForgeError(
-                f"generate cannot run {self.caps.family} in transformers' continuous-batching engine: {reason}"
-            )
+            raise ForgeError(f"generate cannot run {self.caps.family}: {reason}")
         super().check_mode(split_prefix, packed, cache)  # the capture forward's layouts (rows of whole sequences)
 
     def path(self) -> str:
-        return f"{self.caps.family}: continuous batching ({self.caps.attn} attention), greedy"
+        how = "greedy" if self.sampling[0] == 0 else "sampled"
+        return f"{self.caps.family}: continuous batching ({self.caps.attn} attention), {how}"
 
     def cost_model(self):
         from forge.runtime.cost_models import causal_lm_cost_model
@@ -147,11 +168,14 @@ class Generate(CausalLMFunction):
     def open_worker(self, device, cache_tokens: int):
         from transformers import AutoModelForCausalLM
 
+        from forge.runtime.decode import Decoder, Sampling
         from forge.runtime.generate_worker import GenerateWorker
-        from forge.runtime.generation import Engine
 
         model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
-        engine = Engine(model, self.tokenizer, device.limits.max_batch_tokens, self.eos, self.hf.pad_token_id)
+        ids = model.generation_config.eos_token_id if self.eos else None
+        eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        budget = device.limits.max_batch_tokens
+        decoder = Decoder(model, self.tokenizer, budget, eos, self.hf.pad_token_id, Sampling(*self.sampling))
         runner = None
         if self.states:
             from forge.runtime.causal_lm import CausalLMRunner
@@ -164,7 +188,7 @@ class Generate(CausalLMFunction):
                 allow_no_layers=True,
                 captures=list(self.forward.capture),
             )
-        return GenerateWorker(engine, runner, self.states_of == "all", device.limits.max_batch_tokens)
+        return GenerateWorker(decoder, runner, self.states_of == "all", device.limits.max_batch_tokens)
 
     def open_sink(self, store):
         from forge.runtime.generate_worker import GenerateSink

@@ -1,6 +1,6 @@
 """The generate function's worker and sink: a batch of prompts through the engine, its figures into the report.
 
-`GenerateWorker.run(batch)` generates every item of the batch (`forge.runtime.generation.Engine`)
+`GenerateWorker.run(batch)` generates every item of the batch (`forge.runtime.decode.Decoder`)
 and returns `GenerationColumns`: the result fields, one row per item, plus what the engine did
 (`GenerationFigures`). `GenerateSink` commits the rows through the generic sink and adds the
 figures up for the report (``outputs.generation``): prompt, prefill and generated tokens, the
@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from forge.runtime.generation import Engine, final_states, step_histogram
+from forge.runtime.decode import Decoder, Sequence
+from forge.runtime.generation import RowLimits, final_states, finish, step_histogram
 from forge.vocab.records import ResultColumns
 
 
@@ -29,11 +30,11 @@ class GenerationFigures:
     decode_tokens: int  # generated tokens fed back to the model: all but each row's last
     seconds: float  # generating (not the states' forward pass)
     budget: int  # the step budget it ran under (tokens)
+    prefix_hits: int = 0  # prompt blocks whose shared prefix's KV the worker had stored
 
     @property
     def prefill_computed(self) -> int:
-        """Prompt tokens the engine ran: fewer where pages of a shared prefix were reused, more where
-        a preempted sequence was recomputed."""
+        """Prompt tokens the decoder ran: fewer where a shared prefix's KV was reused."""
         return sum(self.steps) - self.decode_tokens
 
 
@@ -44,19 +45,23 @@ class GenerationColumns(ResultColumns):
 
 @dataclass
 class GenerateWorker:
-    engine: Engine
+    decoder: Decoder
     runner: Any  # a CausalLMRunner for the generated tokens' states (None: none asked)
     from_prompt: bool  # states of the prompt's own tokens too
     budget: int  # tokens per engine step
 
     def run(self, batch) -> GenerationColumns:
-        from forge.runtime.generation import RowLimits
-
         items = batch.items
+        seqs = []
         limits = [it.meta.data if isinstance(it.meta.data, RowLimits) else RowLimits(1) for it in items]
+        for k, (it, lim) in enumerate(zip(items, limits)):
+            rng = None if self.decoder.sampling.greedy else self.decoder.sampling.stream(str(it.id))
+            seqs.append(Sequence(k, list(it.tokens), it.prefix_len, lim.max_new_tokens, lim.stop, rng))
         t0 = time.perf_counter()
-        done, steps = self.engine.generate([list(it.tokens) for it in items], limits)
+        run = self.decoder.generate(seqs)
         seconds = time.perf_counter() - t0
+        eos = self.decoder.eos
+        done = [finish(self.decoder.tokenizer, s.out, lim, eos) for s, lim in zip(seqs, limits)]
         columns: dict[str, Any] = {
             "generated_ids": [np.asarray(g.ids, np.int32) for g in done],
             "text": [g.text for g in done],
@@ -74,16 +79,15 @@ class GenerateWorker:
         prompt = sum(len(it.tokens) for it in items)
         generated = sum(len(g.ids) for g in done)
         fed = sum(max(0, len(g.ids) - 1) for g in done)
-        figures = GenerationFigures(prompt, generated, steps, fed, seconds, self.budget)
-        # the ledger's prefix tokens of a split batch: what the engine actually prefilled of them
-        # (a fresh paged cache per batch: pages are shared only once a prompt's prefill finished)
+        figures = GenerationFigures(prompt, generated, run.steps, fed, seconds, self.budget, run.prefix_hits)
+        # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
         prefixes = sum(it.prefix_len for it in items)
         computed = min(prefixes, max(0, figures.prefill_computed - own)) if batch.split_prefix else 0
         return GenerationColumns(columns, computed, False, figures)
 
     def close(self) -> None:
-        self.engine = None  # type: ignore[assignment]
+        self.decoder = None  # type: ignore[assignment]
         self.runner = None
 
 
@@ -96,6 +100,7 @@ class GenerateSink:
         self.prefill = 0
         self.steps: list[int] = []
         self.budget = 0
+        self.prefix_hits = 0
 
     def write(self, batch, output, keep) -> None:
         self.inner.write(batch, output, keep)
@@ -107,6 +112,7 @@ class GenerateSink:
             self.steps += f.steps
             self.seconds_total += f.seconds
             self.budget = max(self.budget, f.budget)
+            self.prefix_hits += f.prefix_hits
 
     def full(self) -> bool:
         return self.inner.full()
@@ -120,6 +126,7 @@ class GenerateSink:
             "prompt_tokens": self.prompt,
             "prefill_tokens_computed": self.prefill,
             "prefill_tokens_shared": self.prompt - self.prefill,  # negative: recomputed after preemption
+            "prefix_cache_hits": self.prefix_hits,
             "generated_tokens": self.generated,
             "steps": len(self.steps),
             "largest_step_tokens": max(self.steps, default=0),

@@ -1,0 +1,206 @@
+"""Continuous batching: a set of prompts decoded step by step under a tokens-per-step budget.
+
+Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
+tokens: one decode token per running sequence (all in one forward pass over their slots,
+`forge.runtime.kv_slots`), then, within what is left, the next chunk of a block of waiting
+prompts being prefilled (`forge.runtime.prefill`). A prompt block is formed when none is in
+progress: waiting prompts of one shared prefix (its KV computed once per worker and kept,
+`PrefixStore`), as many as the step's room allows. When its last chunk is done, each prompt
+gets its first token and, unless that ends it, a slot. A sequence leaves its slot the step it
+finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for the next block.
+
+A sequence never waits on another's length or padding for its result: its slot's mask and
+position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
+(tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from forge.runtime.kv_slots import SlotKV
+from forge.runtime.prefill import Prefill, PrefixStore, forward
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen: greedy when temperature is 0; else from the softmax of logits/temperature,
+    cut to the top_k (0: all) and the top_p mass, by one draw of the row's own stream per token."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def stream(self, key: str) -> np.random.Generator:
+        """The row's stream: from (seed, key) alone, so its draws do not depend on its batch."""
+        return np.random.Generator(np.random.PCG64([int(self.seed), zlib.crc32(key.encode())]))
+
+    def draw(self, logits: torch.Tensor, rng: np.random.Generator) -> int:
+        x = logits.double().cpu().numpy() / self.temperature
+        if 0 < self.top_k < len(x):
+            x = np.where(x >= np.partition(x, -self.top_k)[-self.top_k], x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if self.top_p < 1:
+            order = np.argsort(-p, kind="stable")
+            keep = order[: int(np.searchsorted(np.cumsum(p[order]), self.top_p)) + 1]
+            q = np.zeros_like(p)
+            q[keep] = p[keep]
+            p = q / q.sum()
+        return int(min(np.searchsorted(np.cumsum(p), rng.random(), side="right"), len(p) - 1))
+
+
+@dataclass
+class Sequence:
+    """One prompt being generated."""
+
+    index: int  # in the request
+    prompt: list[int]
+    prefix_len: int  # its first tokens shared with other prompts (0: none)
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    rng: np.random.Generator | None
+    out: list[int] = field(default_factory=list)
+    slot: int = -1
+    finished: bool = False
+
+
+@dataclass
+class DecodeFigures:
+    """What one `Decoder.generate` did."""
+
+    steps: list[int]  # tokens each step carried (decode + prefill)
+    prefill_tokens: int  # prompt tokens computed (a shared prefix once)
+    prefix_hits: int  # blocks that found their prefix's KV already stored
+
+
+class Decoder:
+    """A loaded causal LM generating sets of prompts; shared prefixes' KV is kept across calls."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        tokens_per_step: int,
+        eos: set[int],
+        pad_token_id: int,
+        sampling: Sampling = Sampling(),
+        prefix_tokens: int = 65536,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.budget = int(tokens_per_step)
+        self.eos, self.pad = eos, int(pad_token_id)
+        self.sampling = sampling
+        self.layers = int(model.config.get_text_config().num_hidden_layers)
+        self.prefixes = PrefixStore(prefix_tokens)
+
+    def generate(self, seqs: list[Sequence]) -> DecodeFigures:
+        """Generate every sequence to its end (their `out` filled)."""
+        with torch.inference_mode():
+            return self._generate(seqs)
+
+    def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
+        waiting = deque(sorted(seqs, key=lambda s: (tuple(s.prompt[: s.prefix_len]), len(s.prompt))))
+        kv = SlotKV(self.layers, self.model.device)
+        running: dict[int, Sequence] = {}
+        block: tuple[Prefill, list[Sequence]] | None = None
+        pending_prefix: tuple[Prefill, tuple[int, ...]] | None = None
+        steps: list[int] = []
+        computed = hits = 0
+        while waiting or block or pending_prefix or running:
+            tokens = self._decode(kv, running) if running else 0
+            room = self.budget - tokens
+            if block is None and pending_prefix is None and waiting and room > 0:
+                block, pending_prefix, hit = self._schedule(waiting, min(room, self.budget - len(running)))
+                hits += hit
+            if pending_prefix is not None and room > 0:
+                fill, key = pending_prefix
+                used = fill.run(room)
+                tokens, room, computed = tokens + used, room - used, computed + used
+                if fill.finished:
+                    self.prefixes.put(key, fill.kv(0))
+                    pending_prefix = None
+                    block = self._block(block[1], key)
+            if block is not None and pending_prefix is None and room >= len(block[1]):
+                used = block[0].run(room)
+                tokens, computed = tokens + used, computed + used
+                if block[0].finished:
+                    self._admit(kv, running, *block)
+                    block = None
+            steps.append(tokens)
+        return DecodeFigures(steps, computed, hits)
+
+    def _schedule(self, waiting: deque, rows: int):
+        """The next block: waiting prompts of the first one's prefix, at most `rows`; its prefix's
+        forward pass first (a `Prefill` of the prefix alone) when two or more share it and its KV
+        is not stored. Returns (block or None, (prefix fill, key) or None, whether the store had it)."""
+        head = waiting[0]
+        key = tuple(head.prompt[: head.prefix_len])
+        group = []
+        while waiting and len(group) < max(1, rows) and tuple(waiting[0].prompt[: waiting[0].prefix_len]) == key:
+            group.append(waiting.popleft())
+        stored = bool(key) and self.prefixes.get(key) is not None
+        if key and not stored and len(group) > 1:
+            fill = Prefill(self.model, [list(key)], self.layers, self.pad, None, 0)
+            return (None, group), (fill, key), False
+        return self._block(group, key if stored else ()), None, stored
+
+    def _block(self, group: list[Sequence], key: tuple[int, ...]) -> tuple[Prefill, list[Sequence]]:
+        prefix = self.prefixes.entries.get(key) if key else None
+        prompts = [s.prompt for s in group]
+        return Prefill(self.model, prompts, self.layers, self.pad, prefix, len(key)), group
+
+    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, group: list[Sequence]) -> None:
+        """Each prompt's first token; a slot for each one that goes on."""
+        for g, (seq, token) in enumerate(zip(group, self._choose(fill.last_logits, group))):
+            if not self._take(seq, token):
+                seq.slot = kv.place(fill.kv(g), len(seq.prompt), len(seq.prompt))
+                running[seq.slot] = seq
+
+    def _decode(self, kv: SlotKV, running: dict[int, Sequence]) -> int:
+        """One decode step of every running sequence; returns its tokens."""
+        kv.before_step()
+        ids = torch.full((kv.slots, 1), self.pad, dtype=torch.long, device=kv.device)
+        slots = list(running)
+        ids[slots, 0] = torch.tensor([running[s].out[-1] for s in slots], device=kv.device)
+        logits = forward(self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
+        kv.after_step()
+        seqs = [running[s] for s in slots]
+        for slot, seq, token in zip(slots, seqs, self._choose(logits[slots], seqs)):
+            if self._take(seq, token):
+                kv.release(slot)
+                del running[slot]
+        moved = kv.tidy()
+        if moved is not None:
+            for seq in running.values():
+                seq.slot = moved[seq.slot]
+            renumbered = {seq.slot: seq for seq in running.values()}
+            running.clear()
+            running.update(renumbered)
+        return len(slots)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if self.sampling.greedy:
+            return logits.argmax(-1).tolist()
+        return [self.sampling.draw(row, s.rng) for row, s in zip(logits, seqs)]
+
+    def _take(self, seq: Sequence, token: int) -> bool:
+        """Append the token; True when it ends the sequence."""
+        seq.out.append(int(token))
+        done = len(seq.out) >= seq.max_new_tokens or token in self.eos
+        if not done and seq.stop:
+            text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+            done = any(s in text for s in seq.stop)
+        seq.finished = done
+        return done

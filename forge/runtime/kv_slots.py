@@ -1,0 +1,159 @@
+"""The KV cache of a decoding batch: one slot per running sequence, in preallocated buffers.
+
+Model: every layer's keys and values live in one buffer ``[slots, kv heads, columns, head dim]``
+that transformers' attention reads through a cache layer (`SlotLayer`, a `DynamicLayer` whose
+`update` writes into the buffer instead of concatenating: a step costs its new column, not a copy
+of the whole cache). All slots share the column of their next token, so a sequence sits
+right-aligned: its tokens are contiguous and end at the current column, the columns before them
+are masked out (``mask`` 0) and hold zeros or an earlier sequence's finite values, which a masked
+softmax weighs by exactly 0. Within a row, column distance is token distance: causal and
+sliding-window masks built on columns are the sequence's own. Position ids are passed per slot.
+
+`SlotKV` places a prefilled sequence's KV into a free slot (shifting every slot right when the
+sequence is longer than the columns so far), frees slots, drops columns no live slot uses any
+more (`trim`) and slots that are free (`compact`): the only whole-buffer copies, amortised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in a preallocated buffer; `used` columns hold data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = 0
+        self.k_buf: torch.Tensor | None = None
+        self.v_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a slot layer is filled by SlotKV.place, before the first decoding step")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        n, q = self.used, key_states.shape[-2]
+        self.k_buf[:, :, n : n + q] = key_states
+        self.v_buf[:, :, n : n + q] = value_states
+        self.used = n + q
+        self.keys, self.values = self.k_buf[:, :, : n + q], self.v_buf[:, :, : n + q]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.used
+
+    def view(self) -> None:
+        self.keys, self.values = self.k_buf[:, :, : self.used], self.v_buf[:, :, : self.used]
+
+
+class SlotKV:
+    """Slots of running sequences over every layer's `SlotLayer`, with their mask and next positions."""
+
+    def __init__(self, num_layers: int, device: Any):
+        self.layers = [SlotLayer() for _ in range(num_layers)]
+        self.cache = Cache(layers=self.layers)
+        self.device = device
+        self.columns = 0  # columns in use: every live sequence ends at columns - 1
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [slots, capacity]
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # each slot's next position
+        self.free: list[int] = []  # slots without a sequence
+        self.slots = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[1]
+
+    def _resize(self, slots: int, capacity: int, shift: int = 0) -> None:
+        """New buffers of `slots` x `capacity` columns, the old data moved `shift` columns right."""
+        n = self.columns
+        for layer in self.layers:
+            for name in ("k_buf", "v_buf"):
+                old = getattr(layer, name)
+                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                new[: old.shape[0], :, shift : shift + n] = old[:, :, :n]
+                setattr(layer, name, new)
+        mask = self.mask.new_zeros(slots, capacity)
+        mask[: self.slots, shift : shift + n] = self.mask[:, :n]
+        positions = self.positions.new_zeros(slots)
+        positions[: self.slots] = self.positions
+        self.mask, self.positions = mask, positions
+        self.free += range(self.slots, slots)
+        self.slots, self.columns = slots, n + shift
+        self._sync()
+
+    def _sync(self) -> None:
+        for layer in self.layers:
+            layer.used = self.columns
+            layer.view()
+
+    def place(self, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, position: int) -> int:
+        """Put one sequence's KV (per layer, ``[heads, length, dim]``) in a free slot, right-aligned;
+        `position`: its next token's position. Returns the slot."""
+        if self.layers[0].k_buf is None:
+            for layer, (k, v) in zip(self.layers, kv):
+                layer.k_buf = k.new_zeros(0, k.shape[0], 0, k.shape[2])
+                layer.v_buf = v.new_zeros(0, v.shape[0], 0, v.shape[2])
+        shift = max(0, length - self.columns)
+        if not self.free or shift or self.columns + 1 > self.capacity:
+            slots = self.slots if self.free else max(4, 2 * self.slots)
+            need = self.columns + shift + 1
+            capacity = self.capacity if need <= self.capacity else max(need, self.capacity * 3 // 2 + 16)
+            self._resize(slots, capacity, shift)
+        slot = self.free.pop(0)
+        n = self.columns
+        for layer, (k, v) in zip(self.layers, kv):
+            layer.k_buf[slot, :, n - length : n] = k
+            layer.v_buf[slot, :, n - length : n] = v
+        self.mask[slot] = 0
+        self.mask[slot, n - length : n] = 1
+        self.positions[slot] = position
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.mask[slot] = 0
+        self.free.append(slot)
+
+    def before_step(self) -> None:
+        """Room for one more column, every slot's next column unmasked (a free slot attends to it
+        alone: no row of the step is fully masked)."""
+        if self.columns + 1 > self.capacity:
+            self._resize(self.slots, self.capacity * 3 // 2 + 16)
+        self.mask[:, self.columns] = 1
+
+    def after_step(self) -> None:
+        self.columns += 1
+        self.positions += 1
+        for slot in self.free:
+            self.mask[slot] = 0
+
+    def step_mask(self) -> torch.Tensor:
+        return self.mask[:, : self.columns + 1]
+
+    def live(self) -> int:
+        return self.slots - len(self.free)
+
+    def tidy(self) -> dict[int, int] | None:
+        """Drop free slots once they are half of the slots, and leading columns no live slot uses once
+        they are half of the columns (the buffers are copied, the live slots keep their order).
+        Returns each kept slot's new number, or None when nothing moved."""
+        free = set(self.free)
+        used = self.mask[:, : self.columns].any(0).nonzero()
+        lead = int(used[0]) if len(used) else self.columns
+        drop_slots = bool(free) and len(free) * 2 >= self.slots
+        drop_columns = lead > 0 and lead * 2 >= self.columns
+        if not (drop_slots or drop_columns):
+            return None
+        keep = [s for s in range(self.slots) if not (drop_slots and s in free)]
+        n, cut, index = self.columns, lead if drop_columns else 0, torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            layer.k_buf = layer.k_buf[index, :, cut:n].contiguous()
+            layer.v_buf = layer.v_buf[index, :, cut:n].contiguous()
+        self.mask = self.mask[index, cut:n].contiguous()
+        self.positions = self.positions[index].clone()
+        self.free = [k for k, s in enumerate(keep) if s in free]
+        self.slots, self.columns = len(keep), n - cut
+        self._sync()  # exactly full: the next step's `before_step` grows them
+        return {s: k for k, s in enumerate(keep)}

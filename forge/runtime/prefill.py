@@ -1,0 +1,115 @@
+"""Prefill: a block of prompts run through the model chunk by chunk, into a cache of their own.
+
+Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before
+prompt ``g``), so each is contiguous and ends at the block's last column, as a decoding slot
+wants it (`forge.runtime.kv_slots`). When they share a prefix whose KV is known (computed once,
+`PrefixStore`), the block's first ``P`` columns are that KV instead of a forward pass: prompt
+``g`` holds the prefix's first ``P - pads[g]`` tokens there, and its remaining tokens, the
+prefix's last ``pads[g]`` ones included, are computed (a short prompt beside a long one
+recomputes a little of the prefix: the block sorts prompts by length). Each `run` computes the
+next columns within a token budget; once all are computed, `last_logits` gives each prompt's next
+token's logits and `kv(g)` its keys and values, for a slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
+
+
+def forward(model: Any, ids, mask, positions, cache: Cache):
+    """The model's logits of the last column only, with `cache` extended by the columns of `ids`
+    (position ids where the model takes them: BLOOM's ALiBi counts the mask's ones itself)."""
+    known = _TAKES.get(type(model))
+    if known is None:
+        import inspect
+
+        params = inspect.signature(type(model).forward).parameters
+        cache_key = "cache" if "cache" in params else "past_key_values"  # transformers 5.x renames it
+        known = _TAKES[type(model)] = ("position_ids" in params, "logits_to_keep" in params, cache_key)
+    extra = {"position_ids": positions} if known[0] else {}
+    if known[1]:
+        extra["logits_to_keep"] = 1
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{known[2]: cache}, **extra)
+    return out.logits[:, -1]
+
+
+_TAKES: dict[type, tuple[bool, bool, str]] = {}
+
+
+class Prefill:
+    """Prompts sharing `prefix` (its KV, ``[1, heads, P, dim]`` per layer, or None) prefilled together."""
+
+    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefix: KV | None, p: int):
+        self.model, self.device = model, model.device
+        self.lens = [len(t) for t in prompts]
+        width = max(self.lens)
+        self.pads = [width - n for n in self.lens]
+        self.p = p if prefix is not None else 0
+        rows = [[pad_id] * a + t for a, t in zip(self.pads, prompts)]
+        self.ids = torch.tensor(rows, device=self.device)
+        self.mask = torch.tensor([[0] * a + [1] * n for a, n in zip(self.pads, self.lens)], device=self.device)
+        self.positions = (self.mask.cumsum(1) - 1).clamp(min=0)
+        self.cache = Cache(layers=[DynamicLayer() for _ in range(num_layers)])
+        if self.p:
+            self._seed(prefix)
+        self.done_to = self.p  # columns computed (or seeded)
+        self.width = width
+        self.last_logits: torch.Tensor | None = None
+
+    def _seed(self, prefix: KV) -> None:
+        """The first P columns from the prefix's KV: prompt g's [pads[g], P) are prefix tokens [0, P - pads[g])."""
+        b, p = len(self.lens), self.p
+        for layer, (k, v) in zip(self.cache.layers, prefix):
+            keys = k.new_zeros(b, k.shape[1], p, k.shape[3])
+            values = v.new_zeros(b, v.shape[1], p, v.shape[3])
+            for g, a in enumerate(self.pads):
+                if a < p:
+                    keys[g, :, a:] = k[0, :, : p - a]
+                    values[g, :, a:] = v[0, :, : p - a]
+            layer.update(keys, values)
+
+    @property
+    def finished(self) -> bool:
+        return self.done_to >= self.width
+
+    def run(self, budget: int) -> int:
+        """Compute the next columns, at most `budget` tokens of prompts; returns the tokens computed."""
+        w = max(1, budget // len(self.lens))
+        a, b = self.done_to, min(self.width, self.done_to + w)
+        logits = forward(self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
+        self.done_to = b
+        if self.finished:
+            self.last_logits = logits
+        return int(self.mask[:, a:b].sum())
+
+    def kv(self, g: int) -> KV:
+        """Prompt g's keys and values, ``[heads, its tokens, dim]`` per layer."""
+        a = self.pads[g]
+        return [(layer.keys[g, :, a:], layer.values[g, :, a:]) for layer in self.cache.layers]
+
+
+class PrefixStore:
+    """KV of shared prefixes, computed once per worker and kept (least recently used out) up to `tokens`."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.hits = 0
+
+    def get(self, prefix: tuple[int, ...]) -> KV | None:
+        kv = self.entries.get(prefix)
+        if kv is not None:
+            self.entries.move_to_end(prefix)
+            self.hits += 1
+        return kv
+
+    def put(self, prefix: tuple[int, ...], kv: KV) -> None:
+        self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
+        while sum(len(p) for p in self.entries) > self.tokens and len(self.entries) > 1:
+            self.entries.popitem(last=False)
