@@ -536,3 +536,43 @@ def test_the_readme_command_runs_on_the_embedded_default(tmp_path):
     assert res.ids == ["g0001", "g0002", "g0003"]
     assert list(res.columns["num_generated_tokens"]) == [4, 4, 4]
     assert "generate" in result.output and "finished" in result.output
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+SAMPLED = ["sampling.temperature=0.9", "sampling.top_k=50", "sampling.top_p=0.95"]
+
+
+@pytest.mark.slow
+def test_a_sampled_row_is_the_same_in_any_batch_and_budget_and_its_seed_decides_it(work):
+    """Each row draws from its own stream (seed, id): a small budget in prefix groups and a large
+    one in item batches give every row the same tokens; another seed gives other tokens."""
+
+    def tokens(name: str, extra: list[str]) -> dict:
+        report = run_function("generate", work / "rows.jsonl", work / name, extra)
+        assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+        assert report["path"].endswith("sampled")
+        res = load(work / name)
+        return {i: res.columns["generated_ids"][k].tolist() for k, i in enumerate(res.ids)}
+
+    a = tokens("sample-a", [*limits(SMALL_BUDGET), *SAMPLED, "sampling.seed=7", *MODES["token-cache"]])
+    b = tokens("sample-b", [*limits(LARGE_BUDGET), *SAMPLED, "sampling.seed=7", *MODES["item"]])
+    c = tokens("sample-c", [*limits(SMALL_BUDGET), *SAMPLED, "sampling.seed=8"])
+    assert a == b
+    assert sum(a[i] != c[i] for i in a) >= len(ROWS) // 2  # the seed, not the batch, decides
+
+
+def test_sampling_streams_and_draws():
+    from forge.runtime.decode import Sampling
+
+    s = Sampling(temperature=1.0, top_k=2, seed=3)
+    logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
+    draws = [s.draw(logits, s.stream("row-1")) for _ in range(3)]
+    assert draws == [s.draw(logits, s.stream("row-1")) for _ in range(3)]  # the stream is (seed, key) alone
+    rng = s.stream("row-2")
+    assert {s.draw(logits, rng) for _ in range(200)} == {1, 2}  # top_k=2: only the two best
+    nucleus = Sampling(temperature=1.0, top_p=0.5)
+    rng = nucleus.stream("row-3")
+    assert {nucleus.draw(logits, rng) for _ in range(50)} == {1}  # the best alone holds 73% > 0.5
+    with pytest.raises(ForgeError, match="sampling.top_p"):
+        run_function("generate", Path("unused.jsonl"), Path("unused"), ["sampling.top_p=1.5"])

@@ -7,17 +7,16 @@ model, greedy, `--max-new-tokens` each, float32 on the CPU. Every way gets Forge
 function's records(); lm-eval's tokenizer calls return them). Ways, on one loaded model:
 1. transformers `model.generate`, one prompt at a time, no padding: the exactness reference;
 2. `model.generate` in left-padded batches of `--batch-size`, prompts sorted longest first (lm-eval's way);
-3. transformers `model.generate_batch` (continuous batching), its default configuration, and
-4. the same with its cache sized to the prompts and Forge's engine settings (pages of 32, 8,192 tokens a step);
-5. lm-eval `HFLM(pretrained=model, tokenizer=..., batch_size=...).generate_until`, `until` empty;
-6. Forge `forge run function=generate` in-process (`forge.testing.run_function`); each `--forge`
+3. transformers `model.generate_batch` (continuous batching), its default configuration;
+4. lm-eval `HFLM(pretrained=model, tokenizer=..., batch_size=...).generate_until`, `until` empty;
+5. Forge `forge run function=generate` in-process (`forge.testing.run_function`); each `--forge`
    adds a variant with those overrides.
 
 Per way, medians over interleaved rounds: output tokens/s and ms per output token over its wall
 time (Forge: the whole run, compose, load and writing included; its engine's own figure below);
 padding (pad slots / rows x final width); prefill computed / prompt tokens (padded: pad slots
-counted; continuous batching: its steps' query tokens less the decode tokens, as Forge's ledger
-counts them); this process's peak RSS while it ran (sampled every 10 ms; rough); outputs equal to
+counted; Forge: its steps' tokens less the decode tokens, as its ledger counts them; generate_batch:
+not counted); this process's peak RSS while it ran (sampled every 10 ms; rough); outputs equal to
 the one-at-a-time ids (cut after the first EOS). The floor (benchmarks/floor.py): each distinct
 prefix once, every suffix and every generated token but the last, no padding, at the best rates
 measured, plus their reads of the keys before them; no LM head: a loose lower bound.
@@ -41,7 +40,6 @@ from benchmarks import floor, harness, workloads
 ONE = "transformers generate, one at a time"
 PADDED = "generate, left-padded batches, sorted"
 CB = "transformers generate_batch, defaults"
-CB_SIZED = "transformers generate_batch, sized cache"
 LMEVAL = "lm-eval HFLM generate_until"
 FORGE = "Forge generate"
 
@@ -144,31 +142,14 @@ def padded(w: Work) -> dict:
     return {"outputs": outs, "prefill": prefill, "pad_slots": slots - useful, "slots": slots}
 
 
-def continuous(w: Work, sized: bool) -> dict:
+def continuous(w: Work) -> dict:
     import torch
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from forge.runtime.generation import PAGE_TOKENS, STEPS, record_steps
-
-    cb = None
-    if sized:  # as Forge's engine sets it up (forge/runtime/generation.py): every sequence's pages, no more
-        need = sum(-(-(len(p) + w.max_new) // PAGE_TOKENS) for p in w.ids) + 1
-        cb = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=need, max_batch_tokens=8192,
-                                      use_cuda_graph=False, auto_switch_to_flash=False)  # fmt: skip
-    record_steps()  # the engine's steps, logged as Forge's ledger logs them
-    with STEPS.lock:
-        STEPS.steps, STEPS.active = [], True
-    try:
-        with torch.inference_mode():
-            got = w.model.generate_batch([list(i) for i in w.ids], generation_config=w.config(),
-                                         continuous_batching_config=cb)  # fmt: skip
-    finally:
-        with STEPS.lock:
-            steps, STEPS.active = STEPS.steps, False
+    with torch.inference_mode():
+        got = w.model.generate_batch([list(i) for i in w.ids], generation_config=w.config())
     outs = [w.cut(o.generated_tokens) for o in got.values()]  # in the inputs' order
     assert len(outs) == len(w.ids), f"generate_batch returned {len(outs)} of {len(w.ids)}"
-    fed = sum(max(0, len(o) - 1) for o in outs)
-    return {"outputs": outs, "prefill": sum(steps) - fed, "steps": len(steps)}
+    return {"outputs": outs, "prefill": None}  # its steps are its own: prefill not counted
 
 
 def hflm(w: Work):
@@ -311,7 +292,8 @@ def rows(w: Work, trials: harness.Trials, fl: dict | None, best_peer: str | None
         peak, rise, equal = (trials.values(name, k) for k in ("peak_mib", "rise_mib", "equal"))
         lines.append(
             [name, f"{wall:.2f}", f"{tok_s:,.1f}", f"{1000 / tok_s:.2f}", ratio, pad]
-            + [f"{last['prefill']:,} / {prompt:,}", f"{max(peak):,.0f} (+{max(rise):,.0f})"]
+            + [f"{last['prefill']:,} / {prompt:,}" if last.get("prefill") is not None else "-"]
+            + [f"{max(peak):,.0f} (+{max(rise):,.0f})"]
             + [f"{fl['by_shape_s'] / wall:.3f}" if fl else "-", f"{min(equal)} of {len(w.ids)}" if equal else "-"]
         )
     return lines
@@ -374,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
 
     w = load(a)
     variants: dict[str, Any] = {ONE: lambda: one_at_a_time(w), PADDED: lambda: padded(w)}
-    variants |= {CB: lambda: continuous(w, False), CB_SIZED: lambda: continuous(w, True)}
+    variants[CB] = lambda: continuous(w)
     try:
         lm = hflm(w)
         variants[LMEVAL] = lambda: lm_eval(w, lm)

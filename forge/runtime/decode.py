@@ -4,8 +4,9 @@ Model: the loop is schedule -> run -> update. Each step carries at most ``tokens
 tokens: one decode token per running sequence (all in one forward pass over their slots,
 `forge.runtime.kv_slots`), then, within what is left, the next chunk of a block of waiting
 prompts being prefilled (`forge.runtime.prefill`). A prompt block is formed when none is in
-progress: waiting prompts of one shared prefix (its KV computed once per worker and kept,
-`PrefixStore`), as many as the step's room allows. When its last chunk is done, each prompt
+progress: the next waiting prompts by length, as many as the step's room allows; the prefixes
+among them not stored yet are computed first, once each (one forward pass of their own), and
+kept for the worker's later blocks and batches (`PrefixStore`). When its last chunk is done, each prompt
 gets its first token and, unless that ends it, a slot. A sequence leaves its slot the step it
 finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for the next block.
 
@@ -82,7 +83,7 @@ class DecodeFigures:
 
     steps: list[int]  # tokens each step carried (decode + prefill)
     prefill_tokens: int  # prompt tokens computed (a shared prefix once)
-    prefix_hits: int  # blocks that found their prefix's KV already stored
+    prefix_hits: int  # prefixes a block found already stored
 
 
 class Decoder:
@@ -111,55 +112,56 @@ class Decoder:
             return self._generate(seqs)
 
     def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
-        waiting = deque(sorted(seqs, key=lambda s: (tuple(s.prompt[: s.prefix_len]), len(s.prompt))))
+        waiting = deque(sorted(seqs, key=lambda s: len(s.prompt)))  # a block's prompts of similar lengths
         kv = SlotKV(self.layers, self.model.device)
         running: dict[int, Sequence] = {}
-        block: tuple[Prefill, list[Sequence]] | None = None
-        pending_prefix: tuple[Prefill, tuple[int, ...]] | None = None
+        prefix_fill: Prefill | None = None  # the block's prefixes not stored yet, computed first
+        keys: list[tuple[int, ...]] = []
+        block: list[Sequence] = []
+        fill: Prefill | None = None  # the block's prefill, once its prefixes are known
         steps: list[int] = []
         computed = hits = 0
-        while waiting or block or pending_prefix or running:
+        while waiting or block or running:
             tokens = self._decode(kv, running) if running else 0
             room = self.budget - tokens
-            if block is None and pending_prefix is None and waiting and room > 0:
-                block, pending_prefix, hit = self._schedule(waiting, min(room, self.budget - len(running)))
+            if not block and waiting and room > 0:
+                block, prefix_fill, keys, hit = self._schedule(waiting, self.budget - len(running))
                 hits += hit
-            if pending_prefix is not None and room > 0:
-                fill, key = pending_prefix
-                used = fill.run(room)
+            if prefix_fill is not None and room >= len(keys):
+                used = prefix_fill.run(room)
                 tokens, room, computed = tokens + used, room - used, computed + used
-                if fill.finished:
-                    self.prefixes.put(key, fill.kv(0))
-                    pending_prefix = None
-                    block = self._block(block[1], key)
-            if block is not None and pending_prefix is None and room >= len(block[1]):
-                used = block[0].run(room)
+                if prefix_fill.finished:
+                    for g, key in enumerate(keys):
+                        self.prefixes.put(key, prefix_fill.kv(g))
+                    prefix_fill = None
+            if block and prefix_fill is None and fill is None:
+                prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
+                fill = Prefill(self.model, [s.prompt for s in block], self.layers, self.pad, prefixes)
+            if fill is not None and room >= len(block):
+                used = fill.run(room)
                 tokens, computed = tokens + used, computed + used
-                if block[0].finished:
-                    self._admit(kv, running, *block)
-                    block = None
+                if fill.finished:
+                    self._admit(kv, running, fill, block)
+                    block, fill = [], None
             steps.append(tokens)
         return DecodeFigures(steps, computed, hits)
 
-    def _schedule(self, waiting: deque, rows: int):
-        """The next block: waiting prompts of the first one's prefix, at most `rows`; its prefix's
-        forward pass first (a `Prefill` of the prefix alone) when two or more share it and its KV
-        is not stored. Returns (block or None, (prefix fill, key) or None, whether the store had it)."""
-        head = waiting[0]
-        key = tuple(head.prompt[: head.prefix_len])
-        group = []
-        while waiting and len(group) < max(1, rows) and tuple(waiting[0].prompt[: waiting[0].prefix_len]) == key:
-            group.append(waiting.popleft())
-        stored = bool(key) and self.prefixes.get(key) is not None
-        if key and not stored and len(group) > 1:
-            fill = Prefill(self.model, [list(key)], self.layers, self.pad, None, 0)
-            return (None, group), (fill, key), False
-        return self._block(group, key if stored else ()), None, stored
+    @staticmethod
+    def _key(seq: Sequence) -> tuple[int, ...]:
+        return tuple(seq.prompt[: seq.prefix_len])
 
-    def _block(self, group: list[Sequence], key: tuple[int, ...]) -> tuple[Prefill, list[Sequence]]:
-        prefix = self.prefixes.entries.get(key) if key else None
-        prompts = [s.prompt for s in group]
-        return Prefill(self.model, prompts, self.layers, self.pad, prefix, len(key)), group
+    def _schedule(self, waiting: deque, room: int):
+        """The next block: at most `room` waiting prompts (each step then has a token for each), and
+        one forward pass of the prefixes whose KV is not stored, first (computed once: the block's
+        prompts then start after them, and later blocks and batches find them stored).
+        Returns (block, the prefixes' prefill or None, their keys, prefixes found stored)."""
+        block = [waiting.popleft() for _ in range(min(len(waiting), room))]
+        keys = [k for k in dict.fromkeys(self._key(s) for s in block) if k]
+        missing = [k for k in keys if self.prefixes.get(k) is None]
+        if not missing:
+            return block, None, [], len(keys)
+        fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
+        return block, fill, missing, len(keys) - len(missing)
 
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, group: list[Sequence]) -> None:
         """Each prompt's first token; a slot for each one that goes on."""

@@ -147,7 +147,8 @@ class SlotKV:
         if not (drop_slots or drop_columns):
             return None
         keep = [s for s in range(self.slots) if not (drop_slots and s in free)]
-        n, cut, index = self.columns, lead if drop_columns else 0, torch.tensor(keep, dtype=torch.long, device=self.device)
+        n, cut = self.columns, lead if drop_columns else 0
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         for layer in self.layers:
             layer.k_buf = layer.k_buf[index, :, cut:n].contiguous()
             layer.v_buf = layer.v_buf[index, :, cut:n].contiguous()

@@ -2,11 +2,12 @@
 
 Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before
 prompt ``g``), so each is contiguous and ends at the block's last column, as a decoding slot
-wants it (`forge.runtime.kv_slots`). When they share a prefix whose KV is known (computed once,
-`PrefixStore`), the block's first ``P`` columns are that KV instead of a forward pass: prompt
-``g`` holds the prefix's first ``P - pads[g]`` tokens there, and its remaining tokens, the
-prefix's last ``pads[g]`` ones included, are computed (a short prompt beside a long one
-recomputes a little of the prefix: the block sorts prompts by length). Each `run` computes the
+wants it (`forge.runtime.kv_slots`). Where prompts start with a prefix whose KV is known
+(computed once, `PrefixStore`), the block's first ``C`` columns are that KV instead of a forward
+pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens there, and its remaining
+tokens are computed. ``C`` is the most every prompt allows, min over g of ``pads[g] + P_g``: a
+prompt shorter than the longest, or with a shorter prefix, recomputes the rest of its prefix
+(the decoder sorts waiting prompts by length). Each `run` computes the
 next columns within a token budget; once all are computed, `last_logits` gives each prompt's next
 token's logits and `kv(g)` its keys and values, for a slot.
 """
@@ -43,35 +44,39 @@ _TAKES: dict[type, tuple[bool, bool, str]] = {}
 
 
 class Prefill:
-    """Prompts sharing `prefix` (its KV, ``[1, heads, P, dim]`` per layer, or None) prefilled together."""
+    """Prompts prefilled together; `prefixes[g]`: the KV (``[1, heads, P, dim]`` per layer) of prompt
+    g's first tokens, or None."""
 
-    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefix: KV | None, p: int):
+    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None]):
         self.model, self.device = model, model.device
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]
-        self.p = p if prefix is not None else 0
+        known = [0 if kv is None else kv[0][0].shape[2] for kv in prefixes]
+        self.p = min(a + min(k, n - 1) for a, k, n in zip(self.pads, known, self.lens))  # a token of each computed
         rows = [[pad_id] * a + t for a, t in zip(self.pads, prompts)]
         self.ids = torch.tensor(rows, device=self.device)
         self.mask = torch.tensor([[0] * a + [1] * n for a, n in zip(self.pads, self.lens)], device=self.device)
         self.positions = (self.mask.cumsum(1) - 1).clamp(min=0)
         self.cache = Cache(layers=[DynamicLayer() for _ in range(num_layers)])
         if self.p:
-            self._seed(prefix)
+            self._seed(prefixes)
         self.done_to = self.p  # columns computed (or seeded)
         self.width = width
         self.last_logits: torch.Tensor | None = None
 
-    def _seed(self, prefix: KV) -> None:
-        """The first P columns from the prefix's KV: prompt g's [pads[g], P) are prefix tokens [0, P - pads[g])."""
-        b, p = len(self.lens), self.p
-        for layer, (k, v) in zip(self.cache.layers, prefix):
-            keys = k.new_zeros(b, k.shape[1], p, k.shape[3])
-            values = v.new_zeros(b, v.shape[1], p, v.shape[3])
-            for g, a in enumerate(self.pads):
-                if a < p:
-                    keys[g, :, a:] = k[0, :, : p - a]
-                    values[g, :, a:] = v[0, :, : p - a]
+    def _seed(self, prefixes: list[KV | None]) -> None:
+        """The first C columns from the prefixes' KV: prompt g's [pads[g], C) are its tokens [0, C - pads[g])."""
+        b, c = len(self.lens), self.p
+        some = next(kv for kv in prefixes if kv is not None)
+        for i, layer in enumerate(self.cache.layers):
+            k0, v0 = some[i]
+            keys = k0.new_zeros(b, k0.shape[1], c, k0.shape[3])
+            values = v0.new_zeros(b, v0.shape[1], c, v0.shape[3])
+            for g, (a, kv) in enumerate(zip(self.pads, prefixes)):
+                if a < c:
+                    keys[g, :, a:] = kv[i][0][0, :, : c - a]
+                    values[g, :, a:] = kv[i][1][0, :, : c - a]
             layer.update(keys, values)
 
     @property
