@@ -75,6 +75,9 @@ class Function(ABC):
     #: its workers run tree batches (`Batch.tree`: many prefix groups in packed rows), so the
     #: token packer may merge small prefix groups (`batching.merge_groups`); off unless declared
     tree_rows: bool = False
+    #: False: its workers lay out a batch themselves (generate's decoder shares prefixes within it),
+    #: so the packer cuts batches of whole sequences across prefixes instead of one group per prefix
+    prefix_groups: bool = True
 
     @abstractmethod
     def records(self) -> Iterator[Item | Rejected | Skipped]:

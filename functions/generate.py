@@ -102,6 +102,7 @@ class Generate(CausalLMFunction):
         Field("num_generated_tokens", "int32"),
     )
     tree_rows = False  # a batch is a set of prompts: the decoder lays out its own steps
+    prefix_groups = False  # ... and shares their prefixes itself: batches mix them
 
     def __init__(self, config: GenerateConfig):
         self.forward = Forward(layers=tuple(config.layers), capture=tuple(config.capture))

@@ -114,6 +114,8 @@ def prepare(
         expected_items=None if dry_run else spec.function.expected_items(),
     )
     packer = build_packer(spec, pm)
+    if not spec.function.prefix_groups and getattr(packer, "packing", "rows") == "rows":
+        packer.split_prefix = packer.merge_groups = False  # whole sequences, prefixes mixed
     splits = packer.split_prefix
     packed = packer.packing == "packed"
     # refuse, before any work, a layout the function cannot run exactly
