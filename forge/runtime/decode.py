@@ -114,6 +114,7 @@ class Decoder:
     def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt)))  # a block's prompts of similar lengths
         kv = SlotKV(self.layers, self.model.device)
+        kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
         running: dict[int, Sequence] = {}
         prefix_fill: Prefill | None = None  # the block's prefixes not stored yet, computed first
         keys: list[tuple[int, ...]] = []
@@ -163,12 +164,18 @@ class Decoder:
         fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
         return block, fill, missing, len(keys) - len(missing)
 
-    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, group: list[Sequence]) -> None:
-        """Each prompt's first token; a slot for each one that goes on."""
-        for g, (seq, token) in enumerate(zip(group, self._choose(fill.last_logits, group))):
-            if not self._take(seq, token):
-                seq.slot = kv.place(fill.kv(g), len(seq.prompt), len(seq.prompt))
-                running[seq.slot] = seq
+    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence]) -> None:
+        """Each prompt's first token; slots for those that go on."""
+        tokens = self._choose(fill.last_logits, block)
+        go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
+        if not go:
+            return
+        index = torch.tensor(go, dtype=torch.long, device=kv.device)
+        rows = [(layer.keys[index], layer.values[index]) for layer in fill.cache.layers]
+        positions = torch.tensor([len(block[g].prompt) for g in go], device=kv.device)
+        for g, slot in zip(go, kv.place(rows, fill.mask[index], positions)):
+            block[g].slot = slot
+            running[slot] = block[g]
 
     def _decode(self, kv: SlotKV, running: dict[int, Sequence]) -> int:
         """One decode step of every running sequence; returns its tokens."""

@@ -9,9 +9,9 @@ are masked out (``mask`` 0) and hold zeros or an earlier sequence's finite value
 softmax weighs by exactly 0. Within a row, column distance is token distance: causal and
 sliding-window masks built on columns are the sequence's own. Position ids are passed per slot.
 
-`SlotKV` places a prefilled sequence's KV into a free slot (shifting every slot right when the
-sequence is longer than the columns so far), frees slots, drops columns no live slot uses any
-more (`trim`) and slots that are free (`compact`): the only whole-buffer copies, amortised.
+`SlotKV` places a prefilled block's KV into free slots (shifting every slot right when the block
+is wider than the columns so far), frees slots, and drops columns no live slot uses any more and
+slots that are free (`tidy`): with growth, the only whole-buffer copies, amortised.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class SlotKV:
         self.positions = torch.zeros(0, dtype=torch.long, device=device)  # each slot's next position
         self.free: list[int] = []  # slots without a sequence
         self.slots = 0
+        self.reserved = (0, 0)  # (slots, columns) the first buffers hold at least
 
     @property
     def capacity(self) -> int:
@@ -89,28 +90,37 @@ class SlotKV:
             layer.used = self.columns
             layer.view()
 
-    def place(self, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, position: int) -> int:
-        """Put one sequence's KV (per layer, ``[heads, length, dim]``) in a free slot, right-aligned;
-        `position`: its next token's position. Returns the slot."""
+    def reserve(self, slots: int, columns: int) -> None:
+        """The least the first buffers hold: the sequences that can run at once, their longest span."""
+        self.reserved = (slots, columns)
+
+    def place(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, positions: torch.Tensor):
+        """Put a block of sequences in free slots, right-aligned at the current column: per layer
+        their keys and values ``[rows, heads, width, dim]``, left-padded as `mask` ``[rows, width]``
+        says; `positions`: each one's next position. Returns their slots, in order."""
+        rows, width = mask.shape
         if self.layers[0].k_buf is None:
             for layer, (k, v) in zip(self.layers, kv):
-                layer.k_buf = k.new_zeros(0, k.shape[0], 0, k.shape[2])
-                layer.v_buf = v.new_zeros(0, v.shape[0], 0, v.shape[2])
-        shift = max(0, length - self.columns)
-        if not self.free or shift or self.columns + 1 > self.capacity:
-            slots = self.slots if self.free else max(4, 2 * self.slots)
-            need = self.columns + shift + 1
-            capacity = self.capacity if need <= self.capacity else max(need, self.capacity * 3 // 2 + 16)
+                layer.k_buf = k.new_zeros(0, k.shape[1], 0, k.shape[3])
+                layer.v_buf = v.new_zeros(0, v.shape[1], 0, v.shape[3])
+        shift = max(0, width - self.columns)
+        need = self.columns + shift + 1
+        if len(self.free) < rows or shift or need > self.capacity:
+            slots = max(self.slots + rows - len(self.free), self.slots, self.reserved[0])
+            capacity = self.capacity
+            if need > capacity:
+                capacity = max(need, self.reserved[1], capacity * 3 // 2 + 16)
             self._resize(slots, capacity, shift)
-        slot = self.free.pop(0)
+        taken, self.free = self.free[:rows], self.free[rows:]
+        index = torch.tensor(taken, dtype=torch.long, device=self.device)
         n = self.columns
         for layer, (k, v) in zip(self.layers, kv):
-            layer.k_buf[slot, :, n - length : n] = k
-            layer.v_buf[slot, :, n - length : n] = v
-        self.mask[slot] = 0
-        self.mask[slot, n - length : n] = 1
-        self.positions[slot] = position
-        return slot
+            layer.k_buf[index, :, n - width : n] = k
+            layer.v_buf[index, :, n - width : n] = v
+        self.mask[index] = 0
+        self.mask[index, n - width : n] = mask.to(self.mask.dtype)
+        self.positions[index] = positions
+        return taken
 
     def release(self, slot: int) -> None:
         self.mask[slot] = 0
@@ -136,14 +146,15 @@ class SlotKV:
         return self.slots - len(self.free)
 
     def tidy(self) -> dict[int, int] | None:
-        """Drop free slots once they are half of the slots, and leading columns no live slot uses once
-        they are half of the columns (the buffers are copied, the live slots keep their order).
+        """Drop free slots once they are a quarter of the slots, and leading columns no live slot uses
+        once they are a quarter of the columns: a copy of the buffers (about one step's reads of them)
+        for every later step's quarter (the live slots keep their order).
         Returns each kept slot's new number, or None when nothing moved."""
         free = set(self.free)
         used = self.mask[:, : self.columns].any(0).nonzero()
         lead = int(used[0]) if len(used) else self.columns
-        drop_slots = bool(free) and len(free) * 2 >= self.slots
-        drop_columns = lead > 0 and lead * 2 >= self.columns
+        drop_slots = bool(free) and len(free) * 4 >= self.slots
+        drop_columns = lead > 0 and lead * 4 >= self.columns
         if not (drop_slots or drop_columns):
             return None
         keep = [s for s in range(self.slots) if not (drop_slots and s in free)]
