@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from forge.runtime import prefix_attention
 from forge.runtime.kv_slots import SlotKV
 from forge.runtime.prefill import Prefill, PrefixStore, forward
 
@@ -75,6 +76,7 @@ class Sequence:
     out: list[int] = field(default_factory=list)
     slot: int = -1
     finished: bool = False
+    prefix_kv: Any = None  # its prefix's KV, read by shared-prefix attention (None: its slot holds every token)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Decoder:
         pad_token_id: int,
         sampling: Sampling = Sampling(),
         prefix_tokens: int = 65536,
+        shared_attention: bool = True,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.budget = int(tokens_per_step)
@@ -105,6 +108,11 @@ class Decoder:
         self.sampling = sampling
         self.layers = int(model.config.get_text_config().num_hidden_layers)
         self.prefixes = PrefixStore(prefix_tokens)
+        self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
+        self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid)
+        if self.shared_attention:
+            prefix_attention.register()
+            model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
 
     def generate(self, seqs: list[Sequence]) -> DecodeFigures:
         """Generate every sequence to its end (their `out` filled)."""
@@ -165,15 +173,23 @@ class Decoder:
         return block, fill, missing, len(keys) - len(missing)
 
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence]) -> None:
-        """Each prompt's first token; slots for those that go on."""
+        """Each prompt's first token; slots for those that go on. With shared-prefix attention a
+        prompt whose prefix is stored keeps only its own tokens unmasked in its slot."""
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
         if not go:
             return
         index = torch.tensor(go, dtype=torch.long, device=kv.device)
         rows = [(layer.keys[index], layer.values[index]) for layer in fill.cache.layers]
+        mask = fill.mask[index].clone()
+        for r, g in enumerate(go):
+            seq = block[g]
+            stored = self.prefixes.entries.get(self._key(seq)) if self.shared_attention and seq.prefix_len else None
+            if stored is not None and seq.prefix_len < len(seq.prompt):
+                seq.prefix_kv = stored
+                mask[r, fill.pads[g] : fill.pads[g] + seq.prefix_len] = 0
         positions = torch.tensor([len(block[g].prompt) for g in go], device=kv.device)
-        for g, slot in zip(go, kv.place(rows, fill.mask[index], positions)):
+        for g, slot in zip(go, kv.place(rows, mask, positions)):
             block[g].slot = slot
             running[slot] = block[g]
 
@@ -183,7 +199,12 @@ class Decoder:
         ids = torch.full((kv.slots, 1), self.pad, dtype=torch.long, device=kv.device)
         slots = list(running)
         ids[slots, 0] = torch.tensor([running[s].out[-1] for s in slots], device=kv.device)
-        logits = forward(self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
+        if self.shared_attention:
+            prefix_attention.SHARED.step = self._shared(running, kv.device)
+        try:
+            logits = forward(self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
+        finally:
+            prefix_attention.SHARED.step = None
         kv.after_step()
         seqs = [running[s] for s in slots]
         for slot, seq, token in zip(slots, seqs, self._choose(logits[slots], seqs)):
@@ -198,6 +219,28 @@ class Decoder:
             running.clear()
             running.update(renumbered)
         return len(slots)
+
+    def _shared(self, running: dict[int, Sequence], device: Any) -> prefix_attention.Step | None:
+        """The step's shared prefixes (stacked once while the set of prefixes read stays the same)."""
+        by: dict[int, list[int]] = {}
+        kvs: dict[int, Any] = {}
+        for slot, seq in running.items():
+            if seq.prefix_kv is not None:
+                by.setdefault(id(seq.prefix_kv), []).append(slot)
+                kvs[id(seq.prefix_kv)] = seq.prefix_kv
+        if not by:
+            return None
+        key = tuple(by)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, *prefix_attention.stack([kvs[k] for k in key]))
+        rows, group, place = [], [], []
+        for g, slots in enumerate(by.values()):
+            rows += slots
+            group += [g] * len(slots)
+            place += range(len(slots))
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        width = max(len(s) for s in by.values())
+        return prefix_attention.Step(self._stacked[1], self._stacked[2], t(rows), t(group), t(place), width)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if self.sampling.greedy:

@@ -1,0 +1,143 @@
+"""Shared-prefix attention for decode steps: a prefix's keys and values read once per step for
+all the sequences that share it, not once per sequence.
+
+Model: in a decode step each sequence's one query attends over its prefix's keys and then its
+own tokens' keys. The softmax over both is split exactly (the log-sum-exp merge): each part
+gives its maximum score ``m``, the sum of ``exp(score - m)`` and the weighted sum of values, and
+the two combine with ``exp(m_part - m)`` factors. The own part is the slots' KV
+(`forge.runtime.kv_slots`, the prefix's columns masked out there); the prefix part is one matmul
+per shared prefix over ``[heads, sequences, dim] x [heads, dim, prefix]``: a prefix's KV is read
+once per layer and step instead of once per sequence, which is most of a decode step's
+attention when prompts share few-shot prefixes.
+
+It is registered in transformers' attention registry (`AttentionInterface`, with sdpa's mask
+format) as ``forge_shared_prefix`` and outside a decode step (`SHARED.step` unset: prefill, a
+states forward) it is sdpa itself. A model takes it only where the split is exact for its
+attention (`eligible`): plain scaled dot-product over the keys, no logit soft-capping, no
+attention sinks, no sliding window, nothing added to the scores.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NAME = "forge_shared_prefix"
+
+
+@dataclass
+class Step:
+    """The shared prefixes of one decode step, stacked: per layer ``[G, kv heads, P, dim]`` keys
+    and values (zero past each prefix's length, `valid` says where), and which rows read which."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    valid: torch.Tensor  # [G, 1, 1, P] bool
+    rows: torch.Tensor  # slots reading a prefix
+    group: torch.Tensor  # each one's prefix (0..G-1)
+    place: torch.Tensor  # its place among its prefix's rows
+    width: int  # the most rows of one prefix
+
+
+def stack(prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+    """Per layer, the prefixes' KV ``[1, kv heads, P_g, dim]`` zero-padded into one tensor; and `valid`."""
+    longest = max(kv[0][0].shape[2] for kv in prefixes)
+    layers = []
+    for i in range(len(prefixes[0])):
+        k0, v0 = prefixes[0][i]
+        k = k0.new_zeros(len(prefixes), k0.shape[1], longest, k0.shape[3])
+        v = v0.new_zeros(len(prefixes), v0.shape[1], longest, v0.shape[3])
+        for g, kv in enumerate(prefixes):
+            n = kv[i][0].shape[2]
+            k[g, :, :n], v[g, :, :n] = kv[i][0][0], kv[i][1][0]
+        layers.append((k, v))
+    valid = torch.zeros(len(prefixes), 1, 1, longest, dtype=torch.bool, device=k0.device)
+    for g, kv in enumerate(prefixes):
+        valid[g, ..., : kv[0][0].shape[2]] = True
+    return layers, valid
+
+
+class _Shared(threading.local):
+    step: Step | None = None
+
+
+SHARED = _Shared()
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    _registered = True
+
+
+def eligible(model: Any) -> str | None:
+    """None when the split is exact for this model's attention; else why not."""
+    config = model.config.get_text_config()
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return "its attention does not go through transformers' attention interface"
+    if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", NAME):
+        return f"it runs {model.config._attn_implementation} attention"
+    for key in ("attn_logit_softcapping", "sliding_window", "alibi", "kv_lora_rank", "use_sliding_window"):
+        if getattr(config, key, None):
+            return f"its config sets {key}"
+    if set(getattr(config, "layer_types", None) or ()) - {"full_attention"}:
+        return "it has layers other than full attention"
+    for name, _ in model.named_parameters():
+        if name.endswith(".sinks"):
+            return "its attention has sinks"
+    return None
+
+
+def _sdpa(*args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-interface signature: ``query [B, H, q, d]``, ``key``/``value``
+    ``[B, kv heads, n, d]``; returns ``[B, q, H, d]`` and no weights."""
+    step = SHARED.step
+    if step is None or query.shape[2] != 1:
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    heads, kv_heads = query.shape[1], key.shape[1]
+    rep = heads // kv_heads
+    q = query.float()
+    k = key.float().repeat_interleave(rep, dim=1) if rep > 1 else key.float()
+    v = value.float().repeat_interleave(rep, dim=1) if rep > 1 else value.float()
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, 1, n]
+    if attention_mask is not None:
+        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > float("-inf")
+        scores = scores.masked_fill(~keep, float("-inf"))
+    m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # all masked: no NaN
+    p = torch.exp(scores - m)
+    total = p.sum(-1, keepdim=True)  # [B, H, 1, 1]
+    out = torch.matmul(p, v)  # [B, H, 1, d]
+    pk, pv = step.kv[module.layer_idx]
+    if rep > 1:
+        pk, pv = pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1)
+    qg = q.new_zeros(pk.shape[0], step.width, heads, q.shape[-1])
+    qg[step.group, step.place] = q[step.rows, :, 0]
+    s2 = torch.matmul(qg.transpose(1, 2), pk.float().transpose(-1, -2)) * scale  # [G, H, width, P]
+    s2 = s2.masked_fill(~step.valid, float("-inf"))
+    m2 = s2.amax(-1, keepdim=True)
+    p2 = torch.exp(s2 - m2)
+    t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, H, width, 1], [G, H, width, d]
+    m2, t2, o2 = (x[step.group, :, step.place][:, :, None] for x in (m2, t2, o2))  # [rows, H, 1, *]
+    m1 = m[step.rows]
+    top = torch.maximum(m1, m2)
+    a, b = torch.exp(m1 - top), torch.exp(m2 - top)
+    out[step.rows] = out[step.rows] * a + o2 * b
+    total[step.rows] = total[step.rows] * a + t2 * b
+    out = (out / total).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
