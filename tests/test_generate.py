@@ -576,3 +576,46 @@ def test_sampling_streams_and_draws():
     assert {nucleus.draw(logits, rng) for _ in range(50)} == {1}  # the best alone holds 73% > 0.5
     with pytest.raises(ForgeError, match="sampling.top_p"):
         run_function("generate", Path("unused.jsonl"), Path("unused"), ["sampling.top_p=1.5"])
+
+
+def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_prefix_once(embedded):
+    """The decode steps' split softmax (forge.runtime.prefix_attention) against the same decoder
+    with every token in its slot: the same greedy tokens, the prefixes' KV stacked once per step."""
+    from forge.runtime import prefix_attention
+    from forge.runtime.decode import Decoder, Sequence
+
+    def seqs():
+        out = []
+        for k, row in enumerate(ROWS):
+            ids = embedded.prompt(row)
+            p = len(embedded.tok(row["prefix"])["input_ids"]) if row.get("prefix") else 0
+            out.append(Sequence(k, ids, p, N, (), None))
+        return out
+
+    plain, shared = seqs(), seqs()
+    Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, shared_attention=False).generate(plain)
+    steps = []
+    original = prefix_attention.stack
+    prefix_attention.stack = lambda prefixes: steps.append(len(prefixes)) or original(prefixes)
+    try:
+        decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3)
+        assert decoder.shared_attention
+        decoder.generate(shared)
+    finally:
+        prefix_attention.stack = original
+    assert [s.out for s in shared] == [s.out for s in plain] == [embedded.new_tokens(r) for r in ROWS]
+    assert steps and max(steps) == 3  # the three prefixes, stacked when the set read changed
+    assert sum(s.prefix_kv is not None for s in shared) == len(ROWS) - 1  # all but the row without one
+
+
+def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
+    from forge.runtime.prefix_attention import eligible
+
+    def model(cfg):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    assert "sliding_window" in eligible(model(transformers.MistralConfig(**small, sliding_window=8)))
+    assert "softcapping" in eligible(model(transformers.Gemma2Config(**small, head_dim=8)))
+    assert "eager" in eligible(model(transformers.LlamaConfig(**small)))  # not the sdpa it stands in for

@@ -12,7 +12,9 @@ finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for 
 
 A sequence never waits on another's length or padding for its result: its slot's mask and
 position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
-(tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`).
+(tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
+model allows it, decode steps read each shared prefix's KV once for all its sequences
+(`forge.runtime.prefix_attention`): a sequence's slot then holds only its own tokens.
 """
 
 from __future__ import annotations

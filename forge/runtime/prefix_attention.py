@@ -82,18 +82,17 @@ def register() -> None:
 def eligible(model: Any) -> str | None:
     """None when the split is exact for this model's attention; else why not."""
     config = model.config.get_text_config()
-    if not getattr(type(model), "_supports_attention_backend", False):
-        return "its attention does not go through transformers' attention interface"
-    if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", NAME):
-        return f"it runs {model.config._attn_implementation} attention"
     for key in ("attn_logit_softcapping", "sliding_window", "alibi", "kv_lora_rank", "use_sliding_window"):
         if getattr(config, key, None):
             return f"its config sets {key}"
     if set(getattr(config, "layer_types", None) or ()) - {"full_attention"}:
         return "it has layers other than full attention"
-    for name, _ in model.named_parameters():
-        if name.endswith(".sinks"):
-            return "its attention has sinks"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "its attention has sinks"
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return "its attention does not go through transformers' attention interface"
+    if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", NAME):
+        return f"it runs {model.config._attn_implementation} attention, not the sdpa the split stands in for"
     return None
 
 
@@ -109,6 +108,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     step = SHARED.step
     if step is None or query.shape[2] != 1:
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    extra = [k for k in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias") if kwargs.get(k) is not None]
+    if extra:  # `eligible` should have kept this model off the split: never a silently different result
+        raise RuntimeError(f"shared-prefix attention cannot split attention with {', '.join(extra)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     heads, kv_heads = query.shape[1], key.shape[1]
     rep = heads // kv_heads
