@@ -53,6 +53,9 @@ class GenerateConfig(ModelFunctionConfig):
     capture: list[str] = field(default_factory=list)  # hook points kept for the generated tokens (as probe_gen's)
     states_of: str = one_of("generated", "generated", "all")  # all: the prompt's own tokens' states too
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless temperature > 0
+    # a batch holds the KV of up to this many steps' tokens (prompts + max_new_tokens): the sequences
+    # that decode together, sharing prefixes and steps; each step still takes at most the step budget
+    batch_steps: int = positive(16)
 
 
 def decoder_refusal(config: Any, model_module: str | None = None) -> str | None:
@@ -112,11 +115,15 @@ class Generate(CausalLMFunction):
             raise ForgeError("generate does not apply interventions (intervene): the decoder runs the plain model")
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.states_of = config.states_of
+        self.batch_steps = int(config.batch_steps)
         sampling = config.sampling
         self.sampling = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k), int(sampling.seed))
         self.states = bool(config.layers or config.capture)
         names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
         self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
+
+    def batch_limits(self, limits):
+        return replace(limits, max_batch_tokens=limits.max_batch_tokens * self.batch_steps)
 
     def options(self) -> dict[str, Any]:
         states = {"layers": list(self.forward.layers), "capture": list(self.forward.capture)} if self.states else {}
@@ -175,7 +182,7 @@ class Generate(CausalLMFunction):
         model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
         ids = model.generation_config.eos_token_id if self.eos else None
         eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-        budget = device.limits.max_batch_tokens
+        budget = device.limits.max_batch_tokens // self.batch_steps  # the step's, under batch_limits
         decoder = Decoder(model, self.tokenizer, budget, eos, self.hf.pad_token_id, Sampling(*self.sampling))
         runner = None
         if self.states:
@@ -189,7 +196,7 @@ class Generate(CausalLMFunction):
                 allow_no_layers=True,
                 captures=list(self.forward.capture),
             )
-        return GenerateWorker(decoder, runner, self.states_of == "all", device.limits.max_batch_tokens)
+        return GenerateWorker(decoder, runner, self.states_of == "all", budget)
 
     def open_sink(self, store):
         from forge.runtime.generate_worker import GenerateSink

@@ -80,10 +80,11 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     budget, batching = plain["budget"], plain["batching"]
     tokens_per_step = budget["tokens_per_step"]
     devices = resolve_devices(plain["devices"])
+    function = build_function(plain)
     capped = []
     for d in devices:
         try:
-            capped.append(_replace_limits(d, d.limits.capped(tokens_per_step)))
+            capped.append(_replace_limits(d, function.batch_limits(d.limits.capped(tokens_per_step))))
         except ForgeError:
             raise ForgeError(
                 f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
@@ -95,7 +96,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         fail_fast=plain["fail_fast"],
         check_disk=plain["check_disk"],
         plugins=tuple(plain["plugins"]),
-        function=build_function(plain),
+        function=function,
         mode=batching["mode"],
         mode_options=dict(batching),  # every key of the mode's schema: create_packer builds its typed config
         devices=capped,
