@@ -68,13 +68,16 @@ class SlotKV:
         return self.mask.shape[1]
 
     def _resize(self, slots: int, capacity: int, shift: int = 0) -> None:
-        """New buffers of `slots` x `capacity` columns, the old data moved `shift` columns right."""
+        """New buffers of `slots` x `capacity` columns, the old data moved `shift` columns right.
+        Columns past the data are left unwritten: no view reads them before a step writes them."""
         n = self.columns
         for layer in self.layers:
             for name in ("k_buf", "v_buf"):
                 old = getattr(layer, name)
-                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                new = old.new_empty(slots, old.shape[1], capacity, old.shape[3])
                 new[: old.shape[0], :, shift : shift + n] = old[:, :, :n]
+                new[: old.shape[0], :, :shift] = 0  # masked, but read: finite
+                new[old.shape[0] :] = 0
                 setattr(layer, name, new)
         mask = self.mask.new_zeros(slots, capacity)
         mask[: self.slots, shift : shift + n] = self.mask[:, :n]
@@ -161,11 +164,16 @@ class SlotKV:
         n, cut = self.columns, lead if drop_columns else 0
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         for layer in self.layers:
-            layer.k_buf = layer.k_buf[index, :, cut:n].contiguous()
-            layer.v_buf = layer.v_buf[index, :, cut:n].contiguous()
-        self.mask = self.mask[index, cut:n].contiguous()
+            for name in ("k_buf", "v_buf"):
+                old = getattr(layer, name)
+                new = old.new_empty(len(keep), old.shape[1], old.shape[2], old.shape[3])  # the same capacity
+                new[:, :, : n - cut] = old[index, :, cut:n]
+                setattr(layer, name, new)
+        mask = self.mask.new_zeros(len(keep), self.capacity)
+        mask[:, : n - cut] = self.mask[index, cut:n]
+        self.mask = mask
         self.positions = self.positions[index].clone()
         self.free = [k for k, s in enumerate(keep) if s in free]
         self.slots, self.columns = len(keep), n - cut
-        self._sync()  # exactly full: the next step's `before_step` grows them
+        self._sync()
         return {s: k for k, s in enumerate(keep)}
