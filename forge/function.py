@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from forge.batching.cost import CostModel
-from forge.vocab.geometry import Batch, Device, Item, Limits
+from forge.vocab.geometry import Batch, Device, Item
 from forge.vocab.records import Rejected, ResultColumns, Skipped  # noqa: F401 (ResultColumns: the generic output)
 
 if TYPE_CHECKING:
@@ -127,11 +127,12 @@ class Function(ABC):
         """Bytes per step from the model's shape (for batching=memory); no weights loaded."""
         return None
 
-    def batch_limits(self, limits: Limits) -> Limits:
-        """What one batch may hold, from what one step of a device takes (its limits under
-        budget.tokens_per_step): the same for a forward pass; more for a batch that runs many steps
-        (generate's, which holds its sequences' KV while each step takes a token from each)."""
-        return limits
+    def batch_device(self, device: Device) -> Device:
+        """The device as the packer sees it for this function's batches, from what one of its steps
+        takes (its limits under budget.tokens_per_step): itself for a forward pass; for a batch that
+        runs many steps (generate's, whose sequences hold their KV while each step takes a token from
+        each) larger limits, and the overhead of all its steps."""
+        return device
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
         """Raise a one-line ForgeError, before any work, when this layout cannot give the results

@@ -122,8 +122,16 @@ class Generate(CausalLMFunction):
         names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
         self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
 
-    def batch_limits(self, limits):
-        return replace(limits, max_batch_tokens=limits.max_batch_tokens * self.batch_steps)
+    def batch_device(self, device):
+        """A batch's sequences hold their KV through its steps (batch_steps steps' tokens of it); each
+        running one takes a token of every step, so the step budget bounds how many run at once. A
+        batch pays the fixed cost of all its steps, and a shorter row costs only attention columns,
+        not a padded forward slot: its overhead is what it may hold, so the packer does not cut
+        batches at small length differences."""
+        step = device.limits.max_batch_tokens
+        held = step * self.batch_steps
+        limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
+        return replace(device, limits=limits, batch_overhead_tokens=held)
 
     def options(self) -> dict[str, Any]:
         states = {"layers": list(self.forward.layers), "capture": list(self.forward.capture)} if self.states else {}

@@ -84,7 +84,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     capped = []
     for d in devices:
         try:
-            capped.append(_replace_limits(d, function.batch_limits(d.limits.capped(tokens_per_step))))
+            capped.append(function.batch_device(_replace_limits(d, d.limits.capped(tokens_per_step))))
         except ForgeError:
             raise ForgeError(
                 f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
