@@ -62,7 +62,8 @@ class Sampling:
             q = np.zeros_like(p)
             q[keep] = p[keep]
             p = q / q.sum()
-        return int(min(np.searchsorted(np.cumsum(p), rng.random(), side="right"), len(p) - 1))
+        at = int(np.searchsorted(np.cumsum(p), rng.random(), side="right"))
+        return min(at, len(p) - 1)
 
 
 @dataclass
@@ -177,12 +178,13 @@ class Decoder:
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence]) -> None:
         """Each prompt's first token; slots for those that go on. With shared-prefix attention a
         prompt whose prefix is stored keeps only its own tokens unmasked in its slot."""
+        assert fill.last_logits is not None  # a finished prefill
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
         if not go:
             return
         index = torch.tensor(go, dtype=torch.long, device=kv.device)
-        rows = [(layer.keys[index], layer.values[index]) for layer in fill.cache.layers]
+        rows = [(k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()
         for r, g in enumerate(go):
             seq = block[g]
@@ -235,7 +237,9 @@ class Decoder:
         key = tuple(by)
         if self._stacked is None or self._stacked[0] != key:
             self._stacked = (key, *prefix_attention.stack([kvs[k] for k in key]))
-        rows, group, place = [], [], []
+        rows: list[int] = []
+        group: list[int] = []
+        place: list[int] = []
         for g, slots in enumerate(by.values()):
             rows += slots
             group += [g] * len(slots)
@@ -247,7 +251,11 @@ class Decoder:
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if self.sampling.greedy:
             return logits.argmax(-1).tolist()
-        return [self.sampling.draw(row, s.rng) for row, s in zip(logits, seqs)]
+        out = []
+        for row, seq in zip(logits, seqs):
+            assert seq.rng is not None, "a sampled sequence has its own stream (Sampling.stream)"
+            out.append(self.sampling.draw(row, seq.rng))
+        return out
 
     def _take(self, seq: Sequence, token: int) -> bool:
         """Append the token; True when it ends the sequence."""

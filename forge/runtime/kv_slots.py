@@ -28,8 +28,9 @@ class SlotLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self.used = 0
-        self.k_buf: torch.Tensor | None = None
-        self.v_buf: torch.Tensor | None = None
+        self.k_buf = torch.empty(0)  # [slots, kv heads, capacity, dim], shaped by SlotKV.place
+        self.v_buf = torch.empty(0)
+        self.shaped = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("a slot layer is filled by SlotKV.place, before the first decoding step")
@@ -54,7 +55,7 @@ class SlotKV:
 
     def __init__(self, num_layers: int, device: Any):
         self.layers = [SlotLayer() for _ in range(num_layers)]
-        self.cache = Cache(layers=self.layers)
+        self.cache = Cache(layers=list[Any](self.layers))
         self.device = device
         self.columns = 0  # columns in use: every live sequence ends at columns - 1
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [slots, capacity]
@@ -102,10 +103,11 @@ class SlotKV:
         their keys and values ``[rows, heads, width, dim]``, left-padded as `mask` ``[rows, width]``
         says; `positions`: each one's next position. Returns their slots, in order."""
         rows, width = mask.shape
-        if self.layers[0].k_buf is None:
+        if not self.layers[0].shaped:
             for layer, (k, v) in zip(self.layers, kv):
                 layer.k_buf = k.new_zeros(0, k.shape[1], 0, k.shape[3])
                 layer.v_buf = v.new_zeros(0, v.shape[1], 0, v.shape[3])
+                layer.shaped = True
         shift = max(0, width - self.columns)
         need = self.columns + shift + 1
         if len(self.free) < rows or shift or need > self.capacity:

@@ -58,7 +58,8 @@ class Prefill:
         self.ids = torch.tensor(rows, device=self.device)
         self.mask = torch.tensor([[0] * a + [1] * n for a, n in zip(self.pads, self.lens)], device=self.device)
         self.positions = (self.mask.cumsum(1) - 1).clamp(min=0)
-        self.cache = Cache(layers=[DynamicLayer() for _ in range(num_layers)])
+        self.layers = [DynamicLayer() for _ in range(num_layers)]
+        self.cache = Cache(layers=list[Any](self.layers))
         if self.p:
             self._seed(prefixes)
         self.done_to = self.p  # columns computed (or seeded)
@@ -69,12 +70,12 @@ class Prefill:
         """The first C columns from the prefixes' KV: prompt g's [pads[g], C) are its tokens [0, C - pads[g])."""
         b, c = len(self.lens), self.p
         some = next(kv for kv in prefixes if kv is not None)
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(self.layers):
             k0, v0 = some[i]
             keys = k0.new_zeros(b, k0.shape[1], c, k0.shape[3])
             values = v0.new_zeros(b, v0.shape[1], c, v0.shape[3])
             for g, (a, kv) in enumerate(zip(self.pads, prefixes)):
-                if a < c:
+                if a < c and kv is not None:
                     keys[g, :, a:] = kv[i][0][0, :, : c - a]
                     values[g, :, a:] = kv[i][1][0, :, : c - a]
             layer.update(keys, values)
@@ -93,10 +94,18 @@ class Prefill:
             self.last_logits = logits
         return int(self.mask[:, a:b].sum())
 
+    def layer_kv(self) -> KV:
+        """Every prompt's keys and values so far, ``[prompts, heads, columns, dim]`` per layer."""
+        out = []
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None  # filled by a forward pass
+            out.append((layer.keys, layer.values))
+        return out
+
     def kv(self, g: int) -> KV:
         """Prompt g's keys and values, ``[heads, its tokens, dim]`` per layer."""
         a = self.pads[g]
-        return [(layer.keys[g, :, a:], layer.values[g, :, a:]) for layer in self.cache.layers]
+        return [(k[g, :, a:], v[g, :, a:]) for k, v in self.layer_kv()]
 
 
 class PrefixStore:
