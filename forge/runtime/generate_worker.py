@@ -73,7 +73,7 @@ class GenerateWorker:
             import torch
 
             with torch.inference_mode():
-                states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt)
+                states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt, self.budget)
             for name in states[0] if states else ():
                 columns[name] = [s[name].float().cpu().numpy() for s in states]
         prompt = sum(len(it.tokens) for it in items)

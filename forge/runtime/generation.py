@@ -67,25 +67,32 @@ def step_histogram(steps: list[int], budget: int) -> dict[str, int]:
     return dict(sorted(bins.items(), key=lambda kv: int(kv[0][2:])))
 
 
-def final_states(runner: Any, items: list[Any], generated: list[list[int]], from_prompt: bool) -> list[dict]:
+def final_states(
+    runner: Any, items: list[Any], generated: list[list[int]], from_prompt: bool, budget: int
+) -> list[dict]:
     """Per item, {layer or point: [tokens, ...]}: the states of its generated tokens (and its prompt's
-    own tokens before them, `from_prompt`) from a plain forward over the final sequence."""
+    own tokens before them, `from_prompt`) from a plain forward over the final sequence; sequences
+    of similar length together, at most `budget` padded tokens a forward pass (a step's)."""
     from forge.vocab.geometry import Batch, Item
 
     seqs = [
         Item(it.id, len(it.tokens) + len(g), None, 0, [*it.tokens, *g], None, it.index)
         for it, g in zip(items, generated)
     ]
-    out: list[dict] = []
-    width = max(s.num_tokens for s in seqs)
-    states = runner.forward_tokens(Batch([[s] for s in seqs], width))
-    for k, it in enumerate(items):
-        first = it.prefix_len if from_prompt else len(it.tokens)
-        row, start, n = int(states.item_row[k]), int(states.starts[k]), int(states.lens[k])
-        picked = {}
-        for layer, i in zip(runner.layers, runner._layer_idx):
-            picked[f"layer_{layer}"] = states.hidden[i][row, start + first : start + n]
-        for name, value in states.captured.items():
-            picked[name] = value[row, start + first : start + n].flatten(1)
-        out.append(picked)
+    out: list[dict] = [{} for _ in items]
+    order = sorted(range(len(seqs)), key=lambda k: seqs[k].num_tokens)
+    while order:
+        part = [order.pop()]  # the longest left heads the pass
+        width = seqs[part[0]].num_tokens
+        while order and (len(part) + 1) * width <= budget:
+            part.append(order.pop())
+        states = runner.forward_tokens(Batch([[seqs[k]] for k in part], width))
+        for j, k in enumerate(part):
+            it = items[k]
+            first = it.prefix_len if from_prompt else len(it.tokens)
+            row, start, n = int(states.item_row[j]), int(states.starts[j]), int(states.lens[j])
+            for layer, i in zip(runner.layers, runner._layer_idx):
+                out[k][f"layer_{layer}"] = states.hidden[i][row, start + first : start + n]
+            for name, value in states.captured.items():
+                out[k][name] = value[row, start + first : start + n].flatten(1)
     return out
