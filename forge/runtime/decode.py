@@ -184,7 +184,8 @@ class Decoder:
         if not go:
             return
         index = torch.tensor(go, dtype=torch.long, device=kv.device)
-        rows = [(k[index], v[index]) for k, v in fill.layer_kv()]
+        every = len(go) == len(block)
+        rows = [(k, v) if every else (k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()
         for r, g in enumerate(go):
             seq = block[g]

@@ -68,9 +68,10 @@ class SlotKV:
     def capacity(self) -> int:
         return self.mask.shape[1]
 
-    def _resize(self, slots: int, capacity: int, shift: int = 0) -> None:
+    def _resize(self, slots: int, capacity: int, shift: int = 0, new_rows_written: bool = False) -> None:
         """New buffers of `slots` x `capacity` columns, the old data moved `shift` columns right.
-        Columns past the data are left unwritten: no view reads them before a step writes them."""
+        Columns past the data are left unwritten: no view reads them before a step writes them; nor
+        are new slots' columns when the caller writes them all (`new_rows_written`)."""
         n = self.columns
         for layer in self.layers:
             for name in ("k_buf", "v_buf"):
@@ -78,7 +79,8 @@ class SlotKV:
                 new = old.new_empty(slots, old.shape[1], capacity, old.shape[3])
                 new[: old.shape[0], :, shift : shift + n] = old[:, :, :n]
                 new[: old.shape[0], :, :shift] = 0  # masked, but read: finite
-                new[old.shape[0] :] = 0
+                if not new_rows_written:
+                    new[old.shape[0] :, :, : shift + n] = 0
                 setattr(layer, name, new)
         mask = self.mask.new_zeros(slots, capacity)
         mask[: self.slots, shift : shift + n] = self.mask[:, :n]
@@ -115,7 +117,9 @@ class SlotKV:
             capacity = self.capacity
             if need > capacity:
                 capacity = max(need, self.reserved[1], capacity * 3 // 2 + 16)
-            self._resize(slots, capacity, shift)
+            # the block fills every new slot's columns: it is as wide as the columns and takes them all
+            written = self.columns + shift == width and rows >= len(self.free) + slots - self.slots
+            self._resize(slots, capacity, shift, written)
         taken, self.free = self.free[:rows], self.free[rows:]
         index = torch.tensor(taken, dtype=torch.long, device=self.device)
         n = self.columns

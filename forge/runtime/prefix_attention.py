@@ -10,8 +10,10 @@ per shared prefix over ``[heads, sequences, dim] x [heads, dim, prefix]``: a pre
 once per layer and step instead of once per sequence, which is most of a decode step's
 attention when prompts share few-shot prefixes.
 
-It is registered in transformers' attention registry (`AttentionInterface`, with sdpa's mask
-format) as ``forge_shared_prefix`` and outside a decode step (`SHARED.step` unset: prefill, a
+Its sibling for forward passes, `forge.runtime.shared_prefix`, serves rows after one prefix with
+the same exactness conditions; this one serves decode steps, one query per sequence and many
+prefixes at once. It is registered in transformers' attention registry (`AttentionInterface`,
+with sdpa's mask format) as ``forge_decode_prefixes`` and outside a decode step (`SHARED.step` unset: prefill, a
 states forward) it is sdpa itself. A model takes it only where the split is exact for its
 attention (`eligible`): plain scaled dot-product over the keys, no logit soft-capping, no
 attention sinks, no sliding window, nothing added to the scores.
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-NAME = "forge_shared_prefix"
+NAME = "forge_decode_prefixes"  # (forge.runtime.shared_prefix registers "forge_shared_prefix")
 
 
 @dataclass
