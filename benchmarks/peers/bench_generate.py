@@ -42,6 +42,7 @@ PADDED = "generate, left-padded batches, sorted"
 CB = "transformers generate_batch, defaults"
 LMEVAL = "lm-eval HFLM generate_until"
 FORGE = "Forge generate"
+DEFAULT_MODEL = "embedded:tiny-llama"
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Work:
     model: Any
     tokenizer: Any
     model_dir: str
+    model_name: str  # --model, as given
     eos: set[int]
     pad: int
     max_new: int
@@ -99,7 +101,8 @@ def load(a) -> Work:
     prompts = [[int(t) for t in r.tokens] for r in recs], [(str(r.prefix_key), int(r.prefix_len)) for r in recs]
     texts = [(r.get("prefix") or "") + r["prompt"] for r in rows]
     return Work(path, work / "run", [str(r["id"]) for r in rows], *prompts, texts, model, fn.tokenizer,
-                str(fn.hf.loaded_from), eos, int(fn.hf.pad_token_id), a.max_new_tokens, a.batch_size)  # fmt: skip
+                str(fn.hf.loaded_from), a.model, eos, int(fn.hf.pad_token_id), a.max_new_tokens,
+                a.batch_size)  # fmt: skip
 
 
 def left_pad(seqs: list[list[int]], pad: int):
@@ -194,7 +197,9 @@ def forge(w: Work, overrides: list[str]) -> dict:
 
     shutil.rmtree(w.run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    report = run_function("generate", w.rows_path, w.run_dir, [f"max_new_tokens={w.max_new}", *overrides])
+    # the model every other way runs
+    model = [] if w.model_name == DEFAULT_MODEL else ["model=hf", f"model.name={w.model_name}"]
+    report = run_function("generate", w.rows_path, w.run_dir, [f"max_new_tokens={w.max_new}", *model, *overrides])
     wall = time.perf_counter() - t0
     rep = report.as_dict()
     assert rep["status"] == "finished" and rep["balanced"], (rep["status"], rep["imbalance"])
@@ -348,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=500, help="the first N embedded prompts (default: all 500)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)")
     ap.add_argument("--batch-size", type=int, default=32, help="batch of the padded ways (default: 32)")
-    ap.add_argument("--model", default="embedded:tiny-llama", help="model.name (default: embedded:tiny-llama)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model.name (default: {DEFAULT_MODEL})")
     ap.add_argument("--forge", action="append", help="a Forge variant's overrides, space-separated (repeatable)")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor's measurements")
     a = ap.parse_args(argv)
