@@ -565,13 +565,13 @@ def test_a_sampled_row_is_the_same_in_any_batch_and_budget_and_its_seed_decides_
 def test_sampling_streams_and_draws():
     from forge.runtime.decode import Sampling
 
-    s = Sampling(temperature=1.0, top_k=2, seed=3)
+    s = Sampling(temperature=1.0, top_p=1.0, top_k=2, seed=3)
     logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
     draws = [s.draw(logits, s.stream("row-1")) for _ in range(3)]
     assert draws == [s.draw(logits, s.stream("row-1")) for _ in range(3)]  # the stream is (seed, key) alone
     rng = s.stream("row-2")
     assert {s.draw(logits, rng) for _ in range(200)} == {1, 2}  # top_k=2: only the two best
-    nucleus = Sampling(temperature=1.0, top_p=0.5)
+    nucleus = Sampling(temperature=1.0, top_p=0.5, top_k=0, seed=0)
     rng = nucleus.stream("row-3")
     assert {nucleus.draw(logits, rng) for _ in range(50)} == {1}  # the best alone holds 73% > 0.5
     with pytest.raises(ForgeError, match="sampling.top_p"):

@@ -37,10 +37,11 @@ class Sampling:
     """How a token is chosen: greedy when temperature is 0; else from the softmax of logits/temperature,
     cut to the top_k (0: all) and the top_p mass, by one draw of the row's own stream per token."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    # no defaults here: generate's config schema (SamplingConfig) is their one home
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +88,6 @@ class DecodeFigures:
     """What one `Decoder.generate` did."""
 
     steps: list[int]  # tokens each step carried (decode + prefill)
-    prefill_tokens: int  # prompt tokens computed (a shared prefix once)
     prefix_hits: int  # prefixes a block found already stored
 
 
@@ -101,14 +101,14 @@ class Decoder:
         tokens_per_step: int,
         eos: set[int],
         pad_token_id: int,
-        sampling: Sampling = Sampling(),
+        sampling: Sampling | None = None,
         prefix_tokens: int = 65536,
         shared_attention: bool = True,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.budget = int(tokens_per_step)
         self.eos, self.pad = eos, int(pad_token_id)
-        self.sampling = sampling
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         self.layers = int(model.config.get_text_config().num_hidden_layers)
         self.prefixes = PrefixStore(prefix_tokens)
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
@@ -132,7 +132,7 @@ class Decoder:
         block: list[Sequence] = []
         fill: Prefill | None = None  # the block's prefill, once its prefixes are known
         steps: list[int] = []
-        computed = hits = 0
+        hits = 0
         while waiting or block or running:
             tokens = self._decode(kv, running) if running else 0
             room = self.budget - tokens
@@ -141,7 +141,7 @@ class Decoder:
                 hits += hit
             if prefix_fill is not None and room >= len(keys):
                 used = prefix_fill.run(room)
-                tokens, room, computed = tokens + used, room - used, computed + used
+                tokens, room = tokens + used, room - used
                 if prefix_fill.finished:
                     for g, key in enumerate(keys):
                         self.prefixes.put(key, prefix_fill.kv(g))
@@ -151,12 +151,12 @@ class Decoder:
                 fill = Prefill(self.model, [s.prompt for s in block], self.layers, self.pad, prefixes)
             if fill is not None and room >= len(block):
                 used = fill.run(room)
-                tokens, computed = tokens + used, computed + used
+                tokens += used
                 if fill.finished:
                     self._admit(kv, running, fill, block)
                     block, fill = [], None
             steps.append(tokens)
-        return DecodeFigures(steps, computed, hits)
+        return DecodeFigures(steps, hits)
 
     @staticmethod
     def _key(seq: Sequence) -> tuple[int, ...]:
@@ -250,7 +250,7 @@ class Decoder:
         return prefix_attention.Step(self._stacked[1], self._stacked[2], t(rows), t(group), t(place), width)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        if self.sampling.greedy:
+        if self.sampling is None:
             return logits.argmax(-1).tolist()
         out = []
         for row, seq in zip(logits, seqs):

@@ -55,7 +55,8 @@ class GenerateWorker:
         seqs = []
         limits = [it.meta.data if isinstance(it.meta.data, RowLimits) else RowLimits(1) for it in items]
         for k, (it, lim) in enumerate(zip(items, limits)):
-            rng = None if self.decoder.sampling.greedy else self.decoder.sampling.stream(str(it.id))
+            sampling = self.decoder.sampling
+            rng = None if sampling is None else sampling.stream(str(it.id))
             seqs.append(Sequence(k, list(it.tokens), it.prefix_len, lim.max_new_tokens, lim.stop, rng))
         t0 = time.perf_counter()
         run = self.decoder.generate(seqs)
