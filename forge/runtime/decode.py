@@ -112,7 +112,7 @@ class Decoder:
         self.layers = int(model.config.get_text_config().num_hidden_layers)
         self.prefixes = PrefixStore(prefix_tokens)
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
-        self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid)
+        self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
         if self.shared_attention:
             prefix_attention.register()
             model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
@@ -237,7 +237,8 @@ class Decoder:
             return None
         key = tuple(by)
         if self._stacked is None or self._stacked[0] != key:
-            self._stacked = (key, *prefix_attention.stack([kvs[k] for k in key]))
+            read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
+            self._stacked = (key, *prefix_attention.stack(read), read)
         rows: list[int] = []
         group: list[int] = []
         place: list[int] = []
