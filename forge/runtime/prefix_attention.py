@@ -114,34 +114,37 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if extra:  # `eligible` should have kept this model off the split: never a silently different result
         raise RuntimeError(f"shared-prefix attention cannot split attention with {', '.join(extra)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    heads, kv_heads = query.shape[1], key.shape[1]
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
     rep = heads // kv_heads
-    q = query.float()
-    k = key.float().repeat_interleave(rep, dim=1) if rep > 1 else key.float()
-    v = value.float().repeat_interleave(rep, dim=1) if rep > 1 else value.float()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, 1, n]
+    # grouped-query attention without expanding the keys: query head h reads kv head h // rep, so the
+    # rep queries of a kv head are rows of one matmul against that head's keys (the same dot products)
+    q = query.float().reshape(b, kv_heads, rep, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, kv heads, rep, n]
     if attention_mask is not None:
         keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > float("-inf")
-        scores = scores.masked_fill(~keep, float("-inf"))
+        if keep.shape[1] != 1:  # a mask per head: regrouped as the queries are
+            keep = keep.expand(b, heads, 1, keep.shape[-1]).reshape(b, kv_heads, rep, keep.shape[-1])
+        scores = scores.masked_fill(~keep, float("-inf"))  # [B, 1, 1, n]: one query per sequence
     m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # all masked: no NaN
     p = torch.exp(scores - m)
-    total = p.sum(-1, keepdim=True)  # [B, H, 1, 1]
-    out = torch.matmul(p, v)  # [B, H, 1, d]
-    pk, pv = step.kv[module.layer_idx]
-    if rep > 1:
-        pk, pv = pk.repeat_interleave(rep, dim=1), pv.repeat_interleave(rep, dim=1)
-    qg = q.new_zeros(pk.shape[0], step.width, heads, q.shape[-1])
-    qg[step.group, step.place] = q[step.rows, :, 0]
-    s2 = torch.matmul(qg.transpose(1, 2), pk.float().transpose(-1, -2)) * scale  # [G, H, width, P]
+    total = p.sum(-1, keepdim=True)  # [B, kv heads, rep, 1]
+    out = torch.matmul(p, value.float())  # [B, kv heads, rep, d]
+    pk, pv = step.kv[module.layer_idx]  # [G, kv heads, P, d]
+    groups = pk.shape[0]
+    qg = q.new_zeros(groups, step.width, kv_heads, rep, d)
+    qg[step.group, step.place] = q[step.rows]
+    qg = qg.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, step.width * rep, d)
+    s2 = torch.matmul(qg, pk.float().transpose(-1, -2)) * scale  # [G, kv heads, width x rep, P]
     s2 = s2.masked_fill(~step.valid, float("-inf"))
     m2 = s2.amax(-1, keepdim=True)
     p2 = torch.exp(s2 - m2)
-    t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, H, width, 1], [G, H, width, d]
-    m2, t2, o2 = (x[step.group, :, step.place][:, :, None] for x in (m2, t2, o2))  # [rows, H, 1, *]
-    m1 = m[step.rows]
+    t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, kv heads, width x rep, 1 | d]
+    m2, t2, o2 = (x.view(groups, kv_heads, step.width, rep, -1)[step.group, :, step.place] for x in (m2, t2, o2))
+    m1 = m[step.rows]  # [rows, kv heads, rep, 1]
     top = torch.maximum(m1, m2)
-    a, b = torch.exp(m1 - top), torch.exp(m2 - top)
-    out[step.rows] = out[step.rows] * a + o2 * b
-    total[step.rows] = total[step.rows] * a + t2 * b
-    out = (out / total).to(query.dtype)
+    a, c = torch.exp(m1 - top), torch.exp(m2 - top)
+    out[step.rows] = out[step.rows] * a + o2 * c
+    total[step.rows] = total[step.rows] * a + t2 * c
+    out = (out / total).to(query.dtype).view(b, heads, 1, d)
     return out.transpose(1, 2).contiguous(), None
