@@ -271,11 +271,11 @@ class ModelFunction(Function):
 
         return shape_cost_model(self.config, self.model.torch_dtype)
 
-    def _reducing_worker(self, views):
+    def _reducing_worker(self, views, dispatch=None):
         from forge.runtime.views import ReducingWorker
 
         folded = [f.name for f in self.fields if isinstance(f, Aggregate)]
-        return ReducingWorker(views, self.reduce, [f.name for f in self.fields], folded)
+        return ReducingWorker(views, self.reduce, [f.name for f in self.fields], folded, dispatch and dispatch.close)
 
 
 class CausalLMFunction(ModelFunction):
@@ -330,12 +330,15 @@ class CausalLMFunction(ModelFunction):
         from transformers import AutoModelForCausalLM
 
         from forge.runtime.causal_lm import CausalLMRunner
+        from forge.runtime.dispatch import dispatch_for
         from forge.runtime.views import CausalViews
 
-        model = self.hf.load(AutoModelForCausalLM, "cpu", self.caps.attn)  # the runner cuts it, then moves it
+        dispatch = dispatch_for(self, device)  # a device group: placed over its devices by the plan's map
+        model = self.hf.load(AutoModelForCausalLM, "cpu", self.caps.attn)  # the runner cuts it, then places it
         runner = CausalLMRunner(
             model,
             device=device.torch_device,
+            place=dispatch and dispatch.place,
             layers=list(self.forward.layers),
             cache_tokens=cache_tokens,
             pad_token_id=self.hf.pad_token_id,
@@ -345,7 +348,7 @@ class CausalLMFunction(ModelFunction):
             captures=list(self.forward.capture),
             interventions=self.interventions,
         )
-        return self._reducing_worker(CausalViews(runner, self.forward))
+        return self._reducing_worker(CausalViews(runner, self.forward), dispatch)
 
 
 class EncoderFunction(ModelFunction):
@@ -385,7 +388,11 @@ class EncoderFunction(ModelFunction):
     def open_worker(self, device: Device, cache_tokens: int):
         from transformers import AutoModel
 
+        from forge.runtime.dispatch import dispatch_for
         from forge.runtime.encoder import EncoderViews
 
-        model = self.hf.load(AutoModel, device.torch_device, self.caps.attn)
-        return self._reducing_worker(EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id))
+        dispatch = dispatch_for(self, device)  # a device group: loaded on the CPU, then placed by the plan's map
+        model = self.hf.load(AutoModel, "cpu" if dispatch else device.torch_device, self.caps.attn)
+        model = dispatch.place(model) if dispatch else model
+        views = EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id)
+        return self._reducing_worker(views, dispatch)

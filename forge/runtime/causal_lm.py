@@ -61,7 +61,8 @@ class CausalLMRunner:
     """Runs `Batch`es through a causal LM's base decoder and pools hidden states.
 
     `model` is a loaded `AutoModelForCausalLM` in eval mode, on `device` (None: where it is;
-    else it moves there once cut, so that the layers cut never reach the device). `layers` are
+    else it moves there once cut, so that the layers cut never reach the device; `place(model)`,
+    when given, places it over several devices instead, once cut). `layers` are
     hidden-state indices (0 = embeddings, num_layers = final normed output). `cache_tokens`
     sizes the per-device prefix KV cache (0 = off). `stop_after_deepest`: run `layers_run` layers,
     one past the deepest index asked for, for a function that needs no more."""
@@ -78,6 +79,7 @@ class CausalLMRunner:
         allow_no_layers: bool = False,
         stop_after_deepest: bool = False,
         device: str | None = None,
+        place: Any = None,
         captures: list[str] = (),  # type: ignore[assignment]
         interventions: Any = None,
     ) -> None:
@@ -102,9 +104,12 @@ class CausalLMRunner:
         self.layers_run = keep if cut else self.num_layers
         ivs = list(getattr(interventions, "items", interventions or ()))
         self.hooks = hooks.HookSet(model, self.base, self.num_layers, list(captures), ivs)
-        if device is not None:
+        if place is not None:  # a device group: accelerate places the cut model by its map (forge.runtime.dispatch)
+            place(model)
+        elif device is not None:
             model.to(device)
-        self.device = next(model.parameters()).device
+        # where token ids go (a split model's first block); each layer's states and KV stay on its own device
+        self.device = hf_compat.input_device(model)
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = int(getattr(text_config(self.config), "hidden_size", 0)) or None
         self.attn_implementation = getattr(self.config, "_attn_implementation", None)
@@ -203,7 +208,7 @@ class CausalLMRunner:
         if states is None:
             h = self.hidden_size or 0
             return PooledOutput({L: torch.empty(0, h) for L in self.layers}, 0, False)
-        pooled = pool_states(states, len(batch.items), self.pooling, self.layers, self._layer_idx, self.device)
+        pooled = pool_states(states, len(batch.items), self.pooling, self.layers, self._layer_idx)
         return PooledOutput(
             pooled=pooled, prefix_computed_tokens=states.prefix_computed_tokens, cache_hit=states.cache_hit
         )

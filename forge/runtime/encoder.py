@@ -30,7 +30,7 @@ import torch
 from forge.errors import ForgeError
 from forge.runtime.capabilities import MASK_IMPLS, choose_attn
 from forge.runtime.class_facts import ClassFacts, class_facts
-from forge.runtime.hf_compat import text_config
+from forge.runtime.hf_compat import input_device, text_config
 from forge.vocab.geometry import Batch
 
 POOLINGS = ("mean", "cls", "last")
@@ -129,7 +129,7 @@ class EncoderRunner:
         self.pooling = pooling
         self.normalize = normalize
         self.pad_token_id = int(pad_token_id)
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # a split model: its embeddings' device (outputs come back there)
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = int(getattr(text_config(model.config), "hidden_size", 0))
         self._takes = set(inspect.signature(model.forward).parameters)  # named keyword arguments only

@@ -1,4 +1,5 @@
-"""Small shims over transformers versions (4.x and 5.x): config, cache and output access."""
+"""Small shims over transformers versions (4.x and 5.x): config, cache and output access, and where
+a model (placed over several devices by `forge.runtime.dispatch`, or on one) computes."""
 
 from __future__ import annotations
 
@@ -42,6 +43,27 @@ def base_decoder(model: Any) -> Any:
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     return base if base is not None else model
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: its accelerate hook's execution device, else its first weight's
+    (a weight on the meta device is offloaded: the CPU computes it unless a hook says otherwise)."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def input_device(model: Any) -> torch.device:
+    """Where a model's token ids go: its input embeddings' execution device."""
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if get is not None else None
+    return execution_device(embed if isinstance(embed, torch.nn.Module) else model)
 
 
 def layers_to_run(indices: list[int], total: int) -> int:

@@ -261,9 +261,9 @@ class HookSet:
                 f"[{slots.position.shape[0]}, {slots.position.shape[1]}, ...]; choose a module inside a layer"
             )
         for iv in ivs:
-            mask = self._masks.get(iv.span)
+            mask = self._masks.get((iv.span, value.device))  # a split model's layers are on several devices
             if mask is None:
-                mask = self._masks[iv.span] = slots.span(iv.span).to(value.device)
+                mask = self._masks[iv.span, value.device] = slots.span(iv.span).to(value.device)
             value = iv.apply(value, mask)
         if keep and self._capturing:
             self.captured[name] = value

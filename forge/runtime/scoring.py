@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.runtime.hf_compat import text_config
+from forge.runtime.hf_compat import input_device, text_config
 from forge.vocab.geometry import Batch
 
 HEAD_CHUNK_TOKENS = 1024  # positions per LM-head call: bounds the [tokens, vocab] float32 block
@@ -65,10 +65,10 @@ class LogitHead:
 
     def verify(self, base: Any, vocab: int, tol: float = 1e-3) -> None:
         """Raise ValueError unless head(base(ids).last_hidden_state) equals model(ids).logits."""
-        ids = torch.arange(1, 7, device=next(self.model.parameters()).device).remainder(vocab).view(1, -1)
+        ids = torch.arange(1, 7, device=input_device(self.model)).remainder(vocab).view(1, -1)
         with torch.inference_mode():
             want = self.model(input_ids=ids, use_cache=False).logits.float()
-            got = self(base(input_ids=ids, use_cache=False).last_hidden_state).float()
+            got = self(base(input_ids=ids, use_cache=False).last_hidden_state).float().to(want.device)
         diff = (got - want).abs().max().item()
         scale = max(1.0, want.abs().max().item())
         if not diff <= tol * scale:
@@ -104,14 +104,14 @@ class ScoreRunner:
             scored = tok_within >= (states.lens - counts)[tok_item]
             rows, cols, owner = tok_row[scored], tok_col[scored], tok_item[scored]
             targets = torch.tensor([t for ts in targets_list for t in ts], dtype=torch.long)
-            dev = states.last.device
+            dev = states.last.device  # the final norm's device (a split model's LM head may sit on another)
             logprob = torch.empty(targets.numel(), dtype=torch.float32)
             argmax_ok = torch.empty(targets.numel(), dtype=torch.bool)
             for lo in range(0, targets.numel(), HEAD_CHUNK_TOKENS):
                 hi = min(lo + HEAD_CHUNK_TOKENS, targets.numel())
                 h = states.last[rows[lo:hi].to(dev), cols[lo:hi].to(dev)]
                 logp = torch.log_softmax(self.head(h).float(), dim=-1)
-                tgt = targets[lo:hi].to(dev)
+                tgt = targets[lo:hi].to(logp.device)
                 logprob[lo:hi] = logp.gather(1, tgt[:, None])[:, 0].cpu()
                 argmax_ok[lo:hi] = (logp.argmax(dim=-1) == tgt).cpu()
         loglik = torch.zeros(n, dtype=torch.float64).index_add_(0, owner, logprob.double())
@@ -164,7 +164,7 @@ class StateHead:
         seen: list[torch.Tensor] = []
         handle = norm.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
         vocab = int(getattr(text_config(self.base.config), "vocab_size", 8) or 8)
-        ids = torch.arange(1, 7, device=next(self.base.parameters()).device).remainder(vocab).view(1, -1)
+        ids = torch.arange(1, 7, device=input_device(self.base)).remainder(vocab).view(1, -1)
         try:
             with torch.inference_mode():
                 out = self.base(input_ids=ids, use_cache=False).last_hidden_state

@@ -43,7 +43,8 @@ class ItemMeta:
 
 @dataclass
 class ItemView:
-    """One item as its function sees it, whatever layout ran it. Tensors are on the model's device."""
+    """One item as its function sees it, whatever layout ran it. Tensors are on the model's device (a split
+    model's: each layer's states on that layer's device)."""
 
     id: str  # the item's id
     index: int  # its commit key (input order)
@@ -120,7 +121,8 @@ class CausalViews:
         entry = states.entry
         dev = self.runner.device
         layers = list(zip(self.runner.layers, self.runner._layer_idx))
-        prefix_split = {layer: entry.last_hidden[i].to(dev) for layer, i in layers} if entry is not None else {}
+        at = {i: states.hidden[i].device if i in states.hidden else dev for _, i in layers}  # each layer's own device
+        prefix_split = {layer: entry.last_hidden[i].to(at[i]) for layer, i in layers} if entry is not None else {}
         logprobs, greedy, at_targets = self._targets(items, states) if self.targets else (None, None, None)
         logits: Any = at_targets if self.logits == "targets" else {} if self.logits == "all" else None
         views = []
@@ -131,7 +133,7 @@ class CausalViews:
             hidden, prefix_state = {}, {}
             for layer, i in layers:
                 span = states.hidden[i][row, start : start + n] if n else None
-                hidden[layer] = span[own_from:] if span is not None else torch.empty(0, device=dev)
+                hidden[layer] = span[own_from:] if span is not None else torch.empty(0, device=at[i])
                 if not item.prefix_len:
                     continue
                 if in_row is not None:  # tree rows: the prefix's last token sits in the row
@@ -216,10 +218,10 @@ class CausalViews:
                 f"item {items[k].id!r}: its targets are predicted from positions outside "
                 f"{max(int(states.item_off[k]) - 1, 0)}..{items[k].num_tokens - 1}"
             )
-        dev = self.runner.device
+        final = states.last if states.last is not None else states.entry.last_state
+        dev = final.device  # the final norm's device (the LM head's may differ on a split model: logp says)
         targets = torch.tensor([t for m in metas for t in m.targets], dtype=torch.long)
-        width = states.last.shape[-1] if states.last is not None else states.entry.last_state.shape[-1]
-        dtype = states.last.dtype if states.last is not None else states.entry.last_state.dtype
+        width, dtype = final.shape[-1], final.dtype
         h = torch.empty(total, width, dtype=dtype, device=dev)
         rows_in = ~from_prefix
         if bool(rows_in.any()):
@@ -231,7 +233,7 @@ class CausalViews:
                 p_row, p_col = (t[owner[from_prefix]].to(dev) for t in states.prefix_at)
                 h[from_prefix.to(dev)] = states.last[p_row, p_col]
             else:
-                h[from_prefix.to(dev)] = states.entry.last_state.to(dtype)
+                h[from_prefix.to(dev)] = states.entry.last_state.to(dev, dtype)
         logprob = torch.empty(total, dtype=torch.float32, device=dev)
         best = torch.empty(total, dtype=torch.bool, device=dev)
         head = self.head
@@ -241,7 +243,7 @@ class CausalViews:
             hi = min(lo + HEAD_CHUNK_TOKENS, total)
             logits = head(h[lo:hi]).float()
             logp = torch.log_softmax(logits, dim=-1)
-            tgt = targets[lo:hi].to(dev)
+            tgt = targets[lo:hi].to(logp.device)
             logprob[lo:hi] = logp.gather(1, tgt[:, None])[:, 0]
             best[lo:hi] = logp.argmax(dim=-1) == tgt
             if self.logits == "targets":
@@ -292,6 +294,7 @@ class ReducingWorker:
     reduce: Callable[[ItemView], dict[str, Any]]  # one item's view -> its result values
     names: list[str] = field(default_factory=list)  # the result fields, in schema order
     folded: list[str] = field(default_factory=list)  # of them, the Aggregates (dataset-level)
+    closing: Callable[[], None] | None = None  # after the views close (a device group's offload folder goes)
 
     def run(self, batch: Batch):
         out = self.views.run(batch)
@@ -307,3 +310,6 @@ class ReducingWorker:
         if self.views is not None:
             self.views.close()
         self.views = None
+        if self.closing is not None:
+            self.closing()
+        self.closing = None
