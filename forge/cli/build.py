@@ -81,6 +81,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
     tokens_per_step = budget["tokens_per_step"]
     devices = resolve_devices(plain["devices"])
     function = build_function(plain)
+    devices, placements = place_groups(devices, function)
     capped = []
     for d in devices:
         try:
@@ -100,6 +101,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
         mode=batching["mode"],
         mode_options=dict(batching),  # every key of the mode's schema: create_packer builds its typed config
         devices=capped,
+        placements=placements,
         window=batching["window"],
         # a mode without a prefix cache has neither key (its schema declares none)
         cache_tokens=batching["cache_tokens"] if batching.get("prefix_cache") else 0,
@@ -120,3 +122,25 @@ def _replace_limits(device, limits):
     from dataclasses import replace
 
     return replace(device, limits=limits)
+
+
+def place_groups(devices: list, function) -> tuple[list, dict]:
+    """Each device group placed for the function's model (`forge.runtime.placement`) and turned
+    into the one consumer the packer sees (`forge.runtime.group_device`); single devices as they are."""
+    if not any(d.group for d in devices):
+        return devices, {}
+    if not hasattr(function, "config") or not hasattr(function, "forward"):
+        raise ForgeError(
+            f"devices: a device group holds a model function's model; function {function.name} has none "
+            "to place: use single devices"
+        )
+    from forge.runtime.group_device import group_consumer
+    from forge.runtime.placement import placement_for
+
+    out, placements = [], {}
+    for d in devices:
+        if d.group:
+            placements[d.name] = placement_for(function, d)
+            d = group_consumer(d, placements[d.name], function.cost_model())
+        out.append(d)
+    return out, placements

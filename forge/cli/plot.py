@@ -131,10 +131,16 @@ def plot_plans(reports: Sequence[Report], path: Path, timeline: Report | None = 
     height = max(len(rows) for rows, _ in drawn)
     if timeline is not None and timeline.plan.timeline:
         lanes = len(timeline["devices"])
-        fig = plt.figure(figsize=(7 * len(drawn), 9 + 0.6 * lanes + 1.2))
-        grid = fig.add_gridspec(2, len(drawn), height_ratios=(9, 0.6 * lanes + 1.2))
+        members = sum(len(p["stages"]) + 1 for p in (timeline.plan.placements or {}).values())
+        ratios = (9, 0.6 * lanes + 1.2) + ((0.6 * members + 1.2,) if members else ())
+        fig = plt.figure(figsize=(7 * len(drawn), sum(ratios)))
+        grid = fig.add_gridspec(len(ratios), len(drawn), height_ratios=ratios)
         axes = [[fig.add_subplot(grid[0, i]) for i in range(len(drawn))]]
         plot_timeline(fig.add_subplot(grid[1, :]), timeline)
+        if members:  # device groups: their placement beside accelerate's (forge.cli.placement_view)
+            from forge.cli.placement_view import plot_placements
+
+            plot_placements(fig.add_subplot(grid[2, :]), timeline)
     else:
         fig, axes = plt.subplots(1, len(drawn), figsize=(7 * len(drawn), 9), squeeze=False)
     for ax, (rows, r) in zip(axes[0], drawn):

@@ -48,6 +48,10 @@ def print_summary(report: Mapping[str, Any]) -> None:
     """One screen: what ran, the ledger, the geometry, per device."""
     console.print(_run_table(report))
     console.print(_devices_table(report))
+    from forge.cli.placement_view import placement_tables
+
+    for table in placement_tables(report):
+        console.print(table)
     _notes(report)
 
 

@@ -17,6 +17,15 @@ block, its step time in seconds `a + b x tokens + c x scores` (see `forge.vocab.
       sim: {seconds_per_step: 0.04, seconds_per_slot: 2.0e-4, seconds_per_score: 1.0e-8}
 
 Its `batch_overhead_tokens` defaults to a / b.
+
+A device group (`forge.config.groups`) is one entry whose `devices` hold one model together,
+split in contiguous stages by `forge.runtime.placement`; `memory_gb` and `sim` then take one
+value per member (or one for all), and `split: {offload: cpu|disk|null, link_gb_per_s: 16}`
+says whether layers no member holds may go to the CPU or disk (null, the default: refused):
+
+    - {name: pair, devices: [cuda:0, cuda:1], memory_gb: [40, 40], split: {offload: null}}
+
+The devices config's top-level `split: auto` makes every device discovered or listed one group.
 """
 
 from __future__ import annotations
@@ -26,12 +35,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from forge.config.groups import group_from, split_auto
 from forge.errors import ForgeError
 from forge.vocab.geometry import Device, Limits, StepTime
 
 GB = 1 << 30
 LIMIT_KEYS = ("max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple")
-ENTRY_KEYS = {"name", "device", "limits", "memory_gb", "batch_overhead_tokens", "sim"}
+ENTRY_KEYS = {"name", "device", "devices", "limits", "memory_gb", "batch_overhead_tokens", "sim", "split"}
 SIM_KEYS = ("seconds_per_step", "seconds_per_slot", "seconds_per_score")
 
 
@@ -137,6 +147,12 @@ def from_inventory(entries: Any, default_limits: Mapping[str, Any] | None) -> li
             raise ForgeError(f"{where}.limits must be a mapping of {', '.join(LIMIT_KEYS)}")
         spec = dict(default_limits or {})
         spec.update(entry.get("limits") or {})
+        if entry.get("devices") is not None:  # a device group (forge.config.groups)
+            overhead = _number(entry, "batch_overhead_tokens", where, integer=True, positive=False)
+            devices.append(group_from(entry, limits_from(spec, f"{where}.limits"), overhead, where, step_time_from))
+            continue
+        if entry.get("split") is not None:
+            raise ForgeError(f"{where}.split: only a device group splits; list its devices (devices: [cuda:0, cuda:1])")
         memory_gb = _number(entry, "memory_gb", where)
         sim = step_time_from(entry["sim"], f"{where}.sim") if entry.get("sim") is not None else None
         overhead = _number(entry, "batch_overhead_tokens", where, integer=True, positive=False)
@@ -164,11 +180,12 @@ def resolve_devices(cfg: Mapping[str, Any]) -> list[Device]:
     cfg = {**defaults_of(Devices), **cfg}
     inventory = cfg["inventory"] or []
     if inventory or not isinstance(inventory, (list, tuple)):
-        return from_inventory(inventory, cfg["limits"])
+        return split_auto(from_inventory(inventory, cfg["limits"]), cfg["split"])
     if not cfg["discover"]:
         raise ForgeError("devices: discover is false and the inventory is empty; list at least one device")
-    return discover(
+    found = discover(
         limits_from(cfg["limits"] or {}, "devices.limits"),
         memory_fraction=cfg["memory_fraction"],
         cpu_memory_gb=cfg["cpu_memory_gb"],
     )
+    return split_auto(found, cfg["split"])

@@ -83,8 +83,10 @@ class Devices:
     limits: DeviceLimits | None = None  # limits of discovered devices, and defaults for inventory entries
     memory_fraction: float = share(0.9)  # share of each CUDA device's free memory that batching=memory may plan for
     cpu_memory_gb: float | None = positive(None)  # the CPU's budget for batching=memory (null: memory_fraction of RAM)
-    # devices by name: name, device, limits, memory_gb, batch_overhead_tokens, sim (checked by forge.config.devices)
+    # devices by name: name, device (or devices: a group), limits, memory_gb, batch_overhead_tokens, sim, split
+    # (checked by forge.config.devices)
     inventory: list[Any] = field(default_factory=list)
+    split: str | None = None  # auto: every device discovered or listed holds one model together, as one group
 
 
 @dataclass

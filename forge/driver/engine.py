@@ -61,6 +61,7 @@ class RunSpec:
     started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
     composed_at: float | None = None  # time.time() the CLI had the composed config (before build_spec); None: unknown
     warm_start: bool = False  # a `forge server` ran the command: its imports were paid before it started
+    placements: dict[str, Any] = field(default_factory=dict)  # device group -> its `forge.runtime.placement.Placement`
 
 
 def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:

@@ -89,6 +89,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
         simulated_cost_tokens={k: int(v) for k, v in executor.clocks.items()} if unit == "token-equivalents" else None,
         kept_batches=kept.batches if kept is not None else None,
         timeline=executor.timeline if keep_batches else None,
+        placements={name: p.as_dict() for name, p in spec.placements.items()} or None,
     )
     report = make_report(
         run,

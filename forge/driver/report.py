@@ -111,6 +111,7 @@ class PlanFigures:
     simulated_cost_tokens: dict[str, int] | None = None  # device -> its clock, in token-equivalents
     kept_batches: list[Batch] | None = None  # every batch, in commit order (`keep_batches`)
     timeline: list[Any] | None = None  # every batch's span on its device (`forge.executors.sim.Span`)
+    placements: dict[str, Any] | None = None  # device group -> its placement (`Placement.as_dict`); None: no group
 
 
 @dataclass(eq=False)
@@ -170,6 +171,8 @@ class Report(Mapping[str, Any]):
             out["virtual_time"] = None if vt is None else {f.name: getattr(vt, f.name) for f in fields(vt)}
             if plan.simulated_cost_tokens is not None:
                 out["simulated_cost_tokens"] = plan.simulated_cost_tokens
+            if plan.placements:
+                out["placements"] = plan.placements
         return out
 
     # read-only mapping: report.json's keys (a view built afresh each time: the report may still change)

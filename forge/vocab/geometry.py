@@ -114,8 +114,19 @@ class StepTime:
 
 
 @dataclass(frozen=True, slots=True)
+class Member:
+    """One device of a device group: where its stage's layers live, and its byte budget."""
+
+    torch_device: str  # "cuda:0", "cpu"; "disk" only as an offload target
+    memory_bytes: int | None  # the budget of this member's stage (weights + activations); None: unknown
+    sim: StepTime | None = None  # a simulated member: its step time for the WHOLE model (a stage runs its share)
+
+
+@dataclass(frozen=True, slots=True)
 class Device:
-    """A consumer of batches: a name, what backs it, and its limits."""
+    """A consumer of batches: a name, what backs it, and its limits. A device group (`group`
+    non-empty) is one consumer whose model is split in contiguous stages over its members
+    (`forge.runtime.placement`); its limits and memory_bytes are those of its tightest stage."""
 
     name: str  # unique, e.g. "cuda:0" or "cpu"
     limits: Limits
@@ -123,6 +134,9 @@ class Device:
     memory_bytes: int | None = None  # byte budget for batching=memory; None: unknown
     batch_overhead_tokens: int | None = None  # per-step cost in token slots; None: the mode's default
     sim: StepTime | None = None  # a simulated device (forge plan only): its step time; None: a real one
+    group: tuple[Member, ...] = ()  # a device group's members, in stage order; empty: a single device
+    offload: str | None = None  # a group's offload target where its members cannot hold the model: cpu | disk | None
+    link_gb_per_s: float = 16.0  # a group: bandwidth between stages (and to CPU offload), GB/s, for the step cost
 
 
 @dataclass(frozen=True, slots=True)
