@@ -305,3 +305,75 @@ def test_captures_and_interventions_on_a_split_model_equal_the_unsplit_ones(fami
                 assert (v.hidden[LAYERS] - want[v.id].hidden[LAYERS]).abs().max().item() <= SAME
     finally:
         dispatch.close()
+
+
+def test_an_encoder_split_over_cpu_and_disk_equals_the_unsplit_one_in_rows_and_packed_rows():
+    """embed's encoder (a BERT, whole texts): embeddings and layer 0 on "cpu", the rest on "disk"."""
+    from forge.runtime.encoder import EncoderViews, encoder_capabilities
+
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    whole = transformers.BertModel(cfg).eval()
+    split = copy.deepcopy(whole)
+    device_map = {"embeddings": "cpu", "encoder.layer.0": "cpu", "encoder.layer.1": "disk"}
+    device_map |= {"encoder.layer.2": "disk", "pooler": "disk"}
+    dispatch = Dispatch(device_map, offload="disk")
+    dispatch.place(split)
+    caps = encoder_capabilities(cfg, "sdpa")
+    texts = _items(0, None, 6, 4)
+    rows = Batch([[it] for it in texts], max(it.num_tokens for it in texts))
+    packed = Batch(
+        [texts[:3], texts[3:]], max(sum(it.num_tokens for it in r) for r in (texts[:3], texts[3:])), packed=True
+    )
+    try:
+        assert set(split.hf_device_map.values()) == {"cpu", "disk"}
+        for batch in (rows, packed):
+            want = {v.id: v.hidden for v in EncoderViews(whole, caps, [1, 3]).run(batch).views}
+            for v in EncoderViews(split, caps, [1, 3]).run(batch).views:
+                for layer in (1, 3):
+                    assert (v.hidden[layer] - want[v.id][layer]).abs().max().item() <= SAME
+    finally:
+        dispatch.close()
+
+
+@pytest.mark.slow  # the plan measures the function's memory model first
+def test_a_group_the_plan_places_with_disk_offload_runs_as_the_single_device_does():
+    """The whole path: `placement_for` plans a one-member CPU group too small for the model, with
+    split.offload: disk; its worker's results equal a single device's, and the folder goes at close."""
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
+    from forge.runtime.embedded import embedded_dataset_path
+    from forge.vocab.geometry import Device, Limits, Member
+
+    fn = ProbeGen(
+        ProbeGenConfig(
+            model=ModelSpec(name="embedded:tiny-llama"),
+            input=InputSpec(path=str(embedded_dataset_path())),
+            layers=[1, 3],
+        )
+    )
+    limits = Limits(max_batch_tokens=256, max_rows=64, max_seq_len=128)
+    group = Device("group", limits, "cpu", group=(Member("cpu", int(0.8 * fn_weight_bytes(fn))),), offload="disk")
+    items = [r for r in fn.records() if isinstance(r, Item)][:6]
+    batch = Batch([[it] for it in items], max(it.num_tokens for it in items))
+    want = fn.open_worker(Device("cpu", limits, "cpu"), 0).run(batch).columns
+    worker = fn.open_worker(group, 0)
+    try:
+        placed = worker.views.runner.model.hf_device_map
+        assert "disk" in placed.values() and set(placed.values()) <= {"cpu", "disk"}
+        dispatch = worker.closing.__self__  # the worker closes its Dispatch
+        folder = dispatch.folder
+        got = worker.run(batch).columns
+        assert all(abs(got[k] - want[k]).max() <= SAME for k in want) and set(got) == set(want)
+    finally:
+        worker.close()
+    assert not os.path.exists(folder)
+
+
+def fn_weight_bytes(fn) -> int:
+    """The function's model's weight bytes (float32), from its config on the meta device."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(fn.config)
+    return sum(p.numel() * 4 for p in model.parameters())
