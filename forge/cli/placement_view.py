@@ -18,7 +18,8 @@ TOKEN, PAD = (0.25, 0.5, 0.85), (0.85, 0.85, 0.85)  # forge.cli.plot's blue and 
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes in GiB (MiB below one GiB: a small model's blocks)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
 
 
 def placement_tables(report: Mapping[str, Any]) -> list[Table]:

@@ -96,6 +96,7 @@ def meta_model(config: Any, dtype: str, trust_remote_code: bool) -> Any:
     if key not in _META:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model.tie_weights()  # as from_pretrained does: a tied head then shares (and is sized with) the embeddings
         _META.clear()  # one model at a time: a plan places one function's model
         _META[key] = model
     return _META[key]
@@ -130,7 +131,7 @@ def _layer_names(model: Any, n: int) -> list[str]:
 
 def placement_for(fn: Any, device: Device) -> Placement:
     """The placement of `fn`'s model (a forge ModelFunction) over `device`'s group."""
-    from accelerate.utils import compute_module_sizes, find_tied_parameters
+    from accelerate.utils import compute_module_sizes
 
     from forge.runtime.hf_compat import num_layers, text_config
     from forge.runtime.memory_fit import DTYPES
@@ -152,7 +153,7 @@ def placement_for(fn: Any, device: Device) -> Placement:
     head = _head_name(model)
     needs_head = bool(fn.forward.lm_head or getattr(fn.forward, "head", False))
     unused = set(layer_names[keep:]) | (set() if needs_head or head is None else {head})
-    tied = {t for group in find_tied_parameters(model) for t in group}
+    tied = _tied_embeddings(model, names)
     needed = [b for b in names if b not in unused]
     cost = fn.cost_model()
     # the memory model's weights are those of the cut model it measured (its head included)
@@ -235,8 +236,16 @@ def _refusal(ctx: _Context, sizes: dict[str, int], reserve_min: int, head: str |
     )
 
 
+def _tied_embeddings(model: Any, names: list[str]) -> str | None:
+    """The block holding the input embeddings when the head's weight is theirs (tied), else None."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or getattr(inp, "weight", None) is not getattr(out, "weight", 1):
+        return None
+    return next((name for name, m in model.named_modules() if m is inp and name in names), None)
+
+
 def _device_map(
-    ctx: _Context, split: Split, names: list[str], unused: set[str], tied: set[str], head
+    ctx: _Context, split: Split, names: list[str], unused: set[str], tied: str | None, head: str | None
 ) -> dict[str, str]:
     members = [m.torch_device for m in ctx.device.group]
     where: dict[str, str] = {}
@@ -249,12 +258,11 @@ def _device_map(
         where[b] = ctx.device.offload or "disk"
     last = members[0]
     out = {}
-    for b in names:  # every module named, in order; a block of no bytes goes with the one before it
+    for b in names:  # every module named, in order
         out[b] = "disk" if b in unused else where.get(b, last)
         last = out[b] if b not in unused else last
-    if head is not None and head in out and f"{head}.weight" in tied and out[head] != "disk":
-        embed = next((b for b in names if any(t.startswith(b + ".") for t in tied) and b != head), None)
-        out[head] = out.get(embed, out[head]) if embed else out[head]  # a tied head stays with its embeddings
+    if head is not None and tied is not None and head not in unused:
+        out[head] = out[tied]  # a tied head's weight is the embeddings': it runs where they are
     return out
 
 

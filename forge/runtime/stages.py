@@ -117,4 +117,5 @@ def deepest_that_fits(
 
 
 def gib(n: int | float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes in GiB (MiB below one GiB: a small model's blocks)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
