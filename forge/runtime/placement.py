@@ -36,7 +36,7 @@ class Stage:
     layers: tuple[int, int] | None  # decoder layers [first, last] it holds; None: none
     blocks: int  # modules of the device_map it holds (embeddings, layers, norm, head)
     weights_bytes: int
-    activation_bytes: int  # the room kept for a batch's activations (and the fixed overhead beside it)
+    activation_bytes: int  # room left for a batch's activations: budget - weights - the memory model's fixed bytes
     budget_bytes: int
 
 
