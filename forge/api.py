@@ -333,12 +333,12 @@ class CausalLMFunction(ModelFunction):
         from forge.runtime.dispatch import dispatch_for
         from forge.runtime.views import CausalViews
 
-        dispatch = dispatch_for(self, device)  # a device group: placed over its devices by the plan's map
-        model = self.hf.load(AutoModelForCausalLM, "cpu", self.caps.attn)  # the runner cuts it, then places it
+        dispatch = dispatch_for(self, device)  # a group: read cut onto its devices (else: on the CPU, cut, moved)
+        loader, attn = AutoModelForCausalLM, self.caps.attn
+        model = dispatch.load(self.hf, loader, attn) if dispatch else self.hf.load(loader, "cpu", attn)
         runner = CausalLMRunner(
             model,
-            device=device.torch_device,
-            place=dispatch and dispatch.place,
+            device=None if dispatch else device.torch_device,
             layers=list(self.forward.layers),
             cache_tokens=cache_tokens,
             pad_token_id=self.hf.pad_token_id,
@@ -391,8 +391,8 @@ class EncoderFunction(ModelFunction):
         from forge.runtime.dispatch import dispatch_for
         from forge.runtime.encoder import EncoderViews
 
-        dispatch = dispatch_for(self, device)  # a device group: loaded on the CPU, then placed by the plan's map
-        model = self.hf.load(AutoModel, "cpu" if dispatch else device.torch_device, self.caps.attn)
-        model = dispatch.place(model) if dispatch else model
+        dispatch = dispatch_for(self, device)  # a device group: read straight onto its devices, by the plan's map
+        hf, attn = self.hf, self.caps.attn
+        model = dispatch.load(hf, AutoModel, attn) if dispatch else hf.load(AutoModel, device.torch_device, attn)
         views = EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id)
         return self._reducing_worker(views, dispatch)

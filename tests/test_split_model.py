@@ -142,19 +142,41 @@ def _worst(got: dict, want: dict) -> float:
     return max((got[k][key] - want[k][key]).abs().max().item() for k in want for key in want[k])
 
 
-def _runners(family: str, second: str = "disk", main: str | None = None):
-    """(the model, its runner, the runner of a copy split over "cpu" and `second`, its dispatch)."""
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> the directory its tiny model is saved in (once)."""
+    root = tmp_path_factory.mktemp("split-models")
+    made: dict[str, object] = {}
+
+    def path(family: str):
+        if family not in made:
+            made[family] = root / family
+            tiny(family).save_pretrained(made[family])
+        return made[family]
+
+    return path
+
+
+def load(path, device_map: dict[str, str], offload: str, main: str | None = None, layers: int | None = None):
+    """(the model saved at `path`, read by the worker's way onto the map's devices; its Dispatch)."""
+    from forge.runtime.modelspec import HFModel, ModelSpec
+
+    dispatch = Dispatch(device_map, offload, main=main, layers=layers)
+    return dispatch.load(HFModel(ModelSpec(name=str(path))), transformers.AutoModelForCausalLM, None), dispatch
+
+
+def _runners(saved, family: str, second: str = "disk", main: str | None = None):
+    """(the model, its runner, the runner of it loaded split over "cpu" and `second`, its dispatch)."""
     whole = tiny(family)
-    split = copy.deepcopy(whole)
-    device_map = {name: second if dev == "disk" else dev for name, dev in cpu_disk_map(split).items()}
-    dispatch = Dispatch(device_map, offload="disk" if second == "disk" else "cpu", main=main)
+    device_map = {name: second if dev == "disk" else dev for name, dev in cpu_disk_map(whole).items()}
+    split, dispatch = load(saved(family), device_map, "disk" if second == "disk" else "cpu", main)
     kw = dict(layers=READ, cache_tokens=4096, pad_token_id=0)
-    return whole, CausalLMRunner(whole, **kw), CausalLMRunner(split, place=dispatch.place, **kw), dispatch
+    return whole, CausalLMRunner(whole, **kw), CausalLMRunner(split, **kw), dispatch
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_model_split_over_cpu_and_disk_equals_the_unsplit_one_in_every_layout(family):
-    _check_split(family, "disk", None, SAME)
+def test_a_model_split_over_cpu_and_disk_equals_the_unsplit_one_in_every_layout(saved, family):
+    _check_split(saved, family, "disk", None, SAME)
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -163,12 +185,12 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @GPU
 @pytest.mark.parametrize("main", [None, "cpu"])  # "cpu" blocks offloaded to cuda:0 | computed on the CPU
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
-def test_a_model_split_over_cpu_and_cuda_equals_the_unsplit_one_in_every_layout(family, main):
-    _check_split(family, "cuda:0", main, TOL)  # CPU and CUDA kernels round differently
+def test_a_model_split_over_cpu_and_cuda_equals_the_unsplit_one_in_every_layout(saved, family, main):
+    _check_split(saved, family, "cuda:0", main, TOL)  # CPU and CUDA kernels round differently
 
 
-def _check_split(family: str, second: str, main: str | None, same: float) -> None:
-    whole, plain, split, dispatch = _runners(family, second, main)
+def _check_split(saved, family: str, second: str, main: str | None, same: float) -> None:
+    whole, plain, split, dispatch = _runners(saved, family, second, main)
     try:
         assert set(split.model.hf_device_map.values()) == {"cpu", second}
         assert split.causal == plain.causal
@@ -193,8 +215,11 @@ def _check_split(family: str, second: str, main: str | None, same: float) -> Non
         dispatch.close()
 
 
-def test_the_split_worker_places_blocks_on_both_devices_and_its_offload_folder_goes_at_close():
-    whole, plain, split, dispatch = _runners("llama")
+def test_a_model_placed_in_memory_puts_blocks_on_both_devices_and_its_offload_folder_goes_at_close():
+    whole = tiny("llama")
+    model = copy.deepcopy(whole)
+    dispatch = Dispatch(cpu_disk_map(model), offload="disk")
+    plain, split = CausalLMRunner(whole, layers=READ), CausalLMRunner(model, layers=READ, place=dispatch.place)
     folder = dispatch.folder
     assert folder and os.path.basename(folder).startswith(OFFLOAD_PREFIX) and os.listdir(folder)
     placed = split.model.hf_device_map
@@ -208,7 +233,7 @@ def test_the_split_worker_places_blocks_on_both_devices_and_its_offload_folder_g
     dispatch.close()  # twice is harmless
 
 
-def test_the_layers_cut_are_never_placed():
+def test_the_layers_cut_before_an_in_memory_placement_are_never_placed():
     model = tiny("llama")
     dispatch = Dispatch(cpu_disk_map(model), offload="disk")
     try:
@@ -232,34 +257,27 @@ def test_a_map_that_leaves_a_weight_unplaced_or_offloads_to_disk_unallowed_is_re
         Dispatch(cpu_disk_map(model), offload=None)
 
 
-def test_a_group_devices_worker_runs_through_dispatch_and_removes_its_offload_folder_at_close(monkeypatch):
-    """`CausalLMFunction.open_worker` on a device with a group places the model by the plan's map
-    (`forge.runtime.placement.placement_for`, here a stand-in returning a cpu/disk map whose unread
-    head is "unused": it is left in host memory, never written to the offload folder)."""
+def test_a_group_devices_worker_reads_its_model_cut_onto_the_plans_devices_and_removes_its_folder_at_close(
+    monkeypatch,
+):
+    """`CausalLMFunction.open_worker` on a device with a group loads the model by the plan's map
+    (`forge.runtime.placement.placement_for`, here a stand-in: a cpu/disk map, the layers past the
+    cut and the unread head "unused"): only the layers run are read, and results equal one device's."""
     import types
 
     from forge.api import InputSpec, ModelSpec
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime import dispatch as dispatch_module, placement as placement_module
+    from forge.runtime import placement as placement_module
     from forge.runtime.embedded import embedded_dataset_path
 
-    fn = ProbeGen(
-        ProbeGenConfig(
-            model=ModelSpec(name="embedded:tiny-llama"),
-            input=InputSpec(path=str(embedded_dataset_path())),
-            layers=[1, 3],
-        )
-    )
+    path = str(embedded_dataset_path())
+    fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path=path), layers=[1]))
     layers = fn.config.num_hidden_layers
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk"}
-    device_map |= {f"model.layers.{i}": "cpu" if i < 2 else "disk" for i in range(layers)}
-    placement = types.SimpleNamespace(
-        device_map=device_map, max_memory={}, unused=("lm_head",)
-    )  # probe_gen reads no head
+    device_map |= {f"model.layers.{i}": "cpu" if i < 1 else "disk" for i in range(layers)}
+    unused = ("lm_head", *(f"model.layers.{i}" for i in range(2, layers)))  # probe_gen reads layer 1: runs 2
+    placement = types.SimpleNamespace(device_map=device_map, max_memory={}, unused=unused, layers_run=2)
     monkeypatch.setattr(placement_module, "placement_for", lambda function, device: placement)
-    opened: list[Dispatch] = []
-    real = dispatch_module.Dispatch.place
-    monkeypatch.setattr(dispatch_module.Dispatch, "place", lambda self, m: (opened.append(self), real(self, m))[1])
 
     items = [r for r in fn.records() if isinstance(r, Item)][:6]
     batch = Batch([[it] for it in items], max(it.num_tokens for it in items))
@@ -267,13 +285,21 @@ def test_a_group_devices_worker_runs_through_dispatch_and_removes_its_offload_fo
     single = types.SimpleNamespace(torch_device="cpu")
     split_worker, plain_worker = fn.open_worker(group, 0), fn.open_worker(single, 0)
     try:
-        (dispatch,) = opened
-        folder = dispatch.folder
-        assert folder and os.listdir(folder) and not any(f.startswith("lm_head") for f in os.listdir(folder))
+        model = split_worker.views.runner.model
+        assert len(model.model.layers) == 2 and split_worker.views.runner.layers_run == 2
+        assert model.hf_device_map == {
+            "model.embed_tokens": "cpu",
+            "model.layers.0": "cpu",
+            "model.layers.1": "disk",
+            "model.norm": "disk",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",  # unread: left in host memory
+        }
+        folder = split_worker.closing.__self__.folder  # the worker closes its Dispatch
+        assert folder and os.path.isdir(folder)
         got, want = split_worker.run(batch).columns, plain_worker.run(batch).columns
-        assert set(got) == set(want) == {"layer_1", "layer_3"}
-        for name in want:
-            assert want[name].shape == (6, fn.hidden_size) and abs(got[name] - want[name]).max() <= SAME, name
+        assert set(got) == set(want) == {"layer_1"}
+        assert want["layer_1"].shape == (6, fn.hidden_size) and abs(got["layer_1"] - want["layer_1"]).max() <= SAME
     finally:
         split_worker.close()
         plain_worker.close()
@@ -377,3 +403,22 @@ def fn_weight_bytes(fn) -> int:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(fn.config)
     return sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_model_loaded_cut_reads_only_the_layers_it_runs_and_keeps_the_whole_depths_indices(saved):
+    whole = tiny("gemma2")  # alternating layer types: the config's list is cut and restored with the depth
+    model, dispatch = load(saved("gemma2"), cpu_disk_map(whole), "disk", layers=2)
+    try:
+        assert len(model.model.layers) == 2 and model.config.num_hidden_layers == LAYERS
+        assert len(model.config.layer_types) == LAYERS
+        assert not any(".layers.2" in name or ".layers.3" in name for name in model.hf_device_map)
+        runner = CausalLMRunner(model, layers=[1], stop_after_deepest=True)
+        assert runner.layers_run == 2
+        batch = layouts()["split prefix, packed"]
+        plain = CausalLMRunner(whole, layers=[1], stop_after_deepest=True)
+        assert (runner.run(batch).pooled[1] - plain.run(batch).pooled[1]).abs().max().item() <= SAME
+        with pytest.raises(ValueError, match="loaded with 2 of its 4 layers, too few; plan it again"):
+            CausalLMRunner(model, layers=[3], stop_after_deepest=True)
+    finally:
+        dispatch.close()
+    assert not os.path.exists(dispatch.folder)

@@ -100,7 +100,12 @@ class CausalLMRunner:
         # later layers change no state asked for (captures alone: the layers they read)
         keep = hf_compat.layers_to_run(self._hs_select, self.num_layers) if self._hs_select or not captures else 0
         keep = max(keep, hooks.layers_read(model, self.base, self.num_layers, captures))
-        cut = stop_after_deepest and hf_compat.keep_first_layers(self.base, self.num_layers, keep)
+        have = getattr(model, hf_compat.LOADED_LAYERS, self.num_layers)  # fewer: loaded cut (forge.runtime.dispatch)
+        if have < (keep if stop_after_deepest else self.num_layers):
+            raise ValueError(
+                f"the model was loaded with {have} of its {self.num_layers} layers, too few; plan it again"
+            )
+        cut = stop_after_deepest and (have == keep or hf_compat.keep_first_layers(self.base, have, keep))
         self.layers_run = keep if cut else self.num_layers
         ivs = list(getattr(interventions, "items", interventions or ()))
         self.hooks = hooks.HookSet(model, self.base, self.num_layers, list(captures), ivs)

@@ -1,24 +1,27 @@
-"""One model over several devices: a device map's placement, done by accelerate's dispatch.
+"""One model over several devices: a device group's placement, done by accelerate.
 
-Model: a device group's worker (`forge.vocab.geometry.Device.group`) loads its model on the CPU;
-the causal runner cuts the decoder one layer past the deepest state it reads
-(`forge.runtime.hf_compat.keep_first_layers`), and only then `Dispatch.place` hands what is left
-to `accelerate.dispatch_model` with the plan's device map (`forge.runtime.placement`: module
-name -> "cuda:0" | "cpu" | "disk"), so the layers cut are never placed. Each mapped block
-(embeddings, each decoder layer, final norm, LM head) keeps its weights on its device:
+Model: a device group's worker (`forge.vocab.geometry.Device.group`) gets the plan's placement
+(`forge.runtime.placement.placement_for`: a device map, module name -> "cuda:0" | "cpu" | "disk",
+the layers the function runs and the modules it never runs). `Dispatch.load` reads the model
+with `from_pretrained(device_map=...)`: each block's weights go straight from the checkpoint to
+its device (no whole copy in host memory first), and only the decoder layers the function runs
+are read at all (the config is cut to that depth for the load, then given back its whole depth,
+so hidden-state indices keep their meaning; the runner sees the cut done). `Dispatch.place`
+does the same for a model already in host memory (`accelerate.dispatch_model`; the causal
+runner calls it after its own cut, so cut layers are never placed either). Each block:
 
-* a device ("cuda:1"): the block runs there; accelerate's hooks move its inputs (hidden states,
-  masks, position embeddings) to it, so its outputs and its KV stay there;
-* "cpu" beside an accelerator: weights stay in CPU memory and are copied to the main device
-  (the first accelerator of the map) for each forward pass: the cost is the block's weight
-  bytes over the host link, every step;
-* "disk": weights are written once to an offload folder this worker owns (`Dispatch.folder`,
-  removed by `close`) and read back for each forward pass, onto the main device (the CPU when
-  the map names no accelerator): the cost is the block's weight bytes read from disk, every step.
+* on a device ("cuda:1"): runs there; accelerate's hooks move its inputs (hidden states, masks,
+  position embeddings) to it, so its outputs and its KV stay there;
+* on "cpu" beside an accelerator: stays in host memory and is copied to the main device for each
+  forward pass (accelerate's CPU offload): its weight bytes over the host link, every step;
+* on "disk": read from the checkpoint's safetensors (or an offload folder this worker owns,
+  removed by `close`) for each forward pass onto the main device (the CPU when the map names no
+  accelerator): its weight bytes from disk, every step.
 
-The runner puts its inputs on `input_device(model)` (the embeddings' execution device) and reads
-each output where it is: a hidden state at layer L is on layer L's device, and so is the prefix
-cache's KV of layer L (nothing is gathered to one device before it is pooled or sliced).
+A module the function never runs (an unread LM head) is mapped to "cpu": never run, never copied.
+The runner puts token ids on `input_device(model)` (the embeddings' execution device) and reads
+every output where it is: a hidden state after layer L is on layer L's device, and so is the
+prefix cache's KV of layer L (nothing is gathered onto one device before it is pooled or sliced).
 """
 
 from __future__ import annotations
@@ -57,11 +60,16 @@ def main_device(device_map: dict[str, str]) -> str:
 
 
 class Dispatch:
-    """Places one worker's model by `device_map` (once, after the runner's cut) and owns its
-    offload folder: `close` removes it (so does the model's collection, or the interpreter's exit)."""
+    """Loads (or places) one worker's model by `device_map` and owns its offload folder: `close`
+    removes it (so does the collection of this object, which the model keeps alive, or the exit)."""
 
     def __init__(
-        self, device_map: dict[str, str], offload: str | None = None, main: str | None = None, unused: Any = ()
+        self,
+        device_map: dict[str, str],
+        offload: str | None = None,
+        main: str | None = None,
+        unused: Any = (),
+        layers: int | None = None,
     ):
         if not device_map:
             raise ValueError("a device group's placement has an empty device_map; plan the group again (forge plan)")
@@ -74,23 +82,63 @@ class Dispatch:
                 "set split.offload: disk or plan the group again"
             )
         self.device_map = dict(device_map)
+        self.layers = layers  # decoder layers `load` reads (the plan's cut; None: every one)
         self.main = main  # where "cpu" and "disk" blocks compute (None: the map's first accelerator; "cpu": on the CPU)
         self.folder: str | None = None
         self._cleanup: Any = None
 
+    def load(self, hf: Any, loader: Any, attn: str | None) -> Any:
+        """The model `hf` (a `forge.runtime.modelspec.HFModel`) names, read by `loader` straight onto
+        its devices (`from_pretrained(device_map=...)`: no whole copy in host memory first), with only
+        its first `self.layers` decoder layers read: the others are never read, nor placed. Its
+        config keeps the whole depth, so hidden-state indices mean what they mean for the whole
+        model; `hf_compat.LOADED_LAYERS` on it says how many layers it holds."""
+        from accelerate import init_empty_weights
+        from transformers.utils import logging as hf_logging
+
+        from forge.runtime.hf_compat import LOADED_LAYERS, num_layers
+        from forge.runtime.memory_fit import at_depth
+
+        full = hf.config
+        total = num_layers(full)
+        keep = total if self.layers is None else min(self.layers, total)
+        config = at_depth(full, keep) if keep < total else full
+        with init_empty_weights():
+            shape = loader.from_config(config, trust_remote_code=bool(hf.spec.trust_remote_code))
+        placed = kept_map(shape, self.device_map, self.main)
+        folder = self._folder(placed)
+        before = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the checkpoint's layers past the cut are unexpected keys, skipped
+        try:
+            model = hf.load(loader, None, attn, config=config, device_map=placed, offload_folder=folder)
+        finally:
+            hf_logging.set_verbosity(before)
+        model.forge_dispatch = self  # the model keeps its offload folder's owner alive
+        if keep < total:
+            model.config.num_hidden_layers = total
+            if getattr(full, "layer_types", None):
+                model.config.layer_types = list(full.layer_types)
+            setattr(model, LOADED_LAYERS, keep)
+        return model
+
+    def _folder(self, placed: dict[str, str]) -> str | None:
+        """A new offload folder where the map offloads to disk (None: it does not)."""
+        if "disk" not in placed.values():
+            return None
+        folder = self.folder = tempfile.mkdtemp(prefix=OFFLOAD_PREFIX)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)  # if close never runs
+        return folder
+
     def place(self, model: Any) -> Any:
-        """`model` (on the CPU, cut) dispatched by the map; returns it."""
+        """`model` (in host memory, already cut) dispatched by the map; returns it."""
         from accelerate import dispatch_model
 
         placed = kept_map(model, self.device_map, self.main)
-        if "disk" in placed.values():
-            self.folder = tempfile.mkdtemp(prefix=OFFLOAD_PREFIX)
-            self._cleanup = weakref.finalize(model, shutil.rmtree, self.folder, True)  # lives while the model does
+        folder = self._folder(placed)
         main = self.main or main_device(placed)
-        skip = getattr(
-            model, "_skip_keys_device_placement", None
-        )  # the KV cache object: never moved, its layers stay put
-        dispatch_model(model, placed, main_device=main, offload_dir=self.folder, skip_keys=skip, force_hooks=True)
+        skip = getattr(model, "_skip_keys_device_placement", None)  # the KV cache object: never moved
+        dispatch_model(model, placed, main_device=main, offload_dir=folder, skip_keys=skip, force_hooks=True)
+        model.forge_dispatch = self  # the model keeps its offload folder's owner alive
         return model
 
     @property
@@ -112,4 +160,5 @@ def dispatch_for(fn: Any, device: Any) -> Dispatch | None:
     from forge.runtime.placement import placement_for
 
     placement = placement_for(fn, device)
-    return Dispatch(placement.device_map, getattr(device, "offload", None), unused=placement.unused)
+    offload = getattr(device, "offload", None)
+    return Dispatch(placement.device_map, offload, unused=placement.unused, layers=placement.layers_run)

@@ -45,6 +45,9 @@ def base_decoder(model: Any) -> Any:
     return base if base is not None else model
 
 
+LOADED_LAYERS = "forge_loaded_layers"  # on a model loaded cut (forge.runtime.dispatch): the decoder layers it holds
+
+
 def execution_device(module: torch.nn.Module) -> torch.device:
     """Where `module` computes: its accelerate hook's execution device, else its first weight's
     (a weight on the meta device is offloaded: the CPU computes it unless a hook says otherwise)."""

@@ -156,9 +156,11 @@ class HFModel:
         digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
         return {**asdict(self.spec), "config_sha256": digest}
 
-    def load(self, loader: Any, device: str, attn: str | None):
+    def load(self, loader: Any, device: str | None, attn: str | None, **placed: Any):
         """Weights through `loader` (AutoModelForCausalLM, AutoModel, ...) on `device`, in eval mode;
-        an embedded model's weights are made (and cached) first."""
+        an embedded model's weights are made (and cached) first. `placed`: more `from_pretrained`
+        keywords (a device group's config, device_map and offload_folder: `forge.runtime.dispatch`),
+        with `device` None: the model stays where they put it."""
         import torch
 
         from forge.runtime.embedded import materialize_model
@@ -169,6 +171,7 @@ class HFModel:
             "dtype": getattr(torch, self.spec.torch_dtype),
             "attn_implementation": attn,
             **self.spec.hub_kwargs(),
+            **placed,
         }
         try:
             model = loader.from_pretrained(path, **kwargs)
@@ -176,4 +179,4 @@ class HFModel:
             raise ForgeError(
                 f"model.name={self.spec.name}: cannot load weights from {path} ({first_line(exc)})"
             ) from None
-        return model.to(device).eval()
+        return (model.to(device) if device is not None else model).eval()
