@@ -261,3 +261,40 @@ def test_the_group_is_one_consumer_with_its_tightest_stage_and_a_pipelined_step_
     assert g.sim.seconds_per_step == pytest.approx(0.125 * 0.1 + 0.375 * 0.05)
     assert g.sim.seconds_per_slot == pytest.approx(0.125 * 2e-3 + 0.375 * 1e-3 + 16384 / 16e9)
     assert g.batch_overhead_tokens == g.sim.overhead_tokens
+
+
+TINY_PAIR = """discover: false
+limits: {max_batch_tokens: 4096, max_rows: 128, max_seq_len: 512, pad_multiple: 8}
+inventory:
+  - name: pair
+    devices: [cuda:0, cuda:1]
+    memory_gb: [0.02, 0.03]
+    sim: {seconds_per_step: 0.01, seconds_per_slot: 1.0e-5}
+"""
+
+
+@pytest.mark.slow
+def test_forge_plan_places_a_group_prints_it_and_draws_it(tmp_path):
+    """The embedded model on a simulated pair of small cards, through the CLI: the plan carries
+    the placement (--json), prints it beside accelerate's, and draws it (--plot)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from forge.cli.app import app
+
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "tiny_pair.yaml").write_text(TINY_PAIR)
+    args = ["plan", "--config-dir", str(tmp_path), "devices=tiny_pair", "batching=memory", "input.limit=200"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    [device], placed = report["devices"], report["placements"]["pair"]
+    assert report["status"] == "finished" and device["oom"] == 0
+    assert device["memory_budget_bytes"] < (0.05 * GIB) and device["limits"]["max_batch_tokens"] <= 4096
+    assert [s["budget_bytes"] for s in placed["stages"]] == [int(0.02 * GIB), int(0.03 * GIB)]
+    assert placed["layers_run"] == placed["layers_total"] == 4 and placed["accelerate"]["bytes_per_device"]
+    result = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "plan.png")])
+    assert result.exit_code == 0, result.output
+    assert "device group pair" in result.output and "accelerate" in result.output
+    assert (tmp_path / "plan.png").stat().st_size > 10_000

@@ -7,7 +7,10 @@ its member, the hidden states handed on), so
   its tightest stage (`Placement.activation_bytes`): a batch the packer admits against it fits
   every stage, since each prices its activations as the whole model's (`forge.runtime.stages`);
 - its limits are those declared, max_batch_tokens lowered to what that room holds in rows of
-  max_seq_len (`placement.activation_bound`), so token-mode batches fit too;
+  max_seq_len (`placement.activation_bound`), so a batch of whole sequences fits in any mode;
+  rows behind a shared prefix each hold its KV, which the four limits do not bound (max_rows
+  is left as declared: bounding it by full-length rows would starve every mode): only
+  batching=memory prices it, as on a single device, so plan and run groups with it;
 - a simulated group's step time is each stage's share of the model's weights times its
   member's step time for the whole model, plus, per token, the hidden state handed from stage
   to stage over the link (tokens x hidden bytes per hop), plus, per step, the offloaded
