@@ -261,6 +261,12 @@ def test_the_group_is_one_consumer_with_its_tightest_stage_and_a_pipelined_step_
     assert g.sim.seconds_per_step == pytest.approx(0.125 * 0.1 + 0.375 * 0.05)
     assert g.sim.seconds_per_slot == pytest.approx(0.125 * 2e-3 + 0.375 * 1e-3 + 16384 / 16e9)
     assert g.batch_overhead_tokens == g.sim.overhead_tokens
+    # offloaded weights run on the first member and are streamed to it every step: slow, and priced so
+    off = replace(p, offload="cpu", offloaded_bytes=40 * GIB)
+    slow = group_consumer(replace(device, offload="cpu"), off, COST_70B_CUT41).sim
+    assert slow.seconds_per_step == pytest.approx(g.sim.seconds_per_step + 0.5 * 0.1 + 40 * GIB / 16e9)
+    disk = group_consumer(replace(device, offload="disk"), replace(off, offload="disk"), COST_70B_CUT41).sim
+    assert disk.seconds_per_step == pytest.approx(g.sim.seconds_per_step + 0.5 * 0.1 + 40 * GIB / 2e9)
 
 
 TINY_PAIR = """discover: false
