@@ -8,7 +8,9 @@ is a tiny random-weight model (4 layers): its embeddings and first two layers on
 last two layers, final norm and (untied) LM head on "disk". The modes, as the runner sees them:
 batching=item runs rows of whole prompts; batching=token and batching=memory run the same rows,
 rows after a split prefix (computed, then from the prefix cache), packed rows (after a split
-prefix, or of whole prompts) and tree rows (prefix groups in the row).
+prefix, or of whole prompts) and tree rows (prefix groups in the row). On a machine with CUDA the
+same runs split over "cpu" and "cuda:0" (the "cpu" blocks offloaded to cuda:0, or computed on the
+CPU beside the GPU's: activations and KV on two devices at once).
 """
 
 from __future__ import annotations
@@ -157,11 +159,11 @@ def saved(tmp_path_factory):
     return path
 
 
-def load(path, device_map: dict[str, str], offload: str, main: str | None = None, layers: int | None = None):
+def load(path, device_map: dict[str, str], offload: str, layers: int | None = None):
     """(the model saved at `path`, read by the worker's way onto the map's devices; its Dispatch)."""
     from forge.runtime.modelspec import HFModel, ModelSpec
 
-    dispatch = Dispatch(device_map, offload, main=main, layers=layers)
+    dispatch = Dispatch(device_map, offload, layers=layers)
     return dispatch.load(HFModel(ModelSpec(name=str(path))), transformers.AutoModelForCausalLM, None), dispatch
 
 
@@ -169,8 +171,17 @@ def _runners(saved, family: str, second: str = "disk", main: str | None = None):
     """(the model, its runner, the runner of it loaded split over "cpu" and `second`, its dispatch)."""
     whole = tiny(family)
     device_map = {name: second if dev == "disk" else dev for name, dev in cpu_disk_map(whole).items()}
-    split, dispatch = load(saved(family), device_map, "disk" if second == "disk" else "cpu", main)
+    offload = "disk" if second == "disk" else "cpu"
     kw = dict(layers=READ, cache_tokens=4096, pad_token_id=0)
+    if main is not None:  # placed in memory (`load` leaves the main device to transformers)
+        dispatch = Dispatch(device_map, offload, main=main)
+        return (
+            whole,
+            CausalLMRunner(whole, **kw),
+            CausalLMRunner(copy.deepcopy(whole), place=dispatch.place, **kw),
+            dispatch,
+        )
+    split, dispatch = load(saved(family), device_map, offload)
     return whole, CausalLMRunner(whole, **kw), CausalLMRunner(split, **kw), dispatch
 
 

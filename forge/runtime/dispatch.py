@@ -83,7 +83,9 @@ class Dispatch:
             )
         self.device_map = dict(device_map)
         self.layers = layers  # decoder layers `load` reads (the plan's cut; None: every one)
-        self.main = main  # where "cpu" and "disk" blocks compute (None: the map's first accelerator; "cpu": on the CPU)
+        # `place`: where "cpu" and "disk" blocks compute (None: the map's first accelerator; "cpu": on the CPU);
+        # `load` leaves it to transformers (accelerate's choice: one of the map's accelerators)
+        self.main = main
         self.folder: str | None = None
         self._cleanup: Any = None
 
