@@ -349,9 +349,11 @@ def ls(
     for d in devices:
         lim = d.limits
         mem = f"{d.memory_bytes / (1 << 30):.2f} GiB" if d.memory_bytes else "-"
+        if d.group:  # a device group: its members and their budgets
+            mem = " + ".join(f"{(m.memory_bytes or 0) / (1 << 30):.2f}" for m in d.group) + " GiB"
         table.add_row(
             d.name,
-            d.torch_device,
+            " + ".join(m.torch_device for m in d.group) or d.torch_device,
             str(lim.max_batch_tokens),
             str(lim.max_rows),
             str(lim.max_seq_len),
