@@ -264,6 +264,8 @@ def test_a_map_that_leaves_a_weight_unplaced_or_offloads_to_disk_unallowed_is_re
     partial = {k: v for k, v in cpu_disk_map(model).items() if k != "model.layers.1"}
     with pytest.raises(ValueError, match=r"device_map places no module holding model\.layers\.1\..*forge plan"):
         kept_map(model, partial)
+    no_rotary = {k: v for k, v in cpu_disk_map(model).items() if k != "model.rotary_emb"}  # buffers alone
+    assert kept_map(model, no_rotary)["model.rotary_emb"] == "cpu"  # on the main device
     with pytest.raises(ValueError, match=r"offloads model\.layers\.2 to disk but the group allows offload=None"):
         Dispatch(cpu_disk_map(model), offload=None)
 
@@ -344,26 +346,31 @@ def test_captures_and_interventions_on_a_split_model_equal_the_unsplit_ones(fami
         dispatch.close()
 
 
-def test_an_encoder_split_over_cpu_and_disk_equals_the_unsplit_one_in_rows_and_packed_rows():
-    """embed's encoder (a BERT, whole texts): embeddings and layer 0 on "cpu", the rest on "disk"."""
+@pytest.mark.parametrize("how", ["load", "place"])
+def test_an_encoder_split_over_cpu_and_disk_equals_the_unsplit_one_in_rows_and_packed_rows(tmp_path, how):
+    """embed's encoder (a BERT, whole texts): embeddings and layer 0 on "cpu", the rest on "disk";
+    read onto them from its checkpoint (the worker's way) or placed from host memory."""
     from forge.runtime.encoder import EncoderViews, encoder_capabilities
+    from forge.runtime.modelspec import HFModel, ModelSpec
 
     cfg = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64
     )
     torch.manual_seed(0)
     whole = transformers.BertModel(cfg).eval()
-    split = copy.deepcopy(whole)
     device_map = {"embeddings": "cpu", "encoder.layer.0": "cpu", "encoder.layer.1": "disk"}
     device_map |= {"encoder.layer.2": "disk", "pooler": "disk"}
     dispatch = Dispatch(device_map, offload="disk")
-    dispatch.place(split)
+    if how == "load":
+        whole.save_pretrained(tmp_path)
+        split = dispatch.load(HFModel(ModelSpec(name=str(tmp_path))), transformers.AutoModel, "sdpa")
+    else:
+        split = dispatch.place(copy.deepcopy(whole))
     caps = encoder_capabilities(cfg, "sdpa")
     texts = _items(0, None, 6, 4)
     rows = Batch([[it] for it in texts], max(it.num_tokens for it in texts))
-    packed = Batch(
-        [texts[:3], texts[3:]], max(sum(it.num_tokens for it in r) for r in (texts[:3], texts[3:])), packed=True
-    )
+    width = max(sum(it.num_tokens for it in r) for r in (texts[:3], texts[3:]))
+    packed = Batch([texts[:3], texts[3:]], width, packed=True)
     try:
         assert set(split.hf_device_map.values()) == {"cpu", "disk"}
         for batch in (rows, packed):
