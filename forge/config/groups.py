@@ -39,7 +39,8 @@ def split_from(spec: Any, where: str) -> tuple[str | None, float]:
         return None, DEFAULT_LINK_GB_PER_S
     if not isinstance(spec, Mapping):
         raise ForgeError(
-            f"{where}.split={spec!r}: must be a mapping of {', '.join(SPLIT_KEYS)} (e.g. {{offload: cpu}})"
+            f"{where}.split={spec!r}: must be a mapping of {', '.join(SPLIT_KEYS)} (e.g. {{offload: cpu}}); "
+            "split: auto (every device one group) goes at the devices config's top level"
         )
     unknown = set(spec) - set(SPLIT_KEYS)
     if unknown:
