@@ -292,7 +292,7 @@ def test_forge_plan_places_a_group_prints_it_and_draws_it(tmp_path):
     (tmp_path / "devices").mkdir()
     (tmp_path / "devices" / "tiny_pair.yaml").write_text(TINY_PAIR)
     args = ["plan", "--config-dir", str(tmp_path), "devices=tiny_pair", "batching=memory", "input.limit=200"]
-    result = CliRunner().invoke(app, [*args, "--json"])
+    result = CliRunner().invoke(app, [*args, "--json", "--plot", str(tmp_path / "plan.png")])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     [device], placed = report["devices"], report["placements"]["pair"]
@@ -300,7 +300,13 @@ def test_forge_plan_places_a_group_prints_it_and_draws_it(tmp_path):
     assert device["memory_budget_bytes"] < (0.05 * GIB) and device["limits"]["max_batch_tokens"] <= 4096
     assert [s["budget_bytes"] for s in placed["stages"]] == [int(0.02 * GIB), int(0.03 * GIB)]
     assert placed["layers_run"] == placed["layers_total"] == 4 and placed["accelerate"]["bytes_per_device"]
-    result = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "plan.png")])
-    assert result.exit_code == 0, result.output
-    assert "device group pair" in result.output and "accelerate" in result.output
+    from rich.console import Console
+
+    from forge.cli.placement_view import placement_tables
+
+    console = Console(record=True, width=120)
+    [table] = placement_tables(report)
+    console.print(table)
+    printed = console.export_text()
+    assert "device group pair: 4 of 4 layers run" in printed and "accelerate (full model)" in printed
     assert (tmp_path / "plan.png").stat().st_size > 10_000
