@@ -271,7 +271,7 @@ class EncoderViews:
 
 def reference_embedding(model: Any, tokens, pooling: str, normalize: bool) -> torch.Tensor:
     """Ground truth for tests: one text, one row, no padding, no mask; float32 CPU [hidden]."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(next(model.parameters()).device)
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(input_device(model))
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=False)
     h = out.last_hidden_state[0] if hasattr(out, "last_hidden_state") else out.hidden_states[-1][0]

@@ -7,13 +7,15 @@ from typing import Any
 
 import torch
 
+from forge.runtime.hf_compat import input_device
+
 POOLINGS = ("last", "mean")
 
 
 def reference_hidden(model: Any, tokens: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """{layer: hidden states [n_tokens, hidden]} of one plain forward pass, in the model's dtype."""
     ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
-    device = next(model.parameters()).device
+    device = input_device(model)  # a model split over devices (forge.runtime.dispatch) too
     with torch.inference_mode():
         out = model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
     return {layer: out.hidden_states[layer][0] for layer in layers}
