@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
-from forge.runtime.dispatch import OFFLOAD_PREFIX, Dispatch, input_device, kept_map  # noqa: E402
+from forge.runtime.dispatch import OFFLOAD_PREFIX, Dispatch, input_device, kept_map, places_itself  # noqa: E402
 from forge.runtime.forward import Forward  # noqa: E402
 from forge.runtime.scoring import ScoreRunner  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
@@ -159,11 +159,11 @@ def saved(tmp_path_factory):
     return path
 
 
-def load(path, device_map: dict[str, str], offload: str, layers: int | None = None):
+def load(path, device_map: dict[str, str], offload: str, layers: int | None = None, main: str | None = None):
     """(the model saved at `path`, read by the worker's way onto the map's devices; its Dispatch)."""
     from forge.runtime.modelspec import HFModel, ModelSpec
 
-    dispatch = Dispatch(device_map, offload, layers=layers)
+    dispatch = Dispatch(device_map, offload, layers=layers, main=main)
     return dispatch.load(HFModel(ModelSpec(name=str(path))), transformers.AutoModelForCausalLM, None), dispatch
 
 
@@ -172,22 +172,24 @@ def _runners(saved, family: str, second: str = "disk", main: str | None = None):
     whole = tiny(family)
     device_map = {name: second if dev == "disk" else dev for name, dev in cpu_disk_map(whole).items()}
     offload = "disk" if second == "disk" else "cpu"
+    split, dispatch = load(saved(family), device_map, offload, main=main)  # a main device: placed by Forge itself
     kw = dict(layers=READ, cache_tokens=4096, pad_token_id=0)
-    if main is not None:  # placed in memory (`load` leaves the main device to transformers)
-        dispatch = Dispatch(device_map, offload, main=main)
-        return (
-            whole,
-            CausalLMRunner(whole, **kw),
-            CausalLMRunner(copy.deepcopy(whole), place=dispatch.place, **kw),
-            dispatch,
-        )
-    split, dispatch = load(saved(family), device_map, offload)
     return whole, CausalLMRunner(whole, **kw), CausalLMRunner(split, **kw), dispatch
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_model_split_over_cpu_and_disk_equals_the_unsplit_one_in_every_layout(saved, family):
     _check_split(saved, family, "disk", None, SAME)
+
+
+def test_a_model_read_into_host_memory_and_placed_with_its_main_device_said_equals_the_unsplit_one(saved):
+    """`Dispatch.load` places the model itself where the main device matters (`places_itself`)."""
+    assert places_itself({"a": "cuda:0", "b": "cuda:1", "c": "cpu"}, None)
+    assert not places_itself({"a": "cuda:0", "b": "cuda:1"}, None) and not places_itself(
+        {"a": "cuda:0", "b": "cpu"}, None
+    )
+    assert places_itself({"a": "cpu", "b": "disk"}, "cpu")
+    _check_split(saved, "qwen2", "disk", "cpu", SAME)
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -54,6 +54,15 @@ def kept_map(model: torch.nn.Module, device_map: dict[str, str], main: str | Non
     return kept
 
 
+def places_itself(device_map: dict[str, str], main: str | None) -> bool:
+    """Whether `Dispatch.load` must place the model itself rather than let `from_pretrained` do it:
+    a main device is asked for, or offloaded blocks sit beside several accelerators (accelerate
+    would take their device from an unordered set; the plan streams them to the first member)."""
+    accelerators = {d for d in device_map.values() if d not in ("cpu", "disk")}
+    offloaded = any(d in ("cpu", "disk") for d in device_map.values())
+    return main is not None or (offloaded and len(accelerators) > 1)
+
+
 def main_device(device_map: dict[str, str]) -> str:
     """The device offloaded blocks compute on: the map's first accelerator, else the CPU."""
     return next((d for d in device_map.values() if d not in ("cpu", "disk")), "cpu")
@@ -83,9 +92,7 @@ class Dispatch:
             )
         self.device_map = dict(device_map)
         self.layers = layers  # decoder layers `load` reads (the plan's cut; None: every one)
-        # `place`: where "cpu" and "disk" blocks compute (None: the map's first accelerator; "cpu": on the CPU);
-        # `load` leaves it to transformers (accelerate's choice: one of the map's accelerators)
-        self.main = main
+        self.main = main  # where "cpu" and "disk" blocks compute (None: the map's first accelerator; "cpu": the CPU)
         self.folder: str | None = None
         self._cleanup: Any = None
 
@@ -108,11 +115,15 @@ class Dispatch:
         with init_empty_weights():
             shape = loader.from_config(config, trust_remote_code=bool(hf.spec.trust_remote_code))
         placed = kept_map(shape, self.device_map, self.main)
-        folder = self._folder(placed)
+        own = places_itself(placed, self.main)
         before = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the checkpoint's layers past the cut are unexpected keys, skipped
         try:
-            model = hf.load(loader, None, attn, config=config, device_map=placed, offload_folder=folder)
+            if own:  # read (cut) into host memory, then placed with the main device said
+                model = self.place(hf.load(loader, "cpu", attn, config=config))
+            else:
+                folder = self._folder(placed)
+                model = hf.load(loader, None, attn, config=config, device_map=placed, offload_folder=folder)
         finally:
             hf_logging.set_verbosity(before)
         model.forge_dispatch = self  # the model keeps its offload folder's owner alive
