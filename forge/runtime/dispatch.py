@@ -8,7 +8,9 @@ its device (no whole copy in host memory first), and only the decoder layers the
 are read at all (the config is cut to that depth for the load, then given back its whole depth,
 so hidden-state indices keep their meaning; the runner sees the cut done). `Dispatch.place`
 does the same for a model already in host memory (`accelerate.dispatch_model`; the causal
-runner calls it after its own cut, so cut layers are never placed either). Each block:
+runner calls it after its own cut, so cut layers are never placed either); `load` goes that way
+too, reading the cut model into host memory first, where the main device matters
+(`places_itself`: `from_pretrained` would leave it to chance). Each block:
 
 * on a device ("cuda:1"): runs there; accelerate's hooks move its inputs (hidden states, masks,
   position embeddings) to it, so its outputs and its KV stay there;
@@ -153,11 +155,6 @@ class Dispatch:
         dispatch_model(model, placed, main_device=main, offload_dir=folder, skip_keys=skip, force_hooks=True)
         model.forge_dispatch = self  # the model keeps its offload folder's owner alive
         return model
-
-    @property
-    def devices(self) -> list[str]:
-        """The devices the placed blocks are on ("disk" and "cpu" included), in map order."""
-        return list(dict.fromkeys(self.device_map.values()))
 
     def close(self) -> None:
         """Remove the offload folder (the model's disk-offloaded weights)."""
