@@ -619,3 +619,45 @@ def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
     assert "sliding_window" in eligible(model(transformers.MistralConfig(**small, sliding_window=8)))
     assert "softcapping" in eligible(model(transformers.Gemma2Config(**small, head_dim=8)))
     assert "eager" in eligible(model(transformers.LlamaConfig(**small)))  # not the sdpa it stands in for
+
+
+# -- the KV budget: admission within it, preemption and recompute past it ------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_kv_budget_is_never_exceeded_and_preempted_rows_are_recomputed_exactly(embedded, shared):
+    """A KV budget: blocks are admitted within it, running sequences that outgrow it are preempted
+    (their slots freed, their tokens recomputed when a block takes them again), the slots' buffers
+    never hold more than the budget, and every row's tokens are still the greedy ones of one prompt
+    at a time. Short prompts and long generations make every budget here preempt: a block of them is
+    admitted on its prompts' KV, then grows past what the budget holds."""
+    from forge.runtime.decode import Decoder, Sequence
+
+    n = 48
+    rows = ROWS[:3] + [{"id": f"short-{k}", "prompt": r["prompt"][:24]} for k, r in enumerate(ROWS[3:])]
+
+    def seqs():
+        out = []
+        for k, row in enumerate(rows):
+            p = len(embedded.tok(row["prefix"])["input_ids"]) if row.get("prefix") else 0
+            out.append(Sequence(k, embedded.prompt(row), p, n, (), None))
+        return out
+
+    free = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, shared_attention=shared)
+    assert free.generate(seqs()).preempted == 0
+    column = 4 * 2 * 4 * 64 * 4  # the embedded model: 4 layers, keys and values, 4 heads of 64, float32
+    longest = max(len(embedded.prompt(r)) for r in rows) + n
+    for sequences in (3, 4):  # budgets of a few longest sequences' KV, beside the prefix stored
+        budget = sequences * longest * column + 600_000
+        decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, shared_attention=shared,
+                          kv_bytes=budget)  # fmt: skip
+        got = seqs()
+        figures = decoder.generate(got)
+        assert [s.out for s in got] == [embedded.new_tokens(r, n) for r in rows], sequences
+        assert figures.preempted > 0 and figures.recomputed_tokens > 0, (sequences, figures.preempted)
+        assert decoder.prefixes.bytes < figures.kv_peak_bytes <= budget, (figures.kv_peak_bytes, budget)
+        assert max(figures.steps) <= 256
+
+    with pytest.raises(RuntimeError, match="does not hold one sequence"):
+        Decoder(embedded.model, embedded.tok, 256, {2}, 3, kv_bytes=longest * column // 2).generate(seqs())

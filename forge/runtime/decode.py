@@ -81,6 +81,11 @@ class Sequence:
     slot: int = -1
     finished: bool = False
     prefix_kv: Any = None  # its prefix's KV, read by shared-prefix attention (None: its slot holds every token)
+    admitted: int = -1  # when it last took a slot (the latest admitted is preempted first)
+
+    def tokens(self) -> list[int]:
+        """What a prefill computes: the prompt, and after a preemption the tokens generated so far."""
+        return self.prompt + self.out
 
 
 @dataclass
@@ -89,6 +94,10 @@ class DecodeFigures:
 
     steps: list[int]  # tokens each step carried (decode + prefill)
     prefix_hits: int  # prefixes a block found already stored
+    decode_tokens: int = 0  # tokens fed back to the model one per running sequence and step
+    preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
+    recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
+    kv_peak_bytes: int = 0  # the most the slots' buffers held at once (copies included)
 
 
 class Decoder:
@@ -104,6 +113,7 @@ class Decoder:
         sampling: Sampling | None = None,
         prefix_tokens: int = 65536,
         shared_attention: bool = True,
+        kv_bytes: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.budget = int(tokens_per_step)
@@ -111,8 +121,10 @@ class Decoder:
         self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         self.layers = int(model.config.get_text_config().num_hidden_layers)
         self.prefixes = PrefixStore(prefix_tokens)
+        self.kv_bytes = kv_bytes  # what keys and values may hold at once: slots, prefills, prefixes (None: no limit)
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
+        self._stacked_bytes = 0
         if self.shared_attention:
             prefix_attention.register()
             model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
@@ -125,20 +137,27 @@ class Decoder:
     def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt)))  # a block's prompts of similar lengths
         kv = SlotKV(self.layers, self.model.device)
-        kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
+        if self.kv_bytes is None:
+            kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
+        else:
+            self._shape(kv)
         running: dict[int, Sequence] = {}
         prefix_fill: Prefill | None = None  # the block's prefixes not stored yet, computed first
         keys: list[tuple[int, ...]] = []
         block: list[Sequence] = []
         fill: Prefill | None = None  # the block's prefill, once its prefixes are known
-        steps: list[int] = []
-        hits = 0
+        figures = DecodeFigures([], 0)
         while waiting or block or running:
+            if running and self.kv_bytes is not None:
+                for seq in self._make_room(kv, running, waiting, self._other_bytes(kv, block, fill)):
+                    figures.preempted += 1
+                    figures.recomputed_tokens += len(seq.out)
             tokens = self._decode(kv, running) if running else 0
+            figures.decode_tokens += tokens
             room = self.budget - tokens
             if not block and waiting and room > 0:
-                block, prefix_fill, keys, hit = self._schedule(waiting, self.budget - len(running))
-                hits += hit
+                block, prefix_fill, keys, hit = self._schedule(waiting, self.budget - len(running), kv, running)
+                figures.prefix_hits += hit
             if prefix_fill is not None and room >= len(keys):
                 used = prefix_fill.run(room)
                 tokens, room = tokens + used, room - used
@@ -148,26 +167,30 @@ class Decoder:
                     prefix_fill = None
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
-                fill = Prefill(self.model, [s.prompt for s in block], self.layers, self.pad, prefixes)
-            if fill is not None and room >= len(block):
-                used = fill.run(room)
-                tokens += used
-                if fill.finished:
-                    self._admit(kv, running, fill, block)
-                    block, fill = [], None
-            steps.append(tokens)
-        return DecodeFigures(steps, hits)
+                fill = Prefill(self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes)
+            if fill is not None and not fill.finished and room >= len(block):
+                tokens += fill.run(room)
+            if fill is not None and fill.finished and self._admits(kv, running, block, fill):
+                self._admit(kv, running, fill, block, len(figures.steps))
+                block, fill = [], None
+            figures.steps.append(tokens)
+        figures.kv_peak_bytes = kv.peak_bytes
+        return figures
 
     @staticmethod
     def _key(seq: Sequence) -> tuple[int, ...]:
         return tuple(seq.prompt[: seq.prefix_len])
 
-    def _schedule(self, waiting: deque, room: int):
-        """The next block: at most `room` waiting prompts (each step then has a token for each), and
-        one forward pass of the prefixes whose KV is not stored, first (computed once: the block's
-        prompts then start after them, and later blocks and batches find them stored).
+    def _schedule(self, waiting: deque, room: int, kv: SlotKV, running: dict[int, Sequence]):
+        """The next block: at most `room` waiting prompts (each step then has a token for each), as
+        many as the KV budget holds beside what runs; and one forward pass of the prefixes whose KV
+        is not stored, first (computed once: the block's prompts then start after them, and later
+        blocks and batches find them stored).
         Returns (block, the prefixes' prefill or None, their keys, prefixes found stored)."""
-        block = [waiting.popleft() for _ in range(min(len(waiting), room))]
+        take = min(len(waiting), room)
+        if self.kv_bytes is not None:
+            take = self._fitting(waiting, take, kv, running)
+        block = [waiting.popleft() for _ in range(take)]
         keys = [k for k in dict.fromkeys(self._key(s) for s in block) if k]
         missing = [k for k in keys if self.prefixes.get(k) is None]
         if not missing:
@@ -175,9 +198,10 @@ class Decoder:
         fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
         return block, fill, missing, len(keys) - len(missing)
 
-    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence]) -> None:
+    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int):
         """Each prompt's first token; slots for those that go on. With shared-prefix attention a
-        prompt whose prefix is stored keeps only its own tokens unmasked in its slot."""
+        prompt whose prefix is stored keeps only its own tokens in its slot: the block's columns
+        are cut to the most own tokens of a row (prompts end at the block's last column)."""
         assert fill.last_logits is not None  # a finished prefill
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
@@ -187,16 +211,113 @@ class Decoder:
         every = len(go) == len(block)
         rows = [(k, v) if every else (k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()
+        own = 0  # the most columns a row's own tokens take
         for r, g in enumerate(go):
             seq = block[g]
             stored = self.prefixes.entries.get(self._key(seq)) if self.shared_attention and seq.prefix_len else None
             if stored is not None and seq.prefix_len < len(seq.prompt):
                 seq.prefix_kv = stored
                 mask[r, fill.pads[g] : fill.pads[g] + seq.prefix_len] = 0
-        positions = torch.tensor([len(block[g].prompt) for g in go], device=kv.device)
+            own = max(own, fill.lens[g] - (seq.prefix_len if seq.prefix_kv is not None else 0))
+        if own < fill.width:
+            rows, mask = [(k[:, :, -own:], v[:, :, -own:]) for k, v in rows], mask[:, -own:]
+        positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
+        if self.kv_bytes is not None:
+            self._bound(kv, self._other_bytes(kv, block, fill))
         for g, slot in zip(go, kv.place(rows, mask, positions)):
-            block[g].slot = slot
+            block[g].slot, block[g].admitted = slot, step
             running[slot] = block[g]
+
+    # -- the KV budget (kv_bytes): admission within it, preemption when the running ones outgrow it --
+
+    def _shape(self, kv: SlotKV) -> None:
+        """The slots' column bytes before the first block, from one token's keys and values."""
+        probe = Prefill(self.model, [[self.pad]], self.layers, self.pad, [None])
+        probe.run(1)
+        kv.shape_like(probe.layer_kv())
+
+    def _other_bytes(self, kv: SlotKV, block: list[Sequence], fill: Prefill | None) -> int:
+        """KV held beside the slots: stored and stacked prefixes, and the block being prefilled (its
+        cache; and when some of its rows ended at their first token, the others gathered for the slots)."""
+        held = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
+        if block:
+            width = fill.width if fill is not None else max(len(s.tokens()) for s in block)
+            gathered = sum(not s.finished for s in block) if any(s.finished for s in block) else 0
+            held += (len(block) + gathered) * width * kv.column_bytes
+        return held
+
+    def _bound(self, kv: SlotKV, beside: int) -> int:
+        """The slots' byte limit: the KV budget less what is held `beside` them; returned."""
+        assert self.kv_bytes is not None
+        kv.limit, kv.beside = self.kv_bytes - beside, beside
+        kv.peak_bytes = max(kv.peak_bytes, beside + kv.held_bytes())
+        return kv.limit
+
+    def _fitting(self, waiting: deque, take: int, kv: SlotKV, running: dict[int, Sequence]) -> int:
+        """How many of the next `take` waiting prompts a block can hold within the KV budget; at least
+        one when nothing runs (and an error when even that one does not fit)."""
+        assert self.kv_bytes is not None
+        base = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
+        if not running:
+            self._stacked, base = None, self.prefixes.bytes  # no step reads them now
+            self._bound(kv, base)
+            kv.tidy(force=True)  # nor any slot
+        widths = [len(waiting[k].tokens()) for k in range(take)]
+        for n in range(take, 0, -1):
+            width = max(widths[:n])
+            limit = self.kv_bytes - base - n * width * kv.column_bytes
+            if limit > 0 and kv.place_fits(n, width, limit):
+                return n
+        if running:
+            return 0  # the running ones first: they free their slots as they end
+        raise RuntimeError(
+            f"generate: the KV budget of {self.kv_bytes / 2**20:.1f} MiB does not hold one sequence of "
+            f"{widths[0]} tokens ({kv.column_bytes} bytes a token); raise the device's memory_gb"
+        )
+
+    def _admits(self, kv: SlotKV, running: dict[int, Sequence], block: list[Sequence], fill: Prefill) -> bool:
+        """Whether a prefilled block's slots fit the KV budget now (else it waits for running ones to end)."""
+        if self.kv_bytes is None:
+            return True
+        limit = self._bound(kv, self._other_bytes(kv, block, fill))
+        if not running:  # what it holds is free: dropped, the block fits as `_fitting` found
+            kv.tidy(force=True)
+            return True
+        return kv.place_fits(len(block), fill.width, limit)
+
+    def _make_room(self, kv: SlotKV, running: dict[int, Sequence], waiting: deque, other: int) -> list[Sequence]:
+        """Room for the next step's column within the KV budget: free slots and dead columns dropped,
+        then the latest admitted sequences preempted (put back first in line, their tokens so far
+        recomputed when a block takes them again). Returns those preempted."""
+        limit = self._bound(kv, other)
+        preempted: list[Sequence] = []
+        while not kv.grow_fits(limit):
+            if kv.free or kv.capacity > kv.columns + 1:
+                self._renumber(running, kv.tidy(force=True))
+                if kv.grow_fits(limit):
+                    break
+            if len(running) <= 1:
+                raise RuntimeError(
+                    f"generate: the KV budget of {(self.kv_bytes or 0) / 2**20:.1f} MiB does not hold one sequence "
+                    f"of {kv.columns + 1} columns; raise the device's memory_gb"
+                )
+            victim = max(running.values(), key=lambda seq: seq.admitted)
+            kv.release(victim.slot)
+            del running[victim.slot]
+            victim.slot, victim.prefix_kv = -1, None
+            waiting.appendleft(victim)
+            preempted.append(victim)
+        return preempted
+
+    @staticmethod
+    def _renumber(running: dict[int, Sequence], moved: dict[int, int] | None) -> None:
+        if moved is None:
+            return
+        for seq in running.values():
+            seq.slot = moved[seq.slot]
+        renumbered = {seq.slot: seq for seq in running.values()}
+        running.clear()
+        running.update(renumbered)
 
     def _decode(self, kv: SlotKV, running: dict[int, Sequence]) -> int:
         """One decode step of every running sequence; returns its tokens."""
@@ -216,13 +337,7 @@ class Decoder:
             if self._take(seq, token):
                 kv.release(slot)
                 del running[slot]
-        moved = kv.tidy()
-        if moved is not None:
-            for seq in running.values():
-                seq.slot = moved[seq.slot]
-            renumbered = {seq.slot: seq for seq in running.values()}
-            running.clear()
-            running.update(renumbered)
+        self._renumber(running, kv.tidy())
         return len(slots)
 
     def _shared(self, running: dict[int, Sequence], device: Any) -> prefix_attention.Step | None:
@@ -239,6 +354,7 @@ class Decoder:
         if self._stacked is None or self._stacked[0] != key:
             read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
             self._stacked = (key, *prefix_attention.stack(read), read)
+            self._stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self._stacked[1])
         rows: list[int] = []
         group: list[int] = []
         place: list[int] = []

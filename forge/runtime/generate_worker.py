@@ -27,10 +27,13 @@ class GenerationFigures:
     prompt_tokens: int  # the items' prompt tokens (prefix included)
     generated_tokens: int
     steps: list[int]  # query tokens of each engine step
-    decode_tokens: int  # generated tokens fed back to the model: all but each row's last
+    decode_tokens: int  # tokens of decode steps: one per running sequence and step
     seconds: float  # generating (not the states' forward pass)
     budget: int  # the step budget it ran under (tokens)
     prefix_hits: int = 0  # prompt blocks whose shared prefix's KV the worker had stored
+    preempted: int = 0  # sequences whose slots were freed for the KV budget, their tokens recomputed later
+    recomputed_tokens: int = 0  # the tokens those sequences had generated, prefilled again
+    kv_peak_bytes: int = 0  # the most the decoder's slots held at once
 
     @property
     def prefill_computed(self) -> int:
@@ -79,8 +82,10 @@ class GenerateWorker:
                 columns[name] = [s[name].float().cpu().numpy() for s in states]
         prompt = sum(len(it.tokens) for it in items)
         generated = sum(len(g.ids) for g in done)
-        fed = sum(max(0, len(g.ids) - 1) for g in done)
-        figures = GenerationFigures(prompt, generated, run.steps, fed, seconds, self.budget, run.prefix_hits)
+        figures = GenerationFigures(
+            prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
+            run.preempted, run.recomputed_tokens, run.kv_peak_bytes,
+        )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
         prefixes = sum(it.prefix_len for it in items)
@@ -101,7 +106,7 @@ class GenerateSink:
         self.prefill = 0
         self.steps: list[int] = []
         self.budget = 0
-        self.prefix_hits = 0
+        self.prefix_hits = self.preempted = self.recomputed = self.kv_peak_bytes = 0
 
     def write(self, batch, output, keep) -> None:
         self.inner.write(batch, output, keep)
@@ -114,6 +119,9 @@ class GenerateSink:
             self.seconds_total += f.seconds
             self.budget = max(self.budget, f.budget)
             self.prefix_hits += f.prefix_hits
+            self.preempted += f.preempted
+            self.recomputed += f.recomputed_tokens
+            self.kv_peak_bytes = max(self.kv_peak_bytes, f.kv_peak_bytes)
 
     def full(self) -> bool:
         return self.inner.full()
@@ -129,6 +137,9 @@ class GenerateSink:
             "prefill_tokens_shared": self.prompt - self.prefill,  # negative: recomputed after preemption
             "prefix_cache_hits": self.prefix_hits,
             "generated_tokens": self.generated,
+            "preempted": self.preempted,  # sequences put back for the KV budget, then recomputed
+            "recomputed_tokens": self.recomputed,  # the tokens they had generated, prefilled again
+            "kv_peak_bytes": self.kv_peak_bytes,
             "steps": len(self.steps),
             "largest_step_tokens": max(self.steps, default=0),
             "tokens_per_step_budget": self.budget,

@@ -115,6 +115,7 @@ class PrefixStore:
         self.tokens = tokens
         self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self.hits = 0
+        self.bytes = 0  # what the stored keys and values hold
 
     def get(self, prefix: tuple[int, ...]) -> KV | None:
         kv = self.entries.get(prefix)
@@ -127,3 +128,4 @@ class PrefixStore:
         self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
         while sum(len(p) for p in self.entries) > self.tokens and len(self.entries) > 1:
             self.entries.popitem(last=False)
+        self.bytes = sum(t.numel() * t.element_size() for e in self.entries.values() for kv_ in e for t in kv_)
