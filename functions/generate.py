@@ -119,6 +119,8 @@ class Generate(CausalLMFunction):
         sampling = config.sampling
         self.sampling = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k), int(sampling.seed))
         self.states = bool(config.layers or config.capture)
+        self.step_shape = (0, 0)  # the largest step's tokens and max_seq_len over the devices (batch_device)
+        self.kv_model = None  # the KV memory model, once batching=memory asked for it: workers then keep to it
         names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
         self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
 
@@ -129,6 +131,7 @@ class Generate(CausalLMFunction):
         not a padded forward slot: its overhead is what it may hold, so the packer does not cut
         batches at small length differences."""
         step = device.limits.max_batch_tokens
+        self.step_shape = max(self.step_shape, (step, device.limits.max_seq_len))
         held = step * self.batch_steps
         limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
         return replace(device, limits=limits, batch_overhead_tokens=held)
@@ -177,9 +180,26 @@ class Generate(CausalLMFunction):
         return f"{self.caps.family}: continuous batching ({self.caps.attn} attention), {how}"
 
     def cost_model(self):
+        """The KV memory model (batching=memory): a batch's sequences hold the KV of their tokens
+        (prompt and max_new_tokens, the item's geometry) beside the weights and one step's
+        activations, which do not grow with the batch: a step carries at most the largest device's
+        step budget, each token over at most max_seq_len keys, the LM head on its last position.
+        Every figure is the measured forward pass's (`causal_lm_cost_model`). Workers then hold their
+        keys and values within the device's budget less those, preempting a sequence before going over."""
+        from forge.batching.cost import CostModel
         from forge.runtime.cost_models import causal_lm_cost_model
 
-        return causal_lm_cost_model(self, replace(self.forward, logits="targets"))  # the LM head runs every step
+        forward = causal_lm_cost_model(self, replace(self.forward, logits="targets"))
+        step, seq = self.step_shape if self.step_shape[0] else (8192, 8192)  # before any device: a wide step
+        activations = step * (forward.bytes_per_token + seq * forward.bytes_per_score)
+        self.kv_model = CostModel(
+            weight_bytes=int(forward.weight_bytes + activations),
+            bytes_per_token=forward.kv_bytes_per_token,
+            bytes_per_score=0.0,
+            kv_bytes_per_token=0.0,
+            margin=forward.margin,
+        )
+        return self.kv_model
 
     def open_worker(self, device, cache_tokens: int):
         from transformers import AutoModelForCausalLM
@@ -191,7 +211,11 @@ class Generate(CausalLMFunction):
         ids = model.generation_config.eos_token_id if self.eos else None
         eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
         budget = device.limits.max_batch_tokens // self.batch_steps  # the step's, under batch_limits
-        decoder = Decoder(model, self.tokenizer, budget, eos, self.hf.pad_token_id, Sampling(*self.sampling))
+        kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
+        if self.kv_model is not None and device.memory_bytes:
+            kv_bytes = max(0, device.memory_bytes - self.kv_model.weight_bytes)
+        sampling = Sampling(*self.sampling)
+        decoder = Decoder(model, self.tokenizer, budget, eos, self.hf.pad_token_id, sampling, kv_bytes=kv_bytes)
         runner = None
         if self.states:
             from forge.runtime.causal_lm import CausalLMRunner

@@ -173,7 +173,9 @@ def test_greedy_in_every_batching_mode_and_budget(work, embedded, mode, budget):
     """Item batches, prefix groups with and without the cache, packed rows, memory-sized and merged
     batches; a small budget splits prompts' prefill across steps, a large one takes them whole."""
     run = work / f"mode-{mode}-{budget}"
-    report = run_function("generate", work / "rows.jsonl", run, [*limits(budget), *MODES[mode]])
+    # memory: beside the weights, a step of `budget` tokens' activations (the KV model, Generate.cost_model)
+    room = ["devices.cpu_memory_gb=0.08"] if mode == "memory" else []
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(budget), *MODES[mode], *room])
     assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
     assert "tree rows" not in report["layouts"]  # the engine takes prompts: prefix groups are never merged
     embedded.check(run, ROWS)
@@ -661,3 +663,19 @@ def test_a_kv_budget_is_never_exceeded_and_preempted_rows_are_recomputed_exactly
 
     with pytest.raises(RuntimeError, match="does not hold one sequence"):
         Decoder(embedded.model, embedded.tok, 256, {2}, 3, kv_bytes=longest * column // 2).generate(seqs())
+
+
+@pytest.mark.slow
+def test_memory_mode_sizes_batches_by_their_kv_and_the_decoder_keeps_within_it(work, embedded):
+    """batching=memory prices a generate batch by the KV its sequences hold (prompt + max_new_tokens)
+    beside the weights and one step's activations; each worker's decoder keeps its keys and values
+    within the device's budget less those: the greedy tokens are unchanged."""
+    tight = [*limits(), "batching=memory", "devices.cpu_memory_gb=0.026"]  # about 3 MB of KV beside 23 MB
+    report = run_function("generate", work / "rows.jsonl", work / "memory-kv", tight)
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    gen = report["outputs"]["generation"]
+    assert gen["kv_budget_bytes"] is not None and 0 < gen["kv_peak_bytes"] <= gen["kv_budget_bytes"], gen
+    assert report["batches"] > 1  # a batch holds the KV of a few rows only
+    (device,) = report["devices"]
+    assert device["predicted_peak_bytes"] <= device["memory_budget_bytes"]
+    embedded.check(work / "memory-kv", ROWS)

@@ -33,7 +33,8 @@ class GenerationFigures:
     prefix_hits: int = 0  # prompt blocks whose shared prefix's KV the worker had stored
     preempted: int = 0  # sequences whose slots were freed for the KV budget, their tokens recomputed later
     recomputed_tokens: int = 0  # the tokens those sequences had generated, prefilled again
-    kv_peak_bytes: int = 0  # the most the decoder's slots held at once
+    kv_peak_bytes: int = 0  # the most the decoder's keys and values held at once (accounted)
+    kv_budget_bytes: int | None = None  # what they may hold (batching=memory); None: no limit
 
     @property
     def prefill_computed(self) -> int:
@@ -84,7 +85,7 @@ class GenerateWorker:
         generated = sum(len(g.ids) for g in done)
         figures = GenerationFigures(
             prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
-            run.preempted, run.recomputed_tokens, run.kv_peak_bytes,
+            run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes,
         )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
@@ -107,6 +108,7 @@ class GenerateSink:
         self.steps: list[int] = []
         self.budget = 0
         self.prefix_hits = self.preempted = self.recomputed = self.kv_peak_bytes = 0
+        self.kv_budget: int | None = None
 
     def write(self, batch, output, keep) -> None:
         self.inner.write(batch, output, keep)
@@ -122,6 +124,8 @@ class GenerateSink:
             self.preempted += f.preempted
             self.recomputed += f.recomputed_tokens
             self.kv_peak_bytes = max(self.kv_peak_bytes, f.kv_peak_bytes)
+            if f.kv_budget_bytes is not None:
+                self.kv_budget = min(self.kv_budget or f.kv_budget_bytes, f.kv_budget_bytes)
 
     def full(self) -> bool:
         return self.inner.full()
@@ -140,6 +144,7 @@ class GenerateSink:
             "preempted": self.preempted,  # sequences put back for the KV budget, then recomputed
             "recomputed_tokens": self.recomputed,  # the tokens they had generated, prefilled again
             "kv_peak_bytes": self.kv_peak_bytes,
+            "kv_budget_bytes": self.kv_budget,  # batching=memory: the device's budget less weights and a step
             "steps": len(self.steps),
             "largest_step_tokens": max(self.steps, default=0),
             "tokens_per_step_budget": self.budget,

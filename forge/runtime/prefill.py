@@ -109,10 +109,12 @@ class Prefill:
 
 
 class PrefixStore:
-    """KV of shared prefixes, computed once per worker and kept (least recently used out) up to `tokens`."""
+    """KV of shared prefixes, computed once per worker and kept (least recently used out) up to
+    `tokens`, and up to `max_bytes` of keys and values when given."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, max_bytes: int | None = None):
         self.tokens = tokens
+        self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self.hits = 0
         self.bytes = 0  # what the stored keys and values hold
@@ -126,6 +128,13 @@ class PrefixStore:
 
     def put(self, prefix: tuple[int, ...], kv: KV) -> None:
         self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
-        while sum(len(p) for p in self.entries) > self.tokens and len(self.entries) > 1:
-            self.entries.popitem(last=False)
-        self.bytes = sum(t.numel() * t.element_size() for e in self.entries.values() for kv_ in e for t in kv_)
+        self.bytes = sum(self._size(e) for e in self.entries.values())
+        while len(self.entries) > 1 and (sum(len(p) for p in self.entries) > self.tokens or self._over_bytes()):
+            self.bytes -= self._size(self.entries.popitem(last=False)[1])
+
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and self.bytes > self.max_bytes
+
+    @staticmethod
+    def _size(entry: KV) -> int:
+        return sum(t.numel() * t.element_size() for kv in entry for t in kv)
