@@ -119,7 +119,6 @@ class Generate(CausalLMFunction):
         sampling = config.sampling
         self.sampling = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k), int(sampling.seed))
         self.states = bool(config.layers or config.capture)
-        self.step_shape = (0, 0)  # the largest step's tokens and max_seq_len over the devices (batch_device)
         self.kv_model = None  # the KV memory model, once batching=memory asked for it: workers then keep to it
         names = [f"layer_{layer}" for layer in config.layers] + list(config.capture)
         self.fields = Generate.fields + tuple(Field(n, "float32", None, ragged=True) for n in names)
@@ -131,10 +130,23 @@ class Generate(CausalLMFunction):
         not a padded forward slot: its overhead is what it may hold, so the packer does not cut
         batches at small length differences."""
         step = device.limits.max_batch_tokens
-        self.step_shape = max(self.step_shape, (step, device.limits.max_seq_len))
         held = step * self.batch_steps
         limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
-        return replace(device, limits=limits, batch_overhead_tokens=held)
+        memory = device.memory_bytes  # what the KV model may fill: the budget less one step's activations
+        if memory and decoder_refusal(self.config, self.caps.model_module) is None:  # else refused before work
+            memory = max(1, memory - self.step_activation_bytes(step, device.limits.max_seq_len))
+        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory)
+
+    def step_activation_bytes(self, tokens: int, max_seq_len: int) -> int:
+        """The most one engine step of `tokens` tokens holds beside weights and KV, from the model's
+        shape (no measurement): every token's transients, its scores over at most max_seq_len keys,
+        and a float32 row of logits for each (a decode step's rows)."""
+        from forge.runtime.cost_models import shape_cost_model
+
+        shape = shape_cost_model(self.config, self.model.torch_dtype)
+        vocab = int(self.config.get_text_config().vocab_size)
+        per_token = shape.bytes_per_token + max_seq_len * shape.bytes_per_score + 2 * 4 * vocab
+        return int(tokens * per_token)
 
     def options(self) -> dict[str, Any]:
         states = {"layers": list(self.forward.layers), "capture": list(self.forward.capture)} if self.states else {}
@@ -181,19 +193,16 @@ class Generate(CausalLMFunction):
 
     def cost_model(self):
         """The KV memory model (batching=memory): a batch's sequences hold the KV of their tokens
-        (prompt and max_new_tokens, the item's geometry) beside the weights and one step's
-        activations, which do not grow with the batch: a step carries at most the largest device's
-        step budget, each token over at most max_seq_len keys, the LM head on its last position.
-        Every figure is the measured forward pass's (`causal_lm_cost_model`). Workers then hold their
-        keys and values within the device's budget less those, preempting a sequence before going over."""
+        (prompt and max_new_tokens, the item's geometry) beside the weights, both as measured on the
+        forward pass (`causal_lm_cost_model`); one step's activations, which do not grow with the
+        batch, are taken off each device's budget (`batch_device`). Workers then hold their keys and
+        values within the budget less the weights, preempting a sequence before going over."""
         from forge.batching.cost import CostModel
         from forge.runtime.cost_models import causal_lm_cost_model
 
-        forward = causal_lm_cost_model(self, replace(self.forward, logits="targets"))
-        step, seq = self.step_shape if self.step_shape[0] else (8192, 8192)  # before any device: a wide step
-        activations = step * (forward.bytes_per_token + seq * forward.bytes_per_score)
+        forward = causal_lm_cost_model(self)
         self.kv_model = CostModel(
-            weight_bytes=int(forward.weight_bytes + activations),
+            weight_bytes=forward.weight_bytes,
             bytes_per_token=forward.kv_bytes_per_token,
             bytes_per_score=0.0,
             kv_bytes_per_token=0.0,
@@ -205,9 +214,12 @@ class Generate(CausalLMFunction):
         from transformers import AutoModelForCausalLM
 
         from forge.runtime.decode import Decoder, Sampling
+        from forge.runtime.dispatch import dispatch_for
         from forge.runtime.generate_worker import GenerateWorker
 
-        model = self.hf.load(AutoModelForCausalLM, device.torch_device, self.caps.attn)
+        dispatch = dispatch_for(self, device)  # a device group: read onto its devices by the plan's map
+        loader, attn = AutoModelForCausalLM, self.caps.attn
+        model = dispatch.load(self.hf, loader, attn) if dispatch else self.hf.load(loader, device.torch_device, attn)
         ids = model.generation_config.eos_token_id if self.eos else None
         eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
         budget = device.limits.max_batch_tokens // self.batch_steps  # the step's, under batch_limits
@@ -228,7 +240,7 @@ class Generate(CausalLMFunction):
                 allow_no_layers=True,
                 captures=list(self.forward.capture),
             )
-        return GenerateWorker(decoder, runner, self.states_of == "all", budget)
+        return GenerateWorker(decoder, runner, self.states_of == "all", budget, dispatch.close if dispatch else None)
 
     def open_sink(self, store):
         from forge.runtime.generate_worker import GenerateSink

@@ -679,3 +679,20 @@ def test_memory_mode_sizes_batches_by_their_kv_and_the_decoder_keeps_within_it(w
     (device,) = report["devices"]
     assert device["predicted_peak_bytes"] <= device["memory_budget_bytes"]
     embedded.check(work / "memory-kv", ROWS)
+
+
+@pytest.mark.slow
+def test_a_device_groups_worker_generates_the_same_tokens(work, embedded):
+    """A model read by a device group's plan (forge.runtime.placement) through accelerate's dispatch
+    (forge.runtime.dispatch: hooks on every block, token ids on the embeddings' device): the tokens
+    are those of one prompt at a time, and no offload folder is left when the run ends."""
+    import glob
+    import tempfile
+
+    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "forge-offload-*")))
+    group = "devices.inventory=[{name: g, devices: [cpu], memory_gb: 0.03, split: {offload: disk}}]"
+    overrides = [*limits(), "devices.discover=false", group]
+    report = run_function("generate", work / "rows.jsonl", work / "group", overrides)
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    embedded.check(work / "group", ROWS)
+    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "forge-offload-*"))) <= before

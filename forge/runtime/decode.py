@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from forge.runtime import prefix_attention
+from forge.runtime.hf_compat import input_device
 from forge.runtime.kv_slots import SlotKV
 from forge.runtime.prefill import Prefill, PrefixStore, forward
 
@@ -120,7 +121,7 @@ class Decoder:
         self.eos, self.pad = eos, int(pad_token_id)
         self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         self.layers = int(model.config.get_text_config().num_hidden_layers)
-        self.prefixes = PrefixStore(prefix_tokens)
+        self.prefixes = PrefixStore(prefix_tokens, None if kv_bytes is None else kv_bytes // 4)  # a quarter at most
         self.kv_bytes = kv_bytes  # what keys and values may hold at once: slots, prefills, prefixes (None: no limit)
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
@@ -136,7 +137,7 @@ class Decoder:
 
     def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt)))  # a block's prompts of similar lengths
-        kv = SlotKV(self.layers, self.model.device)
+        kv = SlotKV(self.layers, input_device(self.model))  # token ids, masks, positions: where ids go in
         if self.kv_bytes is None:
             kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
         else:
@@ -207,7 +208,7 @@ class Decoder:
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
         if not go:
             return
-        index = torch.tensor(go, dtype=torch.long, device=kv.device)
+        index = torch.tensor(go, dtype=torch.long)  # on the CPU: it indexes KV on every layer's device
         every = len(go) == len(block)
         rows = [(k, v) if every else (k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()

@@ -53,6 +53,7 @@ class GenerateWorker:
     runner: Any  # a CausalLMRunner for the generated tokens' states (None: none asked)
     from_prompt: bool  # states of the prompt's own tokens too
     budget: int  # tokens per engine step
+    on_close: Any = None  # what closing releases beside the model (a device group's offload folder)
 
     def run(self, batch) -> GenerationColumns:
         items = batch.items
@@ -96,6 +97,9 @@ class GenerateWorker:
     def close(self) -> None:
         self.decoder = None  # type: ignore[assignment]
         self.runner = None
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
 
 
 class GenerateSink:

@@ -179,7 +179,7 @@ class SlotKV:
             written = self.columns + shift == width and rows >= len(self.free) + slots - self.slots
             self._resize(slots, capacity, shift, written)
         taken, self.free = self.free[:rows], self.free[rows:]
-        index = torch.tensor(taken, dtype=torch.long, device=self.device)
+        index = torch.tensor(taken, dtype=torch.long)  # on the CPU: it indexes buffers on every layer's device
         n = self.columns
         for layer, (k, v) in zip(self.layers, kv):
             layer.k_buf[index, :, n - width : n] = k
@@ -238,7 +238,7 @@ class SlotKV:
             return None
         keep = [s for s in range(self.slots) if not (drop_slots and s in free)]
         n, cut = self.columns, lead if drop_columns else 0
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = torch.tensor(keep, dtype=torch.long)  # on the CPU: it indexes buffers on every layer's device
 
         def fill(old: torch.Tensor, new: torch.Tensor) -> None:
             new[:, :, : n - cut] = old[index, :, cut:n]

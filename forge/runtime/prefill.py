@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from forge.runtime.hf_compat import input_device
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
 
 
@@ -48,7 +50,7 @@ class Prefill:
     g's first tokens, or None."""
 
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None]):
-        self.model, self.device = model, model.device
+        self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]

@@ -22,7 +22,7 @@ attention sinks, no sliding window, nothing added to the scores.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,15 @@ class Step:
     group: torch.Tensor  # each one's prefix (0..G-1)
     place: torch.Tensor  # its place among its prefix's rows
     width: int  # the most rows of one prefix
+    copies: dict = field(default_factory=dict)  # (valid, rows, group, place) per device of a layer split off
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """`valid`, `rows`, `group` and `place` on `device` (a model split over devices: a layer's own)."""
+        if device == self.valid.device:
+            return self.valid, self.rows, self.group, self.place
+        if device not in self.copies:
+            self.copies[device] = tuple(t.to(device) for t in (self.valid, self.rows, self.group, self.place))
+        return self.copies[device]
 
 
 def stack(prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]]):
@@ -131,20 +140,21 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     total = p.sum(-1, keepdim=True)  # [B, kv heads, rep, 1]
     out = torch.matmul(p, value.float())  # [B, kv heads, rep, d]
     pk, pv = step.kv[module.layer_idx]  # [G, kv heads, P, d]
+    valid, rows, group, place = step.on(query.device)
     groups = pk.shape[0]
     qg = q.new_zeros(groups, step.width, kv_heads, rep, d)
-    qg[step.group, step.place] = q[step.rows]
+    qg[group, place] = q[rows]
     qg = qg.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, step.width * rep, d)
     s2 = torch.matmul(qg, pk.float().transpose(-1, -2)) * scale  # [G, kv heads, width x rep, P]
-    s2 = s2.masked_fill(~step.valid, float("-inf"))
+    s2 = s2.masked_fill(~valid, float("-inf"))
     m2 = s2.amax(-1, keepdim=True)
     p2 = torch.exp(s2 - m2)
     t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, kv heads, width x rep, 1 | d]
-    m2, t2, o2 = (x.view(groups, kv_heads, step.width, rep, -1)[step.group, :, step.place] for x in (m2, t2, o2))
-    m1 = m[step.rows]  # [rows, kv heads, rep, 1]
+    m2, t2, o2 = (x.view(groups, kv_heads, step.width, rep, -1)[group, :, place] for x in (m2, t2, o2))
+    m1 = m[rows]  # [rows, kv heads, rep, 1]
     top = torch.maximum(m1, m2)
     a, c = torch.exp(m1 - top), torch.exp(m2 - top)
-    out[step.rows] = out[step.rows] * a + o2 * c
-    total[step.rows] = total[step.rows] * a + t2 * c
+    out[rows] = out[rows] * a + o2 * c
+    total[rows] = total[rows] * a + t2 * c
     out = (out / total).to(query.dtype).view(b, heads, 1, d)
     return out.transpose(1, 2).contiguous(), None
