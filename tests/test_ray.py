@@ -134,3 +134,21 @@ def test_retired_after_max_restarts(tmp_path, ray_local, faults):
     report = run_forge(tmp_path, *FAST, *RAY, "plugins=[faults]", "runtime.max_restarts=0")
     assert report["status"] == "stopped" and report["balanced"], report["imbalance"]
     assert report["restarts"]["cpu"] == 0 and "retired after 0 restarts" in report["retired"]["cpu"]
+
+
+def test_a_device_group_asks_ray_for_one_gpu_per_cuda_member_and_sees_them_renumbered():
+    """Ray shows an actor only the GPUs it was given, numbered from 0: a group on cuda:2 and cuda:5
+    (and the CPU) asks for two and places its stages on cuda:0 and cuda:1 in order."""
+    from forge.executors.ray import _as_seen_by_actor, _gpus
+    from forge.vocab.geometry import Device, Limits, Member
+
+    limits = Limits(1024, 8, 256)
+    group = Device(
+        "g", limits, torch_device="cuda:2",
+        group=(Member("cuda:2", 1 << 30), Member("cuda:5", 1 << 30), Member("cpu", 1 << 30)),
+    )  # fmt: skip
+    assert _gpus(group) == 2
+    seen = _as_seen_by_actor(group)
+    assert [m.torch_device for m in seen.group] == ["cuda:0", "cuda:1", "cpu"] and seen.torch_device == "cuda:0"
+    assert _gpus(Device("c", limits, torch_device="cuda:3")) == 1 and _gpus(Device("p", limits)) == 0
+    assert _as_seen_by_actor(Device("c", limits, torch_device="cuda:3")).torch_device == "cuda:0"

@@ -95,8 +95,7 @@ class RayExecutor(SlotExecutor[_Slot]):
             self._spawn(device)
 
     def _spawn(self, device: Device) -> None:
-        gpu = device.torch_device.startswith("cuda")
-        resources = {"num_gpus": 1 if gpu else 0, "num_cpus": self.cpus_per_actor}
+        resources = {"num_gpus": _gpus(device), "num_cpus": self.cpus_per_actor}
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor = self._actor_cls.options(**resources).remote(
             [self._function_ref],
@@ -213,8 +212,7 @@ class DeviceActor:
 
         os.environ.update(env)  # before the function's modules are imported (HF_HUB_OFFLINE is read then)
         function = ray.get(function_ref[0])  # a ref in a list is not resolved before __init__ runs
-        if device.torch_device.startswith("cuda"):
-            device = replace(device, torch_device="cuda:0")  # Ray shows the actor only its own GPU
+        device = _as_seen_by_actor(device)
         self.function, self.device, self.cache_tokens = function, device, cache_tokens
         self.plugins, self.threads, self.keep_freed_memory = plugins, threads, keep_freed_memory
         self.worker: Any = None  # the function's worker, and the hook relay of `plugins`: made by load()
@@ -255,3 +253,26 @@ class DeviceActor:
     def run(self, batch: Batch) -> tuple[str, Any, float]:
         ran = run_batch(self.worker, self.hook, self.device, batch)
         return ran.status.value, ran.payload, ran.seconds
+
+
+def _gpus(device: Device) -> int:
+    """The GPUs an actor asks Ray for: one per CUDA member of a device group, else one for a CUDA device."""
+    if device.group:
+        return sum(m.torch_device.startswith("cuda") for m in device.group)
+    return 1 if device.torch_device.startswith("cuda") else 0
+
+
+def _as_seen_by_actor(device: Device) -> Device:
+    """The device renamed as the actor sees it: Ray shows it only its own GPUs, as cuda:0, cuda:1, ...
+    (a device group's CUDA members in stage order)."""
+    if device.group:
+        cuda = iter(range(len(device.group)))
+        members = tuple(
+            replace(m, torch_device=f"cuda:{next(cuda)}") if m.torch_device.startswith("cuda") else m
+            for m in device.group
+        )
+        first = members[0].torch_device
+        return replace(device, group=members, torch_device=first)
+    if device.torch_device.startswith("cuda"):
+        return replace(device, torch_device="cuda:0")
+    return device
