@@ -442,3 +442,22 @@ def test_a_model_loaded_cut_reads_only_the_layers_it_runs_and_keeps_the_whole_de
     finally:
         dispatch.close()
     assert not os.path.exists(dispatch.folder)
+
+
+@pytest.mark.slow
+def test_probe_gen_on_a_device_group_with_disk_offload_equals_one_item_at_a_time_in_every_mode(tmp_path):
+    """End to end through `forge run`: a one-member CPU group too small for the embedded model, with
+    split.offload: disk, runs probe_gen in every batching mode (item, token with and without the
+    prefix cache, packed, memory-sized, merged tree rows) and each equals the plain one-item-at-a-time
+    run within the repository's float32 tolerance (`forge.testing.check_modes`)."""
+    import json
+
+    from forge.functions.assets import embedded_dataset_path
+    from forge.testing import check_modes
+
+    rows = [json.loads(line) for line in open(embedded_dataset_path())][:16]
+    group = "devices.inventory=[{name: g, devices: [cpu], memory_gb: 0.016, split: {offload: disk}}]"
+    overrides = ["devices.discover=false", group, "layers=[1,4]"]  # layers 2-3 and the norm on disk
+    check = check_modes("probe_gen", rows, tmp_path, tol=TOL, overrides=overrides, allow_skipped=True)
+    assert not check.refused and set(check.worst) >= {"item", "token-cache", "token-packed", "memory"}, check.summary()
+    assert len(check.reference) >= 10, check.summary()  # the rows over max_seq_len=128 are left out

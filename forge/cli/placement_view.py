@@ -35,13 +35,15 @@ def placement_tables(report: Mapping[str, Any]) -> list[Table]:
             span = "-" if s["layers"] is None else f"{s['layers'][0]}-{s['layers'][1]}"
             mine = theirs["bytes_per_device"].get(s["device"], 0)
             layers = theirs["layers_per_device"].get(s["device"], 0)
+            left = s["budget_bytes"] - mine  # negative on a cpu member: accelerate's own CPU offload lands there
+            room = f"{_gib(left)} left" if left >= 0 else f"{_gib(-left)} over (its CPU offload)"
             table.add_row(
                 s["device"],
                 span,
                 _gib(s["weights_bytes"]),
                 _gib(s["activation_bytes"]),
                 _gib(s["budget_bytes"]),
-                f"{layers} layers, {_gib(mine)}, {_gib(s['budget_bytes'] - mine)} left",
+                f"{layers} layers, {_gib(mine)}, {room}",
             )
         ours = f"{_gib(p['offloaded_bytes'])} to {p['offload']}" if p["offload"] else "nothing"
         off = {d: b for d, b in theirs["bytes_per_device"].items() if d in ("cpu", "disk")}
