@@ -223,10 +223,9 @@ def warm_forge(w: Work) -> None:
     what a process pays once (imports, Hydra's first compose), not what each run pays."""
     from forge.testing import run_function
 
-    rows = [json.loads(line) for line in w.rows_path.read_text().splitlines() if line.strip()][:8]
     warm = w.rows_path.parent / "warm"
     warm.mkdir(parents=True, exist_ok=True)
-    path = workloads.write_jsonl(warm / "rows.jsonl", rows)
+    path = workloads.write_jsonl(warm / "rows.jsonl", [json.loads(x) for x in w.rows_path.read_text().splitlines()[:8]])
     model = [] if w.model_name == DEFAULT_MODEL else ["model=hf", f"model.name={w.model_name}"]
     run_function("generate", path, warm / "run", ["max_new_tokens=2", *model])
     shutil.rmtree(warm, ignore_errors=True)
