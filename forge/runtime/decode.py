@@ -98,7 +98,7 @@ class DecodeFigures:
     decode_tokens: int = 0  # tokens fed back to the model one per running sequence and step
     preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
     recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
-    kv_peak_bytes: int = 0  # the most the slots' buffers held at once (copies included)
+    kv_peak_bytes: int = 0  # the most keys and values held at once, as accounted: slots, copies, what is beside
 
 
 class Decoder:
