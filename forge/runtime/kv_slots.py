@@ -221,9 +221,6 @@ class SlotKV:
     def step_mask(self) -> torch.Tensor:
         return self.mask[:, : self.columns + 1]
 
-    def live(self) -> int:
-        return self.slots - len(self.free)
-
     def tidy(self, force: bool = False) -> dict[int, int] | None:
         """Drop free slots once they are a quarter of the slots, and leading columns no live slot uses
         once they are a quarter of the columns (`force`: any): a copy of the buffers (about one step's
