@@ -3,8 +3,9 @@
 Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
 tokens: one decode token per running sequence (all in one forward pass over their slots,
 `forge.runtime.kv_slots`), then, within what is left, the next chunk of a block of waiting
-prompts being prefilled (`forge.runtime.prefill`). A prompt block is formed when none is in
-progress: the next waiting prompts by length, as many as the step's room allows; the prefixes
+prompts being prefilled (`forge.runtime.prefill`, in parts of prompts that compute about as many
+columns each). A prompt block is formed when none is in progress: the next waiting prompts by
+their own length (past their prefix), as many as the step's room allows; the prefixes
 among them not stored yet are computed first, once each (one forward pass of their own), and
 kept for the worker's later blocks and batches (`PrefixStore`). When its last chunk is done, each prompt
 gets its first token and, unless that ends it, a slot. A sequence leaves its slot the step it
@@ -30,7 +31,7 @@ import torch
 from forge.runtime import prefix_attention
 from forge.runtime.hf_compat import input_device
 from forge.runtime.kv_slots import SlotKV
-from forge.runtime.prefill import Prefill, PrefixStore, forward
+from forge.runtime.prefill import BlockPrefill, Prefill, PrefixStore, forward
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class DecodeFigures:
     preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
     recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
     kv_peak_bytes: int = 0  # the most keys and values held at once, as accounted: slots, copies, what is beside
+    prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked: work, not tokens)
 
 
 class Decoder:
@@ -136,7 +138,7 @@ class Decoder:
             return self._generate(seqs)
 
     def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
-        waiting = deque(sorted(seqs, key=lambda s: len(s.prompt)))  # a block's prompts of similar lengths
+        waiting = deque(sorted(seqs, key=lambda s: len(s.prompt) - s.prefix_len))  # a block's: similar own lengths
         kv = SlotKV(self.layers, input_device(self.model))  # token ids, masks, positions: where ids go in
         if self.kv_bytes is None:
             kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
@@ -146,7 +148,7 @@ class Decoder:
         prefix_fill: Prefill | None = None  # the block's prefixes not stored yet, computed first
         keys: list[tuple[int, ...]] = []
         block: list[Sequence] = []
-        fill: Prefill | None = None  # the block's prefill, once its prefixes are known
+        fill: BlockPrefill | None = None  # the block's prefill, once its prefixes are known
         figures = DecodeFigures([], 0)
         while waiting or block or running:
             if running and self.kv_bytes is not None:
@@ -168,11 +170,13 @@ class Decoder:
                     prefix_fill = None
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
-                fill = Prefill(self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes)
-            if fill is not None and not fill.finished and room >= len(block):
+                fill = BlockPrefill(self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes)
+            if fill is not None and not fill.finished:
                 tokens += fill.run(room)
             if fill is not None and fill.finished and self._admits(kv, running, block, fill):
-                self._admit(kv, running, fill, block, len(figures.steps))
+                for rows, part in fill.parts:
+                    self._admit(kv, running, part, [block[g] for g in rows], len(figures.steps), block, fill)
+                figures.prefill_pads += fill.slots_run - fill.tokens_run
                 block, fill = [], None
             figures.steps.append(tokens)
         figures.kv_peak_bytes = kv.peak_bytes
@@ -199,10 +203,12 @@ class Decoder:
         fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
         return block, fill, missing, len(keys) - len(missing)
 
-    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int):
-        """Each prompt's first token; slots for those that go on. With shared-prefix attention a
-        prompt whose prefix is stored keeps only its own tokens in its slot: the block's columns
-        are cut to the most own tokens of a row (prompts end at the block's last column)."""
+    def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
+               whole: list[Sequence], whole_fill: BlockPrefill):  # fmt: skip
+        """Each prompt of a part (`fill`, its prompts `block`) gets its first token, and a slot if it
+        goes on. With shared-prefix attention a prompt whose prefix is stored keeps only its own
+        tokens in its slot: the part's columns are cut to the most own tokens of a row (prompts end
+        at the part's last column). `whole`, `whole_fill`: the block and its prefill, held meanwhile."""
         assert fill.last_logits is not None  # a finished prefill
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
@@ -224,7 +230,7 @@ class Decoder:
             rows, mask = [(k[:, :, -own:], v[:, :, -own:]) for k, v in rows], mask[:, -own:]
         positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
         if self.kv_bytes is not None:
-            self._bound(kv, self._other_bytes(kv, block, fill))
+            self._bound(kv, self._other_bytes(kv, whole, whole_fill))
         for g, slot in zip(go, kv.place(rows, mask, positions)):
             block[g].slot, block[g].admitted = slot, step
             running[slot] = block[g]
@@ -237,14 +243,15 @@ class Decoder:
         probe.run(1)
         kv.shape_like(probe.layer_kv())
 
-    def _other_bytes(self, kv: SlotKV, block: list[Sequence], fill: Prefill | None) -> int:
+    def _other_bytes(self, kv: SlotKV, block: list[Sequence], fill: BlockPrefill | None) -> int:
         """KV held beside the slots: stored and stacked prefixes, and the block being prefilled (its
         cache; and when some of its rows ended at their first token, the others gathered for the slots)."""
         held = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
         if block:
-            width = fill.width if fill is not None else max(len(s.tokens()) for s in block)
+            width = max(len(s.tokens()) for s in block)
+            columns = fill.held_columns() if fill is not None else len(block) * width
             gathered = sum(not s.finished for s in block) if any(s.finished for s in block) else 0
-            held += (len(block) + gathered) * width * kv.column_bytes
+            held += (columns + gathered * width) * kv.column_bytes
         return held
 
     def _bound(self, kv: SlotKV, beside: int) -> int:
@@ -276,7 +283,7 @@ class Decoder:
             f"{widths[0]} tokens ({kv.column_bytes} bytes a token); raise the device's memory_gb"
         )
 
-    def _admits(self, kv: SlotKV, running: dict[int, Sequence], block: list[Sequence], fill: Prefill) -> bool:
+    def _admits(self, kv: SlotKV, running: dict[int, Sequence], block: list[Sequence], fill: BlockPrefill) -> bool:
         """Whether a prefilled block's slots fit the KV budget now (else it waits for running ones to end)."""
         if self.kv_bytes is None:
             return True

@@ -35,6 +35,7 @@ class GenerationFigures:
     recomputed_tokens: int = 0  # the tokens those sequences had generated, prefilled again
     kv_peak_bytes: int = 0  # the most the decoder's keys and values held at once (accounted)
     kv_budget_bytes: int | None = None  # what they may hold (batching=memory); None: no limit
+    prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked work, not tokens)
 
     @property
     def prefill_computed(self) -> int:
@@ -86,7 +87,7 @@ class GenerateWorker:
         generated = sum(len(g.ids) for g in done)
         figures = GenerationFigures(
             prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
-            run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes,
+            run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes, run.prefill_pads,
         )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
@@ -108,7 +109,7 @@ class GenerateSink:
     def __init__(self, inner: Any):
         self.inner = inner
         self.prompt = self.generated = self.seconds_total = 0
-        self.prefill = 0
+        self.prefill = self.prefill_pads = 0
         self.steps: list[int] = []
         self.budget = 0
         self.prefix_hits = self.preempted = self.recomputed = self.kv_peak_bytes = 0
@@ -121,6 +122,7 @@ class GenerateSink:
             self.prompt += f.prompt_tokens
             self.generated += f.generated_tokens
             self.prefill += f.prefill_computed
+            self.prefill_pads += f.prefill_pads
             self.steps += f.steps
             self.seconds_total += f.seconds
             self.budget = max(self.budget, f.budget)
@@ -143,6 +145,7 @@ class GenerateSink:
             "prompt_tokens": self.prompt,
             "prefill_tokens_computed": self.prefill,
             "prefill_tokens_shared": self.prompt - self.prefill,  # negative: recomputed after preemption
+            "prefill_pad_slots": self.prefill_pads,  # masked pads prompt blocks ran through the model
             "prefix_cache_hits": self.prefix_hits,
             "generated_tokens": self.generated,
             "preempted": self.preempted,  # sequences put back for the KV budget, then recomputed

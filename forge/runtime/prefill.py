@@ -6,8 +6,9 @@ wants it (`forge.runtime.kv_slots`). Where prompts start with a prefix whose KV 
 (computed once, `PrefixStore`), the block's first ``C`` columns are that KV instead of a forward
 pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens there, and its remaining
 tokens are computed. ``C`` is the most every prompt allows, min over g of ``pads[g] + P_g``: a
-prompt shorter than the longest, or with a shorter prefix, recomputes the rest of its prefix
-(the decoder sorts waiting prompts by length). Each `run` computes the
+prompt shorter than the longest, or with a shorter prefix, recomputes the rest of its prefix:
+`BlockPrefill` splits a block into such rectangles of prompts that compute about as many columns
+each (`split`), so little is recomputed or padded. Each `run` computes the
 next columns within a token budget; once all are computed, `last_logits` gives each prompt's next
 token's logits and `kv(g)` its keys and values, for a slot.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -108,6 +110,70 @@ class Prefill:
         """Prompt g's keys and values, ``[heads, its tokens, dim]`` per layer."""
         a = self.pads[g]
         return [(k[g, :, a:], v[g, :, a:]) for k, v in self.layer_kv()]
+
+
+FORWARD_TOKENS = 32  # a forward pass's fixed cost in tokens of work (its weight reads, its per-layer calls)
+
+
+def split(rests: list[int], overhead: int = FORWARD_TOKENS) -> list[list[int]]:
+    """The prompts of a block (by `rests`: the columns each computes) in parts, each one `Prefill`
+    of its rows x its longest rest: the split of least work, `overhead` a part plus its rows x
+    columns (pads and recomputed prefix tokens included), over the prompts sorted by rest (a
+    dynamic program over its distinct values). Returns each part's indexes into `rests`."""
+    order = np.argsort(np.asarray(rests), kind="stable")
+    values, counts = np.unique(np.asarray(rests)[order], return_counts=True)
+    before = np.concatenate([[0], np.cumsum(counts)])  # prompts before each distinct value
+    best = np.zeros(len(values) + 1)  # least work for the prompts before each value
+    start = np.zeros(len(values) + 1, dtype=int)  # where the last part of that best begins
+    for j in range(1, len(values) + 1):
+        work = best[:j] + overhead + (before[j] - before[:j]) * values[j - 1]
+        start[j] = int(np.argmin(work))
+        best[j] = work[start[j]]
+    parts, j = [], len(values)
+    while j > 0:
+        parts.append(order[before[start[j]] : before[j]].tolist())
+        j = start[j]
+    return parts[::-1]
+
+
+class BlockPrefill:
+    """A block of prompts prefilled in parts (`split`): the prompts of a part compute about as many
+    columns each, so few pads and recomputed prefix tokens go through the model."""
+
+    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None]):
+        known = [0 if kv is None else kv[0][0].shape[2] for kv in prefixes]
+        rests = [len(t) - min(k, len(t) - 1) for t, k in zip(prompts, known)]
+        self.parts = [
+            (rows, Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, [prefixes[g] for g in rows]))
+            for rows in split(rests)
+        ]
+        self.width = max(map(len, prompts))
+        self.slots_run = 0  # rows x columns computed: the work, its pads and recomputed prefix tokens included
+        self.tokens_run = 0  # the prompt tokens among them
+
+    @property
+    def finished(self) -> bool:
+        return all(part.finished for _, part in self.parts)
+
+    def run(self, budget: int) -> int:
+        """The next columns of the parts in turn, at most `budget` rows x columns in all (a part
+        runs when a column of each of its rows fits); returns the prompt tokens computed."""
+        tokens = 0
+        for rows, part in self.parts:
+            if part.finished:
+                continue
+            if budget < len(rows):
+                break
+            done, computed = part.done_to, part.run(budget)
+            used = len(rows) * (part.done_to - done)
+            tokens, budget = tokens + computed, budget - used
+            self.tokens_run += computed
+            self.slots_run += used
+        return tokens
+
+    def held_columns(self) -> int:
+        """The rows x columns of KV its parts' caches hold once computed."""
+        return sum(len(rows) * part.width for rows, part in self.parts)
 
 
 class PrefixStore:
