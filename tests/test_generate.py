@@ -182,6 +182,11 @@ def test_greedy_in_every_batching_mode_and_budget(work, embedded, mode, budget):
     gen = report["outputs"]["generation"]
     assert gen["tokens_per_step_budget"] == budget and 0 < gen["largest_step_tokens"] <= budget, gen
     assert sum(gen["steps_by_tokens"].values()) == gen["steps"]
+    # the ledger's prefix tokens not run: the decoder's, held from an earlier batch or computed once for several
+    tokens = report["tokens"]
+    assert tokens["cache_hit"] + tokens["prefix_shared"] == gen["prefill_tokens_shared"] > 0, (tokens, gen)
+    if mode == "item":  # whole prompts in several batches: later ones find prefixes the worker stored
+        assert report["batches"] > 1 and gen["prefix_cache_hits"] > 0 and tokens["cache_hit"] > 0, (tokens, gen)
 
 
 # -- families ------------------------------------------------------------------------------------

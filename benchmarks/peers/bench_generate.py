@@ -14,12 +14,13 @@ function's records(); lm-eval's tokenizer calls return them). Ways, on one loade
 
 Per way, medians over interleaved rounds: output tokens/s and ms per output token over its wall
 time (Forge: the whole run, compose, load and writing included; its engine's own figure below);
-padding (pad slots / rows x final width); prefill computed / prompt tokens (padded: pad slots
-counted; Forge: its steps' tokens less the decode tokens, as its ledger counts them; generate_batch:
-not counted); this process's peak RSS while it ran (sampled every 10 ms; rough); outputs equal to
-the one-at-a-time ids (cut after the first EOS). The floor (benchmarks/floor.py): each distinct
-prefix once, every suffix and every generated token but the last, no padding, at the best rates
-measured, plus their reads of the keys before them; no LM head: a loose lower bound.
+padding (pad slots / rows x final width; Forge: of its prefill and decode slots); prefill computed
+/ prompt tokens (padded: pad slots counted; Forge: its steps' tokens less the decode tokens, as
+its ledger counts them; generate_batch: not counted); this process's peak RSS while it ran
+(sampled every 10 ms; rough); outputs equal to the one-at-a-time ids (cut after the first EOS).
+The floor (benchmarks/floor.py): each distinct prefix once, every suffix and every generated token
+but the last, no padding, at the best rates measured, plus their reads of the keys before them; no
+LM head: a loose lower bound.
 """
 
 from __future__ import annotations
@@ -210,11 +211,10 @@ def forge(w: Work, overrides: list[str]) -> dict:
         "wall_s": wall,
         "outputs": [w.cut(by_id[i]) for i in w.row_ids],
         "prefill": g["prefill_tokens_computed"],
-        "engine_tok_s": g["output_tokens_per_s"],
-        "engine_ms": g["ms_per_output_token"],
-        "steps": g["steps"],
-        "batches": rep["batches"],
-        "cache_hit": rep["tokens"]["cache_hit"],
+        "pad_slots": g["prefill_pad_slots"],  # of slots: prefill computed, its pads, decode tokens (all but the last)
+        "slots": g["prefill_tokens_computed"] + g["prefill_pad_slots"] + g["generated_tokens"] - len(w.ids),
+        **{"engine_tok_s": g["output_tokens_per_s"], "engine_ms": g["ms_per_output_token"], "steps": g["steps"]},
+        **{"batches": rep["batches"], "cache_hit": rep["tokens"]["cache_hit"]},
     }
 
 

@@ -271,7 +271,9 @@ class RunLoop:
         if kept is None:
             return
         output: BatchOutput = outcome.output  # what a worker returns (forge.function.Worker), or the simulator's
-        stats = batch_stats(kept, outcome.seconds, output.prefix_computed_tokens)
+        stats = batch_stats(
+            kept, outcome.seconds, output.prefix_computed_tokens, getattr(output, "engine_prefix", None)
+        )
         tally = self.tallies[device.name]
         tally.add(kept, stats)
         if kept.split_prefix and kept.prefix_len and not output.cache_hit:

@@ -100,6 +100,7 @@ class DecodeFigures:
     preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
     recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
     kv_peak_bytes: int = 0  # the most keys and values held at once, as accounted: slots, copies, what is beside
+    prefix_stored_tokens: int = 0  # prefix tokens of sequences whose prefix the store held when called
     prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked: work, not tokens)
 
 
@@ -150,6 +151,7 @@ class Decoder:
         block: list[Sequence] = []
         fill: BlockPrefill | None = None  # the block's prefill, once its prefixes are known
         figures = DecodeFigures([], 0)
+        figures.prefix_stored_tokens = sum(s.prefix_len for s in seqs if self._key(s) in self.prefixes.entries)
         while waiting or block or running:
             if running and self.kv_bytes is not None:
                 for seq in self._make_room(kv, running, waiting, self._other_bytes(kv, block, fill)):

@@ -36,6 +36,7 @@ class GenerationFigures:
     kv_peak_bytes: int = 0  # the most the decoder's keys and values held at once (accounted)
     kv_budget_bytes: int | None = None  # what they may hold (batching=memory); None: no limit
     prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked work, not tokens)
+    prefix_stored_tokens: int = 0  # prefix tokens of items whose prefix the worker had stored before the batch
 
     @property
     def prefill_computed(self) -> int:
@@ -88,12 +89,16 @@ class GenerateWorker:
         figures = GenerationFigures(
             prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
             run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes, run.prefill_pads,
+            run.prefix_stored_tokens,
         )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
         prefixes = sum(it.prefix_len for it in items)
-        computed = min(prefixes, max(0, figures.prefill_computed - own)) if batch.split_prefix else 0
-        return GenerationColumns(columns, computed, False, figures)
+        computed = min(prefixes, max(0, figures.prefill_computed - own))
+        if batch.split_prefix:
+            return GenerationColumns(columns, computed, False, None, figures)
+        hit = min(prefixes - computed, figures.prefix_stored_tokens)  # the rest: computed once for several
+        return GenerationColumns(columns, 0, False, (hit, prefixes - computed - hit), figures)
 
     def close(self) -> None:
         self.decoder = None  # type: ignore[assignment]

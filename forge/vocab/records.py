@@ -127,10 +127,16 @@ class FailureWindow:
             )
 
 
-def batch_stats(batch, seconds: float, prefix_computed_tokens: int) -> BatchStats:
+def batch_stats(
+    batch, seconds: float, prefix_computed_tokens: int, engine_prefix: tuple[int, int] | None = None
+) -> BatchStats:
     """Stats of a batch from what its prefix cost. Rows that hold whole sequences run
-    their own prefix, so nothing is served from cache; tree rows run each prefix group's
-    prefix once in the row (shared, not cached)."""
+    their own prefix, so nothing is served from cache, unless the function's engine shares
+    prefixes itself (`engine_prefix`: the cache-hit and shared prefix tokens it did not run);
+    tree rows run each prefix group's prefix once in the row (shared, not cached)."""
+    if engine_prefix is not None and not (batch.tree or batch.split_prefix):
+        hit, shared = engine_prefix
+        return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared)
     if batch.tree:
         computed = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans
         return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed)
@@ -149,3 +155,6 @@ class ResultColumns:
     columns: dict[str, Any]  # field name -> numpy array [n_items, *shape] (or a list of str), batch.items order
     prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
     cache_hit: bool = False  # the prefix came from the device's cache
+    # an engine sharing prefixes itself (generate's decoder) in whole-sequence rows: the prefix tokens
+    # it did not run, (held by its cache from earlier batches, computed once for several items)
+    engine_prefix: tuple[int, int] | None = None
