@@ -11,6 +11,7 @@ from forge.errors import ForgeError
 
 LAYERS = [0, 2, 4]
 N = 150
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 APART = "batching.merge_groups=false"  # prefix groups kept apart: the split-prefix and cache paths run
 MODES = {
@@ -33,7 +34,7 @@ def reference():
     from forge.api import InputSpec, ModelSpec
     from forge.functions.assets import embedded_model_source, materialize_model
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime.causal_lm import reference_pooled
+    from forge.runtime.reference import pool, reference_hidden
 
     fn = ProbeGen(
         ProbeGenConfig(
@@ -44,8 +45,11 @@ def reference():
     )
     model = AutoModelForCausalLM.from_pretrained(materialize_model(embedded_model_source())).eval()
     ref = {}
-    for item in fn.records():
-        ref[item.id] = {p: reference_pooled(model, item.tokens, item.prefix_len, LAYERS, p) for p in ("last", "mean")}
+    for item in fn.records():  # one forward pass per prompt, pooled both ways (what reference_pooled does per pooling)
+        hidden = reference_hidden(model, item.tokens, LAYERS)
+        ref[item.id] = {
+            p: {layer: pool(h, item.prefix_len, p) for layer, h in hidden.items()} for p in ("last", "mean")
+        }
     return ref
 
 
