@@ -17,6 +17,7 @@ from forge.runtime.causal_lm import CausalLMRunner, reference_pooled  # noqa: E4
 from forge.runtime.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TOL = 1e-4
 NUM_LAYERS = 3
 LAYERS = [0, 1, NUM_LAYERS]

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from forge.io.results import aggregate  # noqa: E402
 from forge.testing import MODES, run_function  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TOL = 1e-4
 LAYER = 2
 LIMITS = [

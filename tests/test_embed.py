@@ -12,6 +12,7 @@ from conftest import SMALL, plan_forge, run_forge
 from forge.errors import ForgeError
 from forge.functions.embed import load_embeddings
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 N_GOOD = 60
 N_DECODER = 30
 BAD_ROWS = [

@@ -21,6 +21,7 @@ from forge.runtime.interventions import load_interventions  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TOL = 1e-4
 VOCAB = 300
 POINTS = ("attn_pattern.1", "resid_pre.1", "resid_post.2", "mlp_in.0", "attn_out.1")

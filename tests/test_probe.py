@@ -10,6 +10,7 @@ from forge.errors import ForgeError
 from forge.functions.probe import fit_probes, in_test, wilson
 from tests.conftest import run_forge
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 LAYERS = [1, 2]
 
 

@@ -11,6 +11,8 @@ import torch
 
 from forge.runtime import shared_prefix as sp
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 
 def concatenated(q, k, v, k_p, v_p, mask, scale):
     """Attention over [prefix keys; row keys] copied to every row, as the cache path computes it."""

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from forge.errors import ForgeError  # noqa: E402
 from forge.testing import check_modes, run_function  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TOL = 1e-4
 LIMITS = [
     "devices=auto",

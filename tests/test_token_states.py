@@ -17,6 +17,7 @@ from conftest import forge_process, plan_forge
 from forge.errors import ForgeError
 from forge.testing import run_function
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TESTS = Path(__file__).resolve().parent
 LAYERS = [0, 2, 4]
 MODES = {

@@ -15,6 +15,7 @@ from forge.core.scheduler import Scheduler
 from forge.testing import check_modes
 from forge.vocab.geometry import Device, Item, Limits, broken_limit, row_used
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 LIMITS = Limits(max_batch_tokens=4096, max_rows=64, max_seq_len=1024, pad_multiple=8)
 
 

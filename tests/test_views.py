@@ -21,6 +21,7 @@ from forge.runtime.forward import Forward  # noqa: E402
 from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 TOL = 1e-4
 LAYERS = [0, 2, 3]
 VOCAB = 300
