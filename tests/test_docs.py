@@ -80,6 +80,7 @@ def test_the_readme_points_at_the_guide():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 def test_the_guides_testing_example_runs(tmp_path):
     guide = (ROOT / "docs" / "functions.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", guide, flags=re.S) if "check_modes(" in b)

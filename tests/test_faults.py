@@ -17,6 +17,7 @@ from conftest import assert_same_output, clean_activations, forge_process, plan_
 from forge import load_activations
 from forge.errors import ForgeError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 N = 48
 # small batches, so a few dozen rows make many of them
 FAST = small_run(N, "batching.merge_groups=false")  # the batch counts these faults are planned on

@@ -14,11 +14,14 @@ import pytest
 from conftest import plan_forge
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("forge_plugin_example") is None,
-    reason="examples/forge-plugin-example is not installed "
-    "(pip install -e examples/forge-plugin-example; .ci/run does)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("forge_plugin_example") is None,
+        reason="examples/forge-plugin-example is not installed "
+        "(pip install -e examples/forge-plugin-example; .ci/run does)",
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),  # tests/conftest.py
+]
 N = 120
 
 
