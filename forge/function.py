@@ -134,6 +134,12 @@ class Function(ABC):
         each) larger limits, and the overhead of all its steps."""
         return device
 
+    def step_bytes(self, device: Device) -> int:
+        """Bytes one of its steps holds on `device` that `cost_model()` leaves out (0 for a forward
+        pass, which it prices whole; generate's: one engine step's activations, which its KV model
+        does not count): a device group's every stage keeps room for them (forge.runtime.placement)."""
+        return 0
+
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
         """Raise a one-line ForgeError, before any work, when this layout cannot give the results
         of one-item-at-a-time runs (say why, and which setting works). Default: every layout can."""

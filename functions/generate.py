@@ -129,13 +129,36 @@ class Generate(CausalLMFunction):
         batch pays the fixed cost of all its steps, and a shorter row costs only attention columns,
         not a padded forward slot: its overhead is what it may hold, so the packer does not cut
         batches at small length differences."""
-        step = device.limits.max_batch_tokens
-        held = step * self.batch_steps
-        limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
+        step, longest = device.limits.max_batch_tokens, device.limits.max_seq_len
         memory = device.memory_bytes  # what the KV model may fill: the budget less one step's activations
         if memory and decoder_refusal(self.config, self.caps.model_module) is None:  # else refused before work
-            memory = max(1, memory - self.step_activation_bytes(step, device.limits.max_seq_len))
+            per_token = self.step_activation_bytes(1, longest)
+            if self.kv_model is not None:  # smaller steps where a step would leave no room for one row's KV
+                free = memory - self.kv_model.weight_bytes - self.least_kv_bytes(longest)
+                step = max(1, min(step, int(free // per_token)))
+            memory = max(1, memory - step * per_token)
+        held = step * self.batch_steps
+        limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
         return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory)
+
+    def step_bytes(self, device) -> int:
+        """What the KV model leaves out, for a device group's stages to keep room for: the activations
+        of a step of one full-length row's tokens, and the KV the decoder holds to run one such row
+        (`batch_device` then makes steps no larger than the room allows); 0 for a model the decoder
+        refuses (it never runs)."""
+        if decoder_refusal(self.config, self.caps.model_module) is not None:
+            return 0
+        longest = device.limits.max_seq_len
+        return self.step_activation_bytes(longest, longest) + self.least_kv_bytes(longest)
+
+    def least_kv_bytes(self, longest: int) -> int:
+        """The KV budget the decoder needs for one sequence of `longest` tokens (0: no KV model yet)."""
+        from forge.runtime.decode import least_kv_bytes
+        from forge.runtime.hf_compat import num_layers, text_config
+
+        if self.kv_model is None:
+            return 0
+        return least_kv_bytes(longest, self.kv_model.bytes_per_token, num_layers(text_config(self.config)))
 
     def step_activation_bytes(self, tokens: int, max_seq_len: int) -> int:
         """The most one engine step of `tokens` tokens holds beside weights and KV, from the model's
@@ -213,9 +236,10 @@ class Generate(CausalLMFunction):
     def open_worker(self, device, cache_tokens: int):
         from transformers import AutoModelForCausalLM
 
-        from forge.runtime.decode import Decoder, Sampling
+        from forge.runtime.decode import Decoder
         from forge.runtime.dispatch import dispatch_for
         from forge.runtime.generate_worker import GenerateWorker
+        from forge.runtime.sampling import Sampling
 
         dispatch = dispatch_for(self, device)  # a device group: read onto its devices by the plan's map
         loader, attn = AutoModelForCausalLM, self.caps.attn

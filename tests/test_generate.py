@@ -570,7 +570,7 @@ def test_a_sampled_row_is_the_same_in_any_batch_and_budget_and_its_seed_decides_
 
 
 def test_sampling_streams_and_draws():
-    from forge.runtime.decode import Sampling
+    from forge.runtime.sampling import Sampling
 
     s = Sampling(temperature=1.0, top_p=1.0, top_k=2, seed=3)
     logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
@@ -689,15 +689,29 @@ def test_memory_mode_sizes_batches_by_their_kv_and_the_decoder_keeps_within_it(w
 @pytest.mark.slow
 def test_a_device_groups_worker_generates_the_same_tokens(work, embedded):
     """A model read by a device group's plan (forge.runtime.placement) through accelerate's dispatch
-    (forge.runtime.dispatch: hooks on every block, token ids on the embeddings' device): the tokens
-    are those of one prompt at a time, and no offload folder is left when the run ends."""
+    (forge.runtime.dispatch: hooks on every block, token ids on the embeddings' device), with layers
+    offloaded to disk: the plan keeps room on the card for a step and one row's KV beside the layers
+    it holds, the decoder's keys and values stay within what is left, the tokens are those of one
+    prompt at a time, and no offload folder is left when the run ends."""
     import glob
     import tempfile
 
+    from typer.testing import CliRunner
+
+    from forge.cli.app import app
+
     before = set(glob.glob(str(Path(tempfile.gettempdir()) / "forge-offload-*")))
-    group = "devices.inventory=[{name: g, devices: [cpu], memory_gb: 0.03, split: {offload: disk}}]"
+    group = "devices.inventory=[{name: g, devices: [cpu], memory_gb: 0.016, split: {offload: disk}}]"
     overrides = [*limits(), "devices.discover=false", group]
+    plan = CliRunner().invoke(
+        app, ["plan", "function=generate", f"input.path={work / 'rows.jsonl'}", *overrides, "--json"]
+    )
+    assert plan.exit_code == 0, plan.output
+    placed = json.loads(plan.output)["placements"]["g"]
+    assert placed["offload"] == "disk" and placed["offloaded_bytes"] > 0, placed
     report = run_function("generate", work / "rows.jsonl", work / "group", overrides)
     assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
     embedded.check(work / "group", ROWS)
+    gen = report["outputs"]["generation"]
+    assert 0 < gen["kv_peak_bytes"] <= gen["kv_budget_bytes"], gen
     assert set(glob.glob(str(Path(tempfile.gettempdir()) / "forge-offload-*"))) <= before

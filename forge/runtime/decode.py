@@ -20,7 +20,7 @@ model allows it, decode steps read each shared prefix's KV once for all its sequ
 
 from __future__ import annotations
 
-import zlib
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,41 +32,7 @@ from forge.runtime import prefix_attention
 from forge.runtime.hf_compat import input_device
 from forge.runtime.kv_slots import SlotKV
 from forge.runtime.prefill import BlockPrefill, Prefill, PrefixStore, forward
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a token is chosen: greedy when temperature is 0; else from the softmax of logits/temperature,
-    cut to the top_k (0: all) and the top_p mass, by one draw of the row's own stream per token."""
-
-    # no defaults here: generate's config schema (SamplingConfig) is their one home
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def stream(self, key: str) -> np.random.Generator:
-        """The row's stream: from (seed, key) alone, so its draws do not depend on its batch."""
-        return np.random.Generator(np.random.PCG64([int(self.seed), zlib.crc32(key.encode())]))
-
-    def draw(self, logits: torch.Tensor, rng: np.random.Generator) -> int:
-        x = logits.double().cpu().numpy() / self.temperature
-        if 0 < self.top_k < len(x):
-            x = np.where(x >= np.partition(x, -self.top_k)[-self.top_k], x, -np.inf)
-        p = np.exp(x - x.max())
-        p /= p.sum()
-        if self.top_p < 1:
-            order = np.argsort(-p, kind="stable")
-            keep = order[: int(np.searchsorted(np.cumsum(p[order]), self.top_p)) + 1]
-            q = np.zeros_like(p)
-            q[keep] = p[keep]
-            p = q / q.sum()
-        at = int(np.searchsorted(np.cumsum(p), rng.random(), side="right"))
-        return min(at, len(p) - 1)
+from forge.runtime.sampling import Sampling
 
 
 @dataclass
@@ -104,6 +70,13 @@ class DecodeFigures:
     prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked: work, not tokens)
 
 
+def least_kv_bytes(longest: int, column_bytes: float, layers: int) -> int:
+    """A KV budget (`Decoder(kv_bytes=)`) that runs one sequence of `longest` tokens: its prompt's
+    prefill cache and its slot, a buffer copy's one layer more included, beside stored prefixes'
+    quarter of the budget."""
+    return int(longest * column_bytes * (2 + 1 / layers) * 4 / 3) + 1
+
+
 class Decoder:
     """A loaded causal LM generating sets of prompts; shared prefixes' KV is kept across calls."""
 
@@ -129,6 +102,7 @@ class Decoder:
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
         self._stacked_bytes = 0
+        self._computing_bytes = 0  # prefixes being computed: their cache (and its stored copy, before the block's)
         if self.shared_attention:
             prefix_attention.register()
             model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
@@ -169,7 +143,7 @@ class Decoder:
                 if prefix_fill.finished:
                     for g, key in enumerate(keys):
                         self.prefixes.put(key, prefix_fill.kv(g))
-                    prefix_fill = None
+                    prefix_fill, self._computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
                 fill = BlockPrefill(self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes)
@@ -203,6 +177,7 @@ class Decoder:
         if not missing:
             return block, None, [], len(keys)
         fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
+        self._computing_bytes = sum(map(len, missing)) * kv.column_bytes
         return block, fill, missing, len(keys) - len(missing)
 
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
@@ -246,14 +221,16 @@ class Decoder:
         kv.shape_like(probe.layer_kv())
 
     def _other_bytes(self, kv: SlotKV, block: list[Sequence], fill: BlockPrefill | None) -> int:
-        """KV held beside the slots: stored and stacked prefixes, and the block being prefilled (its
+        """KV held beside the slots: stored, stacked and computing prefixes, the block being prefilled (its
         cache; and when some of its rows ended at their first token, the others gathered for the slots)."""
         held = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
         if block:
             width = max(len(s.tokens()) for s in block)
             columns = fill.held_columns() if fill is not None else len(block) * width
             gathered = sum(not s.finished for s in block) if any(s.finished for s in block) else 0
-            held += (columns + gathered * width) * kv.column_bytes
+            # prefixes being computed: their cache and stored copy now, stored beside the block's cache next
+            new = self._computing_bytes
+            held += new + max(new, (columns + gathered * width) * kv.column_bytes)
         return held
 
     def _bound(self, kv: SlotKV, beside: int) -> int:
@@ -272,11 +249,19 @@ class Decoder:
             self._stacked, base = None, self.prefixes.bytes  # no step reads them now
             self._bound(kv, base)
             kv.tidy(force=True)  # nor any slot
-        widths = [len(waiting[k].tokens()) for k in range(take)]
-        for n in range(take, 0, -1):
-            width = max(widths[:n])
-            limit = self.kv_bytes - base - n * width * kv.column_bytes
-            if limit > 0 and kv.place_fits(n, width, limit):
+        widths = list(itertools.accumulate((len(waiting[k].tokens()) for k in range(take)), max))
+        computing, new = [], 0  # bytes of the prefixes the first n would compute and store
+        seen: set[tuple[int, ...]] = set()
+        for k in range(take):
+            key = self._key(waiting[k])
+            if key and key not in seen and key not in self.prefixes.entries:
+                seen.add(key)
+                new += len(key) * kv.column_bytes
+            computing.append(new)
+        for n in range(take, 0, -1):  # their cache and stored copy, then stored beside the block's cache
+            new = computing[n - 1]
+            limit = self.kv_bytes - base - new - max(new, n * widths[n - 1] * kv.column_bytes)
+            if limit > 0 and kv.place_fits(n, widths[n - 1], limit):
                 return n
         if running:
             return 0  # the running ones first: they free their slots as they end

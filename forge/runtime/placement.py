@@ -161,6 +161,7 @@ def placement_for(fn: Any, device: Device) -> Placement:
     fixed = max(0, cost.weight_bytes - measured)
     hidden = int(text_config(fn.config).hidden_size) * DTYPES[dtype].itemsize
     ctx = _Context(device, cost, fixed, [sizes[b] for b in needed], needed, layer_names, keep, total, sizes[""], hidden)
+    ctx.step_bytes = int(fn.step_bytes(device))
     split = _choose(ctx, sizes, head)
     device_map = _device_map(ctx, split, names, unused, tied, head)
     return _placement(ctx, split, device_map, tuple(b for b in names if b in unused), _accelerate_choice(ctx, model))
@@ -178,6 +179,7 @@ class _Context:
     total: int
     model_bytes: int
     hidden_bytes: int  # one token's hidden state, in the run's dtype
+    step_bytes: int = 0  # what a step holds beyond the cost model (Function.step_bytes): every stage keeps it
 
     @property
     def budgets(self) -> list[int]:
@@ -206,10 +208,15 @@ def activation_bound(cost: Any, limits: Limits, tokens: int) -> int:
     return int(tokens * per_token + L * cost.prefix_bytes_per_token) + 1
 
 
+def _reserve(ctx: _Context) -> int:
+    """The least room a stage keeps: one full-length row's activations, and what a step holds beyond them."""
+    lim = ctx.device.limits
+    return activation_bound(ctx.cost, lim, lim.pad(lim.max_seq_len)) + ctx.step_bytes
+
+
 def _choose(ctx: _Context, sizes: dict[str, int], head: str | None) -> Split:
     """The split with most room, or the offloaded one where allowed; else a one-line refusal."""
-    lim = ctx.device.limits
-    reserve_min = activation_bound(ctx.cost, lim, lim.pad(lim.max_seq_len))
+    reserve_min = _reserve(ctx)
     split = best_split(ctx.sizes, ctx.budgets, ctx.fixed)
     if split is not None and split.tightest_room >= reserve_min:
         return split
