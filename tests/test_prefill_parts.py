@@ -11,6 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from forge.runtime.prefill import FORWARD_TOKENS, BlockPrefill, Prefill, split
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 
 def work(rests: list[int], parts: list[list[int]], overhead: int = FORWARD_TOKENS) -> int:
     return sum(overhead + len(p) * max(rests[g] for g in p) for p in parts)
