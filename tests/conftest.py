@@ -1,10 +1,20 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config):
+    """Tests send Ctrl-C to the commands they start, as a terminal does. Where pytest itself runs
+    with SIGINT ignored (a background job of a shell without job control), every child would
+    inherit that and rightly leave SIGINT alone; so pytest takes Python's default handler, which
+    exec resets to the default disposition in its children."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
