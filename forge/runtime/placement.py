@@ -160,8 +160,9 @@ def placement_for(fn: Any, device: Device) -> Placement:
     measured = sum(sizes[b] for b in names if b not in layer_names[keep:])
     fixed = max(0, cost.weight_bytes - measured)
     hidden = int(text_config(fn.config).hidden_size) * DTYPES[dtype].itemsize
-    ctx = _Context(device, cost, fixed, [sizes[b] for b in needed], needed, layer_names, keep, total, sizes[""], hidden)
-    ctx.step_bytes = int(fn.step_bytes(device))
+    step = int(fn.step_bytes(device))
+    held = [sizes[b] for b in needed]
+    ctx = _Context(device, cost, fixed, held, needed, layer_names, keep, total, sizes[""], hidden, step)
     split = _choose(ctx, sizes, head)
     device_map = _device_map(ctx, split, names, unused, tied, head)
     return _placement(ctx, split, device_map, tuple(b for b in names if b in unused), _accelerate_choice(ctx, model))
@@ -179,7 +180,7 @@ class _Context:
     total: int
     model_bytes: int
     hidden_bytes: int  # one token's hidden state, in the run's dtype
-    step_bytes: int = 0  # what a step holds beyond the cost model (Function.step_bytes): every stage keeps it
+    step_bytes: int  # what a step holds beyond the cost model (Function.step_bytes): every stage keeps it
 
     @property
     def budgets(self) -> list[int]:

@@ -156,5 +156,5 @@ class ResultColumns:
     prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
     cache_hit: bool = False  # the prefix came from the device's cache
     # an engine sharing prefixes itself (generate's decoder) in whole-sequence rows: the prefix tokens
-    # it did not run, (held by its cache from earlier batches, computed once for several items)
+    # it did not run: (held by its cache from earlier batches, computed once for several items)
     engine_prefix: tuple[int, int] | None = None
