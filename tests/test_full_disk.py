@@ -7,11 +7,11 @@ import os
 import subprocess
 import threading
 import uuid
-from pathlib import Path
 
 import pytest
 
 import forge.io.journal
+import forge.io.nofollow
 from conftest import run_forge, small_run
 from forge.io.location import LocalLocation
 from forge.io.store import read_journal
@@ -38,15 +38,15 @@ class _FullAfter:
 def _fill_file_writes(monkeypatch, suffix: str, nth: int) -> None:
     """Small files replaced whole (run.json, report.json, meta.json): half the temporary file
     is written, then the disk is full."""
-    real, site = Path.write_bytes, _FullAfter(nth)
+    real, site = forge.io.nofollow.write_new, _FullAfter(nth)
 
-    def write_bytes(self, data):
-        if self.name == suffix + ".tmp" and site.full():
-            real(self, data[: len(data) // 2])
+    def write_new(dir_fd, name, data):
+        if name == suffix + ".tmp" and site.full():
+            real(dir_fd, name, data[: len(data) // 2])
             raise _enospc(suffix)
-        return real(self, data)
+        return real(dir_fd, name, data)
 
-    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    monkeypatch.setattr(forge.io.nofollow, "write_new", write_new)
 
 
 def _fill_journal(monkeypatch, name: str, nth: int) -> None:
@@ -73,11 +73,13 @@ def _fill_journal(monkeypatch, name: str, nth: int) -> None:
         def __exit__(self, *exc):
             self.f.close()
 
-    def opener(path, mode="r", *args, **kwargs):
-        f = open(path, mode, *args, **kwargs)
-        return Torn(f) if Path(path).name == f"{name}.jsonl" and "a" in mode else f
+    real = forge.io.journal.LineJournal._append_file
 
-    monkeypatch.setattr(forge.io.journal, "open", opener, raising=False)
+    def append_file(self, mode):
+        f = real(self, mode)
+        return Torn(f) if self.name == f"{name}.jsonl" else f
+
+    monkeypatch.setattr(forge.io.journal.LineJournal, "_append_file", append_file)
 
 
 def _fill_shard_puts(monkeypatch, nth: int) -> None:

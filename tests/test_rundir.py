@@ -196,7 +196,7 @@ def test_a_finished_run_is_not_touched_by_a_run_without_resume(tmp_path):
     "output_dir,message",
     [
         ("{tmp}/file/run", "cannot read or write there: NotADirectoryError"),
-        ("{tmp}/file", "cannot read or write there: FileExistsError"),
+        ("{tmp}/file", "is not a folder; choose another output_dir"),
         ("", "output_dir is empty; set output_dir=PATH"),
     ],
 )

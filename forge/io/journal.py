@@ -23,9 +23,10 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 from forge.errors import ForgeError
+from forge.io import nofollow
 from forge.io.location import Location
 
 JOURNAL = "commits"  # commits.jsonl on a local disk, commits/ on an object store
@@ -37,9 +38,10 @@ class LineJournal:
     """<name>.jsonl on a local disk: appended and flushed, one line per record."""
 
     def __init__(self, where: Location, name: str = JOURNAL, durable: bool = True):
-        self.path = Path(where.root) / f"{name}.jsonl"
+        self.root, self.name = Path(where.root), f"{name}.jsonl"
+        self.path = self.root / self.name
         self.durable = durable  # fsync each record (commits); pending records need only survive the process
-        self._file: TextIO | None = None
+        self._file: IO[Any] | None = None
         self.broken = False  # an append failed part-way: nothing more is appended this session
 
     def read(self, repair: bool = False) -> list[dict]:
@@ -47,11 +49,11 @@ class LineJournal:
         mid-write) is skipped; with `repair` a torn last line is ended, so the next append
         starts a line of its own. Nothing is truncated: a writer that is still alive (a holder
         whose lock was defeated) may be appending, and its records are fenced, not cut."""
-        if not self.path.exists():
+        try:
+            data = nofollow.read_bytes(self.root, self.name)
+        except FileNotFoundError:
             return []
         records = []
-        with open(self.path, "rb") as f:
-            data = f.read()
         for raw in data.splitlines():
             try:
                 record = json.loads(raw)
@@ -60,13 +62,17 @@ class LineJournal:
             if isinstance(record, dict):
                 records.append(record)
         if repair and data and not data.endswith(b"\n"):
-            with open(self.path, "ab") as f:
+            with self._append_file("ab") as f:
                 f.write(b"\n")
         return records
 
+    def _append_file(self, mode: str) -> IO[Any]:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        return os.fdopen(nofollow.open_file(self.root, self.name, flags), mode)
+
     def open(self) -> None:
         if self._file is None:
-            self._file = open(self.path, "a")
+            self._file = self._append_file("a")
 
     def append(self, record: dict, session: int, n: int) -> None:
         if self.broken:
@@ -85,7 +91,7 @@ class LineJournal:
     def clear(self) -> None:
         """Drop every record (they have all been acted on)."""
         self.close()
-        self.path.unlink(missing_ok=True)
+        nofollow.unlink(self.root, self.name)
 
     def close(self) -> None:
         if self._file is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import ForgeError
+from forge.io import nofollow
 
 TMP_SUFFIX = ".tmp"
 LOCAL_PROTOCOLS = ("file", "local")
@@ -245,6 +246,8 @@ class Location(ABC):
 
 
 class LocalLocation(Location):
+    """A local directory, every file in it opened never through a link (`forge.io.nofollow`)."""
+
     durable_rename = True
     root: Path
 
@@ -252,49 +255,22 @@ class LocalLocation(Location):
         self.root = Path(path)
 
     def exists(self, rel: str) -> bool:
-        return (self.root / rel).exists()
+        return nofollow.exists(self.root, rel)
 
     def read_bytes(self, rel: str) -> bytes:
-        return (self.root / rel).read_bytes()
+        return nofollow.read_bytes(self.root, rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + TMP_SUFFIX)
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk: no half-written temporary left behind
-            raise
+        nofollow.replace(self.root, rel, data, TMP_SUFFIX)
 
     def create(self, rel: str, data: bytes) -> bool:
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
+        return nofollow.create(self.root, rel, data)
 
     def staging(self, rel: str) -> Path:
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.with_name(path.name + TMP_SUFFIX)
+        return nofollow.prepare_staging(self.root, rel, TMP_SUFFIX)
 
     def put(self, staged: Path, rel: str) -> None:
-        with open(staged, "rb+") as f:
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), FILE_MODE)  # the mode the umask gives, whatever the writer chose
-        path = self.root / rel
-        os.replace(staged, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        nofollow.put(self.root, staged, rel, FILE_MODE)
 
     def entries(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
@@ -303,7 +279,7 @@ class LocalLocation(Location):
         return [p.relative_to(self.root).as_posix() for p in (self.root / under).rglob("*") if p.is_file()]
 
     def remove(self, rel: str) -> None:
-        (self.root / rel).unlink(missing_ok=True)
+        nofollow.unlink(self.root, rel)
 
     def local_file(self, rel: str) -> Path | None:
         return self.root / rel

@@ -38,7 +38,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from forge.errors import ForgeError, LockLost
+from forge.io import nofollow
 from forge.io.location import Location
+from forge.io.nofollow import check_owner
 
 LOCK_FILE = "lock.json"
 LEASE_TTL_S = 60.0  # an object-store lease lives this long unless renewed
@@ -79,14 +81,17 @@ class RunLock(ABC):
 
 
 class FileLock(RunLock):
-    """flock(2) on `lock.json` of a local directory."""
+    """flock(2) on `lock.json` of a local directory. The file is Forge's own: made here (O_EXCL),
+    or one that holds a record of Forge's (or nothing: a released lock); a link, a hard link, or
+    a file that holds anything else is refused by name and never written to."""
 
     def __init__(self, root: Path, output_dir):
         import fcntl
 
+        check_owner(root)
         root.mkdir(parents=True, exist_ok=True)
         self._path = root / LOCK_FILE
-        self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._fd: int | None = _open_own(root, output_dir)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -105,7 +110,7 @@ class FileLock(RunLock):
             raise LockLost("the run directory's lock was released")
         held = os.fstat(self._fd)
         try:
-            now = os.stat(self._path)
+            now = os.lstat(self._path)  # a link put in its place is a replacement too
         except FileNotFoundError:
             raise LockLost(f"{self._path} was removed while this run held it; nothing more is committed") from None
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
@@ -219,6 +224,31 @@ def acquire(where: Location, output_dir) -> RunLock:
                 raise
             # a filesystem without working locks (some network mounts): a lease instead
     return LeaseLock(where, output_dir)
+
+
+def _open_own(root: Path, output_dir) -> int:
+    """lock.json opened for the lock: created, or an existing one that is Forge's (see FileLock)."""
+    try:
+        return nofollow.open_file(root, LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        pass
+    fd = nofollow.open_file(root, LOCK_FILE, os.O_RDWR)  # a link is refused there, by name
+    st = os.fstat(fd)
+    data = os.pread(fd, 4096, 0)
+    record = _parse(data)
+    ours = st.st_nlink == 1 and st.st_uid == os.geteuid() and (not data.strip() or _names_holder(record))
+    if not ours:
+        os.close(fd)
+        raise ForgeError(
+            f"output_dir={output_dir}: {root / LOCK_FILE} was not written by Forge (it holds no lock record"
+            f"{', and other names link to it' if st.st_nlink > 1 else ''}); Forge leaves it as it is: "
+            "move it away, or choose another output_dir"
+        )
+    return fd
+
+
+def _names_holder(record: dict | None) -> bool:
+    return record is not None and {"host", "pid", "started"} <= set(record)
 
 
 def _parse(data: bytes) -> dict | None:

@@ -44,14 +44,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from forge.errors import ForgeError, LockLost
+from forge.io import nofollow
 from forge.io.journal import PENDING, SESSIONS, Sessions, check_journal_path, counted, open_journal
 from forge.io.location import TMP_SUFFIX, Location, check_output_dir, open_location, reach
 from forge.io.lock import LOCK_FILE, RunLock, acquire, holder_info
+from forge.io.nofollow import check_owner, link_refused
 
 RUN_FILE = "run.json"
 SHARD_PREFIX = "shard-"
@@ -302,7 +305,7 @@ class RunStore:
 def _overwrite_in_place(path: Path, data: bytes) -> None:
     """run.json rewritten in its own blocks, when a full disk has no room for a new copy: the
     status must still say how the run ended. Not atomic, so only the fallback."""
-    with open(path, "r+b") as f:
+    with os.fdopen(nofollow.open_file(path.parent, path.name, os.O_RDWR), "r+b") as f:
         f.write(data)
         f.truncate(len(data))
         f.flush()
@@ -312,6 +315,8 @@ def _overwrite_in_place(path: Path, data: bytes) -> None:
 def _refuse_foreign(where: Location, run_dir) -> None:
     """A non-empty directory that holds no run (only what a refused start left is allowed)."""
     names = where.entries()
+    if where.durable_rename:
+        _refuse_links(Path(where.root), names)
     if RUN_FILE in names or not set(names) - LEFT_BY_A_START:
         return
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -319,6 +324,22 @@ def _refuse_foreign(where: Location, run_dir) -> None:
         f"output_dir={run_dir} is not empty ({shown}) and holds no Forge run; Forge writes only "
         "into a new or empty directory or into its own run: choose another output_dir"
     )
+
+
+#: what a local entry that a start leaves must be (any other kind, a link above all, is refused)
+_FOLDERS_LEFT = {PENDING, SESSIONS}
+
+
+def _refuse_links(root: Path, names: list[str]) -> None:
+    """A local run directory of another user's, or one whose own entries are links or of the
+    wrong kind, is refused before anything is read or written there (`forge.io.nofollow`)."""
+    check_owner(root)
+    for name in names:
+        if name not in LEFT_BY_A_START and name != RUN_FILE:
+            continue
+        mode = os.lstat(root / name).st_mode
+        if not (stat.S_ISDIR(mode) if name in _FOLDERS_LEFT else stat.S_ISREG(mode)):
+            raise link_refused(root / name)
 
 
 def _previous_run(where: Location, run_dir, resume: bool) -> dict | None:
