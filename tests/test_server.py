@@ -20,7 +20,8 @@ import pytest
 
 from conftest import clean_activations, small_run
 from forge.cli import entry, wire
-from forge.cli.server import _Server, ask
+from forge.cli.server import _Server
+from forge.cli.server_control import ask
 
 TESTS = Path(__file__).resolve().parent
 FORGE = Path(sys.executable).with_name("forge")  # the console script: forge.cli.entry:main

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import importlib
 import io
-import json
 import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -32,13 +30,12 @@ from pathlib import Path
 from forge.cli.wire import (
     CLIENT_STARTED,
     FORWARDED,
+    READ_TIMEOUT_S,
+    RequestReader,
     connect,
     private,
-    recv_message,
+    run_request_problem,
     send_message,
-    server_address,
-    server_dir,
-    server_key,
 )
 
 #: what the server imports once besides the CLI (`forge.cli.entry.serve_here`): the heavy
@@ -108,55 +105,118 @@ def _bind(address: Path) -> socket.socket:
 
 
 class _Server:
+    """One thread: the selector serves the listener, clients still sending their request
+    (`RequestReader`: read as bytes arrive, dropped past `READ_TIMEOUT_S`, so a slow writer holds no
+    one up) and clients whose command runs (their end closing kills it)."""
+
     def __init__(self, listener: socket.socket, address: Path, idle_s: float, command: Callable[[], None]):
         self.listener, self.address, self.idle_s, self.command = listener, address, idle_s, command
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, socket.socket] = {}  # a running command's pid -> its client
+        self.reading: dict[socket.socket, RequestReader] = {}  # clients whose request is not whole yet
         self.served = 0
         self.started = time.time()
         self.last_active = time.monotonic()
         self.stopping = False
         self.terminated = False  # SIGTERM: stop, after the commands running (the loop acts on it)
+        self.bound = os.stat(address).st_ino if address.exists() else None  # the socket file that is ours
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated", True))
 
     def loop(self) -> None:
-        while not (self.stopping and not self.children):
-            for key, _ in self.selector.select(timeout=0.1):
-                if key.data is not None:
-                    self._client_readable(key.data, key.fileobj)  # type: ignore[arg-type]
-                elif not self.stopping:
-                    self._accept()
-            self._reap()
-            if self.terminated or (not self.children and time.monotonic() - self.last_active > self.idle_s):
-                self.stop()
-        self.selector.close()
+        try:
+            while not (self.stopping and not self.children):
+                for key, _ in self.selector.select(timeout=0.1):
+                    if isinstance(key.data, RequestReader):
+                        self._read(key.data)
+                    elif key.data is not None:
+                        self._client_readable(key.data, key.fileobj)  # type: ignore[arg-type]
+                    elif not self.stopping:
+                        self._accept()
+                self._reap()
+                self._drop_slow()
+                if self.terminated or (not self.children and time.monotonic() - self.last_active > self.idle_s):
+                    self.stop()
+        finally:
+            self.stop()  # whatever ends the loop, the socket goes: later commands must not find a dead one
+            for reading in list(self.reading.values()):
+                self._forget(reading)
+                reading.conn.close()
+            self.selector.close()
 
     def stop(self) -> None:
         if not self.stopping:
             self.stopping = True
             self.selector.unregister(self.listener)
             self.listener.close()
-            self.address.unlink(missing_ok=True)
+            try:
+                if self.bound is None or os.stat(self.address).st_ino == self.bound:
+                    self.address.unlink()  # ours: a newer server's socket at this path is left alone
+            except OSError:
+                pass
 
     def _accept(self) -> None:
-        conn, _ = self.listener.accept()
-        conn.settimeout(5.0)
         try:
-            request, fds = recv_message(conn, max_fds=3)
-        except (OSError, ValueError):
-            conn.close()
+            conn, _ = self.listener.accept()
+        except OSError:
             return
-        op = request.get("op")
-        if op == "run" and len(fds) == 3 and not self.stopping:
-            self._fork(conn, request, fds)
+        conn.setblocking(False)
+        reading = self.reading[conn] = RequestReader(conn)
+        self.selector.register(conn, selectors.EVENT_READ, reading)
+
+    def _read(self, reading: RequestReader) -> None:
+        try:
+            request = reading.step()
+        except (OSError, ValueError) as exc:
+            self._answer(reading, {"error": f"bad request: {exc}"})
             return
+        if request is None:
+            return  # not whole yet
+        self.reading.pop(reading.conn)
+        self.selector.unregister(reading.conn)
+        conn, fds, op = reading.conn, reading.fds, request.get("op")
+        if op == "run" and not self.stopping:
+            problem = run_request_problem(request, fds)
+            if problem is None:
+                conn.setblocking(True)
+                self._fork(conn, request, fds)
+                return
+            request = {"error": problem}
+        elif op not in ("ping", "stop", "run"):
+            request = {"error": f"bad request: unknown op {op!r} (ping, stop or run)"}
         for fd in fds:
             os.close(fd)
-        with conn:
-            if op == "stop":
-                self.stop()
-            send_message(conn, self.state())
+        if op == "stop":
+            self.stop()
+        self._reply(conn, {"error": request["error"]} if "error" in request else self.state())
+
+    def _answer(self, reading: RequestReader, message: dict) -> None:
+        """Answer a client whose request is bad, and forget it."""
+        self._forget(reading)
+        self._reply(reading.conn, message)
+
+    def _forget(self, reading: RequestReader) -> None:
+        self.reading.pop(reading.conn, None)
+        self.selector.unregister(reading.conn)
+        for fd in reading.fds:
+            os.close(fd)
+        reading.fds = []
+
+    @staticmethod
+    def _reply(conn: socket.socket, message: dict) -> None:
+        try:
+            conn.settimeout(1.0)  # a client that does not read its answer holds no one up
+            send_message(conn, message)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _drop_slow(self) -> None:
+        now = time.monotonic()
+        for reading in [r for r in self.reading.values() if now - r.began > READ_TIMEOUT_S]:
+            self._forget(reading)
+            reading.conn.close()
 
     def state(self) -> dict:
         return {"pid": os.getpid(), "started": self.started, "served": self.served, "running": len(self.children)}
@@ -282,81 +342,3 @@ def _reopen_streams() -> None:
     sys.stdin = sys.__stdin__ = text(0, "r", "strict")
     sys.stdout = sys.__stdout__ = text(1, "w", "strict")
     sys.stderr = sys.__stderr__ = text(2, "w", "backslashreplace")
-
-
-# -- what `forge server start|stop|status` call ------------------------------------------------
-def ask(address: Path, op: str = "ping") -> dict | None:
-    """The server's state at `address` (after `op`), or None when none answers there."""
-    sock = connect(address)
-    if sock is None:
-        return None
-    with sock:
-        try:
-            send_message(sock, {"op": op})
-            return recv_message(sock)[0]
-        except (OSError, ValueError):
-            return None
-
-
-def start(idle_s: float = DEFAULT_IDLE_MINUTES * 60, timeout_s: float = 600.0) -> tuple[dict, bool]:
-    """Start this environment's server (or find it running) and wait until it is ready: its
-    state and whether it was started now."""
-    address = server_address()
-    running = ask(address)
-    if running is not None:
-        return running, False
-    address.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not private(address.parent):
-        raise RuntimeError(f"{address.parent} is not a folder only this user can open (chmod 700 it, or remove it)")
-    log = address.with_suffix(".log")
-    code = "import sys; from forge.cli.entry import serve_here; serve_here(sys.argv[1:])"  # the program it runs
-    args = [sys.executable, "-c", code, str(address), str(idle_s), json.dumps(sys.path)]
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd="/"
-        )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = ask(address)
-        if state is not None:
-            return state, True
-        if process.poll() is not None:
-            tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"forge server exited with {process.returncode} before it was ready: {tail[0]}")
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"forge server was not ready after {timeout_s:.0f} s; see {log}")
-
-
-def stop(every: bool = False, timeout_s: float = 30.0) -> list[dict]:
-    """Stop this environment's server (every one of this user's with `every`); they finish the
-    commands they run first. The states of those stopped."""
-    addresses = sorted(server_dir().glob("*.sock")) if every else [server_address()]
-    stopped = [state for a in addresses if (state := ask(a, "stop")) is not None]
-    deadline = time.monotonic() + timeout_s
-    for state in stopped:
-        while _alive(state["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    return stopped
-
-
-def status() -> list[tuple[Path, dict, bool]]:
-    """Every server of this user that answers: its socket, state and whether it serves the
-    current environment."""
-    mine = server_key()
-    out = []
-    for address in sorted(server_dir().glob("*.sock")):
-        state = ask(address)
-        if state is not None:
-            out.append((address, state, address.stem == mine))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

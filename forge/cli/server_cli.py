@@ -29,7 +29,7 @@ def start(
 ) -> None:
     """Start this environment's server (once; a second start says where it runs) and wait until
     it has imported what a command needs."""
-    from forge.cli.server import start as start_server
+    from forge.cli.server_control import start as start_server
 
     began = time.monotonic()
     try:
@@ -57,7 +57,7 @@ def stop(
     every: bool = typer.Option(False, "--all", help="Every server of this user, whatever its environment."),
 ) -> None:
     """Stop this environment's server after the commands it runs."""
-    from forge.cli.server import stop as stop_server
+    from forge.cli.server_control import stop as stop_server
 
     stopped = stop_server(every=every)
     if not stopped:
@@ -70,7 +70,7 @@ def stop(
 def status() -> None:
     """This user's servers: pid, age, commands served and running, and whether each serves this
     environment (the same interpreter, packages, Forge source and environment variables)."""
-    from forge.cli.server import status as servers
+    from forge.cli.server_control import status as servers
 
     found = servers()
     if not found:

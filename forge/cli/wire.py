@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: environment variables a shell changes on its own; every other one is part of the server's key
@@ -101,7 +102,66 @@ def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]
     if not head:
         raise ConnectionError("the other end closed the connection")
     (n,) = struct.unpack(">I", _read_exactly(sock, 4, head))
-    return json.loads(_read_exactly(sock, n)), list(fds)
+    if n > MAX_REQUEST_BYTES:
+        raise ValueError(f"a message of {n} bytes (at most {MAX_REQUEST_BYTES})")
+    message = json.loads(_read_exactly(sock, n))
+    if not isinstance(message, dict):
+        raise ValueError(f"a message must be a JSON object, not {type(message).__name__}")
+    return message, list(fds)
+
+
+#: a client must send its whole request within this time, or it is dropped (a slow writer holds no one up)
+READ_TIMEOUT_S = 10.0
+#: the largest request (JSON) the server reads: a command's argv, environment and sys.path
+MAX_REQUEST_BYTES = 1 << 22
+#: what a "run" request must carry, and of which type
+_RUN_FIELDS = {"cwd": str, "umask": int, "env": dict, "path": list, "argv": list, "started": (int, float)}
+
+
+class RequestReader:
+    """A client's request read as its bytes arrive: a 4-byte length, then that much JSON, the
+    client's stdin/stdout/stderr passed with the first bytes."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.began = conn, time.monotonic()
+        self.data = bytearray()
+        self.fds: list[int] = []
+
+    def step(self) -> dict | None:
+        """Read what has arrived: the request once whole, else None. ValueError: a bad one."""
+        try:
+            chunk, fds, _, _ = socket.recv_fds(self.conn, 65536, 3)
+        except BlockingIOError:
+            return None
+        self.fds += fds
+        if len(self.fds) > 3:
+            raise ValueError("more than 3 file descriptors")
+        if not chunk:
+            raise ConnectionError("the client closed its end before its request was whole")
+        self.data += chunk
+        if len(self.data) < 4:
+            return None
+        (n,) = struct.unpack(">I", self.data[:4])
+        if n > MAX_REQUEST_BYTES:
+            raise ValueError(f"a request of {n} bytes (at most {MAX_REQUEST_BYTES})")
+        if len(self.data) < 4 + n:
+            return None
+        request = json.loads(bytes(self.data[4 : 4 + n]))
+        if not isinstance(request, dict):
+            raise ValueError(f"a request must be a JSON object, not {type(request).__name__}")
+        return request
+
+
+def run_request_problem(request: dict, fds: list[int]) -> str | None:
+    """Why a "run" request cannot be run (None: it can)."""
+    if len(fds) != 3:
+        return f"bad request: run needs the client's 3 standard streams, got {len(fds)}"
+    for field, kind in _RUN_FIELDS.items():
+        if not isinstance(request.get(field), kind) or isinstance(request.get(field), bool):
+            return f"bad request: run needs {field!r} of type {getattr(kind, '__name__', 'number')}"
+    if not all(isinstance(v, str) for v in [*request["argv"], *request["path"], *request["env"].values()]):
+        return "bad request: run's argv, path and env hold strings only"
+    return None
 
 
 def private(folder: Path) -> bool:
