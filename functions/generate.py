@@ -39,7 +39,7 @@ class SamplingConfig:
     temperature: float = non_negative(0.0)  # 0: greedy; else softmax(logits / temperature)
     top_p: float = share(1.0)  # keep the most likely tokens up to this probability mass
     top_k: int = non_negative(0)  # keep the k most likely tokens (0: all)
-    seed: int = 0  # with each row's id, seeds the row's own stream
+    seed: int = non_negative(0)  # with each row's id, seeds the row's own stream (0 or more)
 
 
 @dataclass

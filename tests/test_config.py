@@ -170,6 +170,11 @@ def test_bad_config_is_one_line_naming_key_value_and_fix(override):
         spec_for(override)
 
 
+def test_a_seed_the_sampler_would_reject_is_refused_before_work_naming_its_key():
+    with pytest.raises(ForgeError, match=re.escape("config sampling.seed=-1: must be 0 or more")):
+        spec_for("function=generate", "sampling.seed=-1")
+
+
 UNKNOWN = {
     "runtime.output_dir=/x": "config: unknown key 'output_dir' in runtime; did you mean output_dir? valid keys: "
     "executor, max_in_flight, ",

@@ -160,6 +160,18 @@ def test_a_recurring_failure_stops_the_run_with_its_reason(tmp_path, faults):
     assert json.loads((tmp_path / "run.json").read_text())["status"] == "stopped"
 
 
+def test_a_small_run_whose_every_item_failed_ends_failed_with_the_commonest_reason(tmp_path, faults):
+    """Fewer items than the failure window: the window never fills, yet a run that completed
+    nothing is not `finished`."""
+    faults(fail="simulated model fault")
+    report = run_forge(tmp_path, *FAST, "runtime.executor=inprocess", "plugins=[faults]", "runtime.failure_window=1000")
+    assert report["status"] == "failed" and report["balanced"], report["imbalance"]
+    assert report["items"]["completed"] == 0 and report["items"]["failed"] == N
+    reason = f"every item failed ({N}); the commonest reason ({N}): RuntimeError: simulated model fault"
+    assert reason in report["error"]
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "failed"
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_resume_finishes_it(tmp_path, faults, clean):
     faults(fail_write=1)

@@ -44,7 +44,7 @@ class Stop(Exception):
 
     def __init__(self, status: str, message: str):
         super().__init__(message)
-        self.status = status  # interrupted | stopped | stalled
+        self.status = status  # interrupted | stopped | stalled | failed
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -133,6 +133,8 @@ class RunLoop:
         self._tickets = itertools.count()
         self._rates: dict[str, float] = {}  # device -> padded slots per second, measured
         self.window = FailureWindow(policy.failure_window, policy.max_failure_share)  # items finished
+        self.items_completed = 0  # this session's items committed
+        self.items_failed: Counter = Counter()  # reason -> this session's items failed for good
         # records read: admission adds each one's outcome (a separate window, since it reads ahead of the work)
         run.input_window = FailureWindow(policy.failure_window, policy.max_failure_share)
         self.scheduler_s = 0.0  # time spent deciding what runs
@@ -170,6 +172,9 @@ class RunLoop:
             self._bad_input()
         if self.halt:
             self._stop(*self.halt)
+        if self.items_failed and not self.items_completed:
+            (reason, n), total = self.items_failed.most_common(1)[0], sum(self.items_failed.values())
+            self._stop("failed", f"failed: every item failed ({total}); the commonest reason ({n}): {reason}")
 
     def _bad_input(self) -> bool:
         """Stop (at the next turn) once one kind of bad record fills the input window."""
@@ -284,6 +289,9 @@ class RunLoop:
     def _finished(self, reasons: list[str | None]) -> None:
         """Count finished items; stop when one failure reason fills the recent window."""
         self.window.add(reasons)
+        failed = [r for r in reasons if r is not None]
+        self.items_failed.update(failed)
+        self.items_completed += len(reasons) - len(failed)
         if self.window.stop is not None and self.halt is None:
             self.halt = ("stopped", f"stopped: {self.window.stop}")
 

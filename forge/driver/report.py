@@ -128,7 +128,7 @@ class Report(Mapping[str, Any]):
     devices: list[DeviceReport]
     warnings: list[str]
     wall_s: float
-    status: str = "finished"  # finished | interrupted | stopped | stalled
+    status: str = "finished"  # finished | interrupted | stopped | stalled | failed (every item failed)
     error: str | None = None  # why, when not finished
     max_window_items: int = 0
     attempts: dict[str, int] = field(default_factory=dict)  # failed attempts by kind, and OOM splits
