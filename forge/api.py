@@ -246,10 +246,12 @@ class ModelFunction(Function):
     def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:
         return self.result_schema().output_bytes(items, own_tokens)
 
-    def sample_output(self, rows: int) -> tuple[int, int, int] | None:
+    def sample_output(
+        self, rows: int, max_seq_len: int | None = None, too_long: str = "skip"
+    ) -> tuple[int, int, int] | None:
         from forge.runtime.prompts import sample_output
 
-        return sample_output(self.records(), rows)
+        return sample_output(self.records(), rows, max_seq_len, too_long)
 
     def open_sink(self, store):
         from forge.io.sinks import ResultSink

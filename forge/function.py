@@ -114,9 +114,12 @@ class Function(ABC):
         after their prefixes (`forge plan`, the disk check); None: not known."""
         return None
 
-    def sample_output(self, rows: int) -> tuple[int, int, int] | None:
+    def sample_output(
+        self, rows: int, max_seq_len: int | None = None, too_long: str = "skip"
+    ) -> tuple[int, int, int] | None:
         """(items, own tokens, rows read) of the first `rows` input rows, for the disk check's
-        estimate; None: the function cannot say."""
+        estimate, each item counted as admission takes it (over `max_seq_len`: nothing unless
+        `too_long` is truncate, then its first max_seq_len tokens); None: the function cannot say."""
         return None
 
     def worker_modules(self) -> list[str]:

@@ -203,7 +203,11 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
         if spec.check_disk and local_path(spec.run_dir) is not None:
             expected = spec.function.expected_items()
             check_space(
-                spec.function, local_path(spec.run_dir), None if expected is None else expected - len(store.committed)
+                spec.function,
+                local_path(spec.run_dir),
+                None if expected is None else expected - len(store.committed),
+                max(d.limits.max_seq_len for d in spec.devices),
+                spec.too_long,
             )
         run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
         sink = spec.function.open_sink(store)

@@ -41,11 +41,14 @@ def describe(function: Function, items: int, own_tokens: int) -> dict[str, Any] 
     }
 
 
-def check_space(function: Function, run_dir: Path, rows_left: int | None) -> dict[str, Any] | None:
-    """Refuse, in one line, a local run directory without room for what the run will write."""
+def check_space(
+    function: Function, run_dir: Path, rows_left: int | None, max_seq_len: int | None = None, too_long: str = "skip"
+) -> dict[str, Any] | None:
+    """Refuse, in one line, a local run directory without room for what the run will write (a
+    row that will be skipped as too long counts nothing)."""
     if rows_left is None or rows_left <= 0:
         return None
-    sample = function.sample_output(SAMPLE_ROWS)
+    sample = function.sample_output(SAMPLE_ROWS, max_seq_len, too_long)
     if sample is None or not sample[2]:
         return None
     scale = rows_left / sample[2]

@@ -98,8 +98,11 @@ def make_items(
         yield Item(iid, len(tokens), prefix_key, len(made.prefix), tokens, meta, index)
 
 
-def sample_output(records: Generator[Any, None, None], rows: int) -> tuple[int, int, int]:
-    """(items, own tokens, rows seen) of the first `rows` input rows' items."""
+def sample_output(
+    records: Generator[Any, None, None], rows: int, max_seq_len: int | None = None, too_long: str = "skip"
+) -> tuple[int, int, int]:
+    """(items, own tokens, rows seen) of the first `rows` input rows' items, each counted as
+    admission will take it: over `max_seq_len`, skipped or failed (nothing written) or truncated."""
     items = own = seen = 0
     try:
         for record in records:
@@ -107,7 +110,13 @@ def sample_output(records: Generator[Any, None, None], rows: int) -> tuple[int, 
                 continue
             if record.meta.row >= rows:
                 break
-            items, own, seen = items + 1, own + record.num_tokens - record.prefix_len, record.meta.row + 1
+            seen = record.meta.row + 1
+            tokens = record.num_tokens
+            if max_seq_len is not None and tokens > max_seq_len:
+                if too_long != "truncate" or record.prefix_len >= max_seq_len:
+                    continue  # skipped, or failed: writes nothing
+                tokens = max_seq_len
+            items, own = items + 1, own + tokens - record.prefix_len
     finally:
         records.close()
     return items, own, seen
