@@ -73,6 +73,7 @@ __all__ = [
     "Prompt",
     "Rejected",
     "Row",
+    "TEXT_COLUMNS",
     "Tokens",
 ]
 

@@ -6,12 +6,13 @@ label, shard by shard, committed with the journal (kill -9 and resume fold each 
 once). `forge.io.results.aggregate(run)` gives ``mean`` and ``count`` ({label: value}) and, with
 exactly two labels, ``direction``: mean[second] - mean[first] in sorted label order (a steering
 vector for ``intervene:``, as ``vector: run:<run dir>#direction``). Items are journaled by id,
-no per-item values are stored.
+no per-item values are stored. Every row needs a ``label``: one without is a recorded row failure
+(``failures.jsonl``, with its reason), never a class of its own.
 """
 
 from dataclasses import dataclass
 
-from forge.api import Aggregate, CausalLMFunction, Forward, ItemView, ModelFunctionConfig
+from forge.api import TEXT_COLUMNS, Aggregate, CausalLMFunction, Column, Forward, ItemView, ModelFunctionConfig
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ClassMeans(CausalLMFunction):
     name = "class_means"
     config_schema = ClassMeansConfig
     fields = (Aggregate("mean", "mean", by="label"), Aggregate("count", "count", by="label"))
+    # a row without a label is a recorded row failure, never folded into a class of its own
+    columns = {**TEXT_COLUMNS, "label": Column(required=True, kinds=("any",))}
 
     def __init__(self, config: ClassMeansConfig):
         self.layer = config.layer

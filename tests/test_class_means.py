@@ -93,6 +93,20 @@ def test_class_means_in_one_mode(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_row_without_a_label_is_a_recorded_failure_never_a_class_of_its_own(tmp_path):
+    rows = _rows(12)
+    unlabelled = [{k: v for k, v in r.items() if k != "label"} | {"id": f"nolabel-{k}"} for k, r in enumerate(rows[:3])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, *unlabelled]))
+    report = run_function("class_means", path, tmp_path / "run", LIMITS)
+    assert report["items"]["completed"] == 12 and report["items"]["failed"] == 3 and report["balanced"]
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    assert sorted(f["id"] for f in failures) == ["nolabel-0", "nolabel-1", "nolabel-2"]
+    assert all("has no 'label' field" in f["reason"] for f in failures)
+    _check(aggregate(tmp_path / "run"), _reference(rows))  # two classes, and the direction between them
+
+
+@pytest.mark.slow
 def test_class_means_after_kill9_and_resume_equals_a_clean_run(tmp_path, faults):
     from test_aggregate import forge_run_killed
 

@@ -27,7 +27,7 @@ class Column:
     """What a function needs of one input column: whether it must exist, and its kinds of value."""
 
     required: bool = False
-    kinds: tuple[str, ...] = ("string",)  # among "string", "integer"
+    kinds: tuple[str, ...] = ("string",)  # among "string", "integer", "any" (any JSON value: a label)
 
 
 BOM = b"\xef\xbb\xbf"
@@ -57,7 +57,7 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
     check_unique_columns(path, schema.names, key)
-    kinds = {"string": is_string_type, "integer": pa.types.is_integer}
+    kinds = {"string": is_string_type, "integer": pa.types.is_integer, "any": lambda t: True}
     for name, column in columns.items():
         if name not in schema.names:
             if column.required:

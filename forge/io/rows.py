@@ -47,6 +47,8 @@ def check(data: Mapping, columns: Mapping[str, Column]) -> str | None:
     """What is wrong with a row's declared columns (and its label), naming the field and the
     fix; None for a good row."""
     for name, column in columns.items():
+        if name != "id" and "string" not in column.kinds and column.required and data.get(name) is None:
+            return f"has no {name!r} field; every row needs a {name!r}: add it, or leave the row out of the input"
         if name == "id" or "string" not in column.kinds:
             continue
         problem = string_problem(
