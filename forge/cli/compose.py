@@ -5,6 +5,7 @@ options on the whole search path (`group_options`), the jobs of a `-m` sweep
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from forge.errors import ForgeError
@@ -52,6 +53,12 @@ def precheck(args: list[str]) -> None:
                 )
         output_dir = str(plain.get("output_dir", ""))
         check_output_dir(output_dir)
+        if job == 0 and output_dir.startswith("memory://"):
+            print(
+                f"warning: output_dir={output_dir} keeps the results in this process's memory: they are gone "
+                "when the command exits; give a local path or a store URL (s3://, gs://, ...) to keep them",
+                file=sys.stderr,
+            )
         if multirun:
             check_sweep_dir(output_dir)
         if not multirun or len(combinations) <= MAX_SWEEP_CHECKS:  # a reduced check names no job directory

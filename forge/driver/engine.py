@@ -172,6 +172,8 @@ def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) ->
     return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
 
 
+#: executors whose workers run on this machine: their devices must be here (Ray's are the cluster's)
+LOCAL_EXECUTORS = ("inprocess", "process")
 #: a run's report counts every kind of failed attempt, none too
 ATTEMPTS = dict.fromkeys(("failed", "oom", "timeout", "lost", "late_results", "discarded"), 0)
 
@@ -190,6 +192,10 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
             f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
             "plan on simulated ones with `forge plan` and the same overrides"
         )
+    if spec.runtime.executor in LOCAL_EXECUTORS:  # before the run directory is made or a model loads
+        from forge.runtime.device_check import check_present
+
+        check_present(spec.devices)
     started = time.perf_counter()
     began = time.time()
     store = RunStore(

@@ -47,7 +47,7 @@ def local_path(output_dir: str | Path) -> Path | None:
     if protocol not in LOCAL_PROTOCOLS:
         return None
     prefix = f"{protocol}://"
-    return Path(text[len(prefix) :] if text.startswith(prefix) else text)
+    return Path(os.path.expanduser(text[len(prefix) :] if text.startswith(prefix) else text))
 
 
 def check_output_dir(output_dir: str | Path) -> None:

@@ -302,10 +302,12 @@ class FakeEncoder:
     def peak(self, shape: Any) -> int:
         from torch.distributed._tools.mem_tracker import MemTracker
 
+        from forge.runtime.memory_fit import quiet_module_tracking
+
         R, S = shape.rows, shape.padded_len
         tracker = MemTracker()
         tracker.track_external(self.model)
-        with self.mode, tracker, torch.inference_mode():
+        with quiet_module_tracking(), self.mode, tracker, torch.inference_mode():
             tracker.reset_mod_stats()
             takes = set(inspect.signature(self.model.forward).parameters)
             extra = {

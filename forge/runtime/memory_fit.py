@@ -31,7 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,15 @@ SCALE_MIN_LAYERS = 8  # deeper models with uniform layers are measured at two sh
 FIT_VERSION = 1  # bump when what is measured changes: cached fits are then remeasured
 DEFAULT_MARGIN = 0.05  # activations are planned this much above the fit
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextmanager
+def quiet_module_tracking() -> Iterator[None]:
+    """Without the warning torch's MemTracker gives when its module stack meets hooks it did not
+    expect ("The module hierarchy tracking maybe be messed up"): only its global peak is read here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking", category=UserWarning)
+        yield
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +133,7 @@ class FakeModel:
 
         tracker = MemTracker()
         tracker.track_external(self.model)
-        with self.mode, tracker, torch.inference_mode():
+        with quiet_module_tracking(), self.mode, tracker, torch.inference_mode():
             kv = self._prefix(shape) if shape.prefix_len else None
             tracker.reset_mod_stats()  # the tracker follows one call per module; the global peak stays
             self._batch(shape, kv)
