@@ -3,6 +3,7 @@ directory, and no library warning that Forge triggers on purpose."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -60,3 +61,21 @@ def test_planning_memory_gives_no_library_warning(tmp_path):
     assert result.exit_code == 0, result.output
     shown = [str(w.message) for w in seen] + [result.output]
     assert not [s for s in shown if "module hierarchy tracking" in s or "Please file a bug" in s], shown
+
+
+def test_an_offload_folder_a_killed_worker_left_is_removed_at_the_next_start(tmp_path):
+    import subprocess
+    import sys
+
+    from forge.runtime.dispatch import OFFLOAD_PREFIX, remove_stale_offload
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{OFFLOAD_PREFIX}{int(dead.stdout)}-abc123"
+    stale.mkdir()
+    (stale / "layers.0.weight.dat").write_bytes(b"x")
+    live = tmp_path / f"{OFFLOAD_PREFIX}{os.getpid()}-def456"  # this process's own: in use
+    live.mkdir()
+    other = tmp_path / f"{OFFLOAD_PREFIX}notapid"  # not a name Forge gives: never touched
+    other.mkdir()
+    assert remove_stale_offload(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -207,6 +207,11 @@ def test_the_whole_model_is_refused_in_one_line_unless_offload_is_allowed(config
     assert p.max_memory["cpu"] == p.offloaded_bytes and p.accelerate_max_memory().keys() == {0, 1, "cpu"}
     first = p.stages[0]
     assert first.weights_bytes + first.activation_bytes <= first.budget_bytes
+    with pytest.raises(ForgeError) as err:  # offload allowed, cards too small for even one row: the hint says so
+        placement_for(score, group(2, offload="disk"))
+    line = str(err.value)
+    assert "\n" not in line and "even with split.offload: disk, its first member has no room for one" in line
+    assert "allow split.offload" not in line and "lower devices.limits.max_seq_len" in line
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ prefix cache's KV of layer L (nothing is gathered onto one device before it is p
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -38,6 +39,31 @@ import torch
 from forge.runtime.hf_compat import input_device as input_device  # where a placed model's token ids go
 
 OFFLOAD_PREFIX = "forge-offload-"  # the worker's offload folder (disk offload), in the system's temp folder
+
+
+def remove_stale_offload(temp_dir: str | None = None) -> list[str]:
+    """Remove the offload folders that workers killed without clean-up (kill -9) left: this user's
+    `forge-offload-<pid>-*` folders whose process is gone. The folders removed."""
+    removed = []
+    for entry in os.scandir(temp_dir or tempfile.gettempdir()):
+        pid = entry.name[len(OFFLOAD_PREFIX) :].partition("-")[0]
+        if not (entry.name.startswith(OFFLOAD_PREFIX) and pid.isdigit() and entry.is_dir(follow_symlinks=False)):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def kept_map(model: torch.nn.Module, device_map: dict[str, str], main: str | None = None) -> dict[str, str]:
@@ -140,7 +166,8 @@ class Dispatch:
         """A new offload folder where the map offloads to disk (None: it does not)."""
         if "disk" not in placed.values():
             return None
-        folder = self.folder = tempfile.mkdtemp(prefix=OFFLOAD_PREFIX)
+        remove_stale_offload()
+        folder = self.folder = tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)  # if close never runs
         return folder
 

@@ -237,6 +237,13 @@ def _refusal(ctx: _Context, sizes: dict[str, int], reserve_min: int, head: str |
     what = "the whole model" if ctx.keep == ctx.total else f"{ctx.keep} of its {ctx.total} layers"
     what += " and the LM head" if head in ctx.needed else ""
     cut = f"a function reading layer <= {fits - 1} would fit" if fits > 0 else "no cut fits"
+    if ctx.device.offload is not None:  # offload is allowed already: what is short is room for the row
+        return (
+            f"device group {ctx.device.name}: even with split.offload: {ctx.device.offload}, its first member has no "
+            f"room for one {ctx.device.limits.max_seq_len}-token row ({gib(reserve_min + ctx.fixed)} of activations "
+            f"and KV) beside streaming in the largest offloaded block (budgets {', '.join(map(gib, ctx.budgets))}); "
+            "lower devices.limits.max_seq_len or add memory"
+        )
     return (
         f"device group {ctx.device.name}: the function needs {what} ({gib(sum(ctx.sizes))} of weights), more than "
         f"its members' {gib(sum(ctx.budgets))} hold while keeping {gib(reserve_min + ctx.fixed)} per card for one "
