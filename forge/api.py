@@ -73,7 +73,6 @@ __all__ = [
     "Prompt",
     "Rejected",
     "Row",
-    "TEXT_COLUMNS",
     "Tokens",
 ]
 
