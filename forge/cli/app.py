@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from forge.cli import early
-from forge.cli.compose import compose, group_options, precheck
+from forge.cli.compose import compose, group_options, listed_plugins, precheck
 from forge.cli.early import STOPPED_STATUS, catch_stop_signals, start_workers, stop_workers, stopped_line
 from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
@@ -55,8 +55,10 @@ def run(ctx: typer.Context) -> None:
         precheck(ctx.args)
         saved = sys.argv
         sys.argv = ["forge run", *ctx.args]
-        try:
-            with early.stops_wait():  # Hydra's code; the task's body stops at once (`stops_at_once`)
+        from forge.pluginmanager import extra_plugins  # the functions `plugins=[...]` offers, while Hydra composes
+
+        try:  # Hydra's code; the task's body stops at once (`stops_at_once`)
+            with early.stops_wait(), extra_plugins(*listed_plugins(ctx.args)):
                 task()
         finally:
             sys.argv = saved
