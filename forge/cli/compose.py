@@ -149,6 +149,13 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         raise ForgeError(line or " ".join(str(exc).split())) from None
 
 
+def plugins_listed(overrides: list[str]):
+    """A block in which every plugin manager registers the modules `plugins=[...]` lists."""
+    from forge.pluginmanager import extra_plugins
+
+    return extra_plugins(*listed_plugins(overrides))
+
+
 def listed_plugins(overrides: list[str]) -> tuple[str, ...]:
     """The modules a `plugins=[a,b]` override lists: registered (`forge.pluginmanager.extra_plugins`)
     while the config is composed, so a function one of them offers composes without a YAML of its

@@ -112,7 +112,7 @@ def _tensor(values):
     import torch
 
     if values.dtype != object:
-        return torch.from_numpy(np.ascontiguousarray(values))
+        return torch.from_numpy(np.require(values, requirements=["C", "W"]))
     if len(values) and all(isinstance(v, np.ndarray) and v.dtype != object for v in values):
-        return [torch.from_numpy(np.ascontiguousarray(v)) for v in values]
+        return [torch.from_numpy(np.require(v, requirements=["C", "W"])) for v in values]
     return values
