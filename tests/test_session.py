@@ -154,3 +154,17 @@ def test_a_class_without_a_name_is_told():
 
     with pytest.raises(ForgeError, match="no `name`"):
         forge.run(Nameless, [{"text": "a"}])
+
+
+@pytest.mark.slow
+def test_the_python_api_guide_runs_as_written():
+    """docs/python-api.md's Python blocks, in order, in one namespace: what a notebook would run."""
+    import re
+
+    guide = (ROOT / "docs" / "python-api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    assert len(blocks) >= 4
+    namespace: dict = {"__name__": "python_api_guide"}
+    for block in blocks:
+        exec(compile(block, "docs/python-api.md", "exec"), namespace)  # noqa: S102  (the guide's own code)
+    assert namespace["session"].closed
