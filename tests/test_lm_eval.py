@@ -119,3 +119,56 @@ def test_model_forge_equals_model_hf(both, task):
     for metric, value in hf["results"][task].items():
         if isinstance(value, float) and "stderr" not in metric:
             assert forge["results"][task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
+
+
+def test_a_steered_evaluation_equals_transformers_with_the_same_forward_hook(setup, tmp_path):
+    """`--model_args overrides=FILE.yaml`: an intervention list, commas and all, from a YAML file;
+    lm-eval's hf model with the same vector added by a forward hook on layer 1 gives the same."""
+    import numpy as np
+    import torch
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from forge.eval.lm import ForgeLM
+
+    model, _ = setup
+    vector = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    np.save(tmp_path / "direction.npy", vector)
+    steer = f"intervene=[{{at: resid_post.1, op: add, vector: {tmp_path / 'direction.npy'}, scale: 2.0, span: all}}]"
+    (tmp_path / "steer.yaml").write_text(f'- "{steer}"\n')
+    pairs = [(_words(k, 5), " " + _words(k + 3, 1 + k % 3)) for k in range(8)] + [("", "the cat")]
+    requests = [Instance("loglikelihood", {}, pair, n) for n, pair in enumerate(pairs)]
+    args = f"model=hf,model.name={model},devices=cpu,overrides={tmp_path / 'steer.yaml'}"
+    got = ForgeLM.create_from_arg_string(args).loglikelihood(requests)
+    hf = HFLM(pretrained=str(model), device="cpu", dtype="float32", logits_cache=False)
+    add = torch.from_numpy(vector) * 2.0
+
+    def hook(module, inputs, output):
+        if isinstance(output, tuple):
+            return (output[0] + add, *output[1:])
+        return output + add
+
+    handle = hf.model.model.layers[1].register_forward_hook(hook)
+    want = hf.loglikelihood(requests)
+    handle.remove()
+    plain = hf.loglikelihood(requests)
+    for (g, g_greedy), (w, w_greedy) in zip(got, want):
+        assert abs(g - w) <= 1e-4 and g_greedy == w_greedy, (g, w)
+    assert max(abs(w - p) for (w, _), (p, _) in zip(want, plain)) > 0.1  # the steering changed them
+
+
+def test_forge_eval_runs_lm_evals_command_line_with_model_forge(setup, tmp_path):
+    import subprocess
+    import sys
+
+    model, tasks = setup
+    done = subprocess.run(
+        [sys.executable, "-m", "forge.eval", "--model", "forge", "--model_args",
+         f"model=hf,model.name={model},devices=cpu,batch_size=8", "--tasks", "forge_mc",
+         "--include_path", str(tasks), "--limit", "3", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "forge_mc" in done.stdout and "acc" in done.stdout
+    assert "the token budget" in done.stderr  # batch_size=8 is ignored, in one line
+    assert list((tmp_path / "out").rglob("results_*.json"))
