@@ -12,6 +12,10 @@ __all__ = [
     "Limits",
     "hookimpl",
     "load_activations",
+    # the in-process API (forge.inproc: docs/python-api.md), imported on first use
+    "Result",
+    "Session",
+    "run",
     # the public function API (forge.api), imported on first use: `import forge` stays light
     "Aggregate",
     "CausalLMFunction",
@@ -29,10 +33,15 @@ __all__ = [
     "Row",
     "Tokens",
 ]
-_API = frozenset(__all__[7:])
+_INPROC = frozenset(__all__[7:10])
+_API = frozenset(__all__[10:])
 
 
 def __getattr__(name: str):
+    if name in _INPROC:
+        from forge import inproc
+
+        return getattr(inproc, name)
     if name in _API:
         from forge import api
 

@@ -6,6 +6,9 @@ installs as `forge.builtin` and registers through the entry points this manager 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import pluggy
 
@@ -13,6 +16,21 @@ import forge.hookspecs as hookspecs
 from forge.errors import ForgeError
 
 ENTRY_POINT_GROUP = "forge"
+#: plugins every manager made in this context registers besides the entry points: module names
+#: (the `plugins` a command line lists, `forge.cli.compose.listed_plugins`) and plugin objects (a
+#: function class `forge.run` was handed, `forge.inproc.functions`); set by `extra_plugins`
+_EXTRA: ContextVar[tuple] = ContextVar("forge_extra_plugins", default=())
+
+
+@contextmanager
+def extra_plugins(*plugins: object) -> Iterator[None]:
+    """Every plugin manager made inside the block also registers `plugins` (module names or
+    plugin objects): the config is composed, and the function looked up, with them."""
+    token = _EXTRA.set((*_EXTRA.get(), *plugins))
+    try:
+        yield
+    finally:
+        _EXTRA.reset(token)
 
 
 def make_plugin_manager(
@@ -30,15 +48,21 @@ def make_plugin_manager(
                 f"an installed plugin of the {ENTRY_POINT_GROUP!r} entry-point group cannot load "
                 f"({type(exc).__name__}: {exc}); reinstall or uninstall its package"
             ) from None
-    for plugin in extra:
-        pm.register(plugin)
-    for name in modules:
+    listed = _EXTRA.get()
+    for plugin in (*extra, *(p for p in listed if not isinstance(p, str))):
+        if not pm.is_registered(plugin):
+            pm.register(plugin)
+    for name in (*modules, *(p for p in listed if isinstance(p, str))):
         if pm.has_plugin(name):
             continue
         try:
             module = importlib.import_module(name)
         except ImportError as exc:
-            raise ForgeError(f"plugins: cannot import {name!r} ({exc}); list importable module paths") from None
+            from pathlib import Path
+
+            here = Path(name.replace(".", "/") + ".py").exists()  # a local module, not on Python's path
+            fix = "run with PYTHONPATH=. (the module is in this folder)" if here else "list importable module paths"
+            raise ForgeError(f"plugins: cannot import {name!r} ({exc}); {fix}") from None
         pm.register(module, name=name)
     return pm
 

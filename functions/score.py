@@ -51,6 +51,7 @@ class Choice:
     gold: int  # the correct choice; -1 when the row names none
     num_bytes: int  # UTF-8 bytes acc_norm divides by: the choice (no delimiter), or the continuation
     truncated: int = 0  # context tokens cut from the left to fit max_length
+    ids: tuple | None = None  # (context ids, continuation ids) a row gave as tokens (lm-eval's rolling windows)
 
 
 class Score(CausalLMFunction):
@@ -120,6 +121,9 @@ class Score(CausalLMFunction):
     # -- rows -> items ------------------------------------------------------------------
     def prompts(self, row: Row) -> list[Prompt] | str:
         context, continuation, choices = row.data["context"], row.data.get("continuation"), row.data.get("choices")
+        if "continuation_ids" in row.data:  # a window of token ids, as lm-eval's loglikelihood_rolling makes them
+            ids = (list(row.data.get("context_ids") or ()), list(row.data["continuation_ids"]))
+            return [Prompt(str(context) or " ", "", data=Choice(row.id, -1, 1, -1, 0, ids=ids))]
         if (continuation is None) == (choices is None):
             what = "has both 'continuation' and 'choices'" if choices is not None else "has no 'continuation'"
             return f"{what}; give a string 'continuation', or a list 'choices' with 'gold'"
@@ -146,8 +150,8 @@ class Score(CausalLMFunction):
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         if self._encoder is None:
             self._encoder = _Encoder(self.tokenizer, self.add_special_tokens)
-        pairs = self._encoder.pairs([(p.prefix, p.text) for p in prompts])
-        return [self._tokens(p, ctx, cont) for p, (ctx, cont) in zip(prompts, pairs)]
+        pairs = iter(self._encoder.pairs([(p.prefix, p.text) for p in prompts if p.data.ids is None]))
+        return [self._tokens(p, *(p.data.ids if p.data.ids is not None else next(pairs))) for p in prompts]
 
     def _tokens(self, p: Prompt, ctx: list[int], cont: list[int]) -> Tokens | str:
         if not cont:

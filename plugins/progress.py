@@ -1,6 +1,6 @@
 """A rich progress bar for runs: items, tokens/s, padding % and cache-hit %.
 
-Shown only on a terminal; plans and captured output stay quiet.
+Shown only on a terminal or in a notebook (Jupyter); plans and captured output stay quiet.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class _Bar:
 
 @hookimpl
 def forge_run_start(run):
-    if run.dry_run or not Console(stderr=True).is_terminal:
+    console = Console(stderr=True)
+    if run.dry_run or not (console.is_terminal or console.is_jupyter):  # a terminal, or a notebook (forge.run)
         return
     run.state[NAME] = _Bar(run.expected_items)
 

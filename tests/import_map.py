@@ -32,7 +32,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("plugins", ("forge.hookspecs", "forge.pluginmanager", "forge.executors", "forge.builtin")),  # registries
     ("loop", ("forge.core",)),  # the scheduler and the run loop
     ("driver", ("forge.driver",)),  # a run or a plan from a RunSpec, and its report
-    ("cli", ("forge.cli", "forge.testing")),  # the edge: Hydra config in, typed objects out
+    (
+        "cli",
+        ("forge.cli", "forge.testing", "forge.inproc", "forge.eval"),
+    ),  # the edge: Hydra config in, typed objects out
 ]
 
 

@@ -15,11 +15,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from forge.cli import early
-from forge.cli.compose import compose, group_options, precheck
+from forge.cli.compose import compose, group_options, plugins_listed, precheck
 from forge.cli.early import STOPPED_STATUS, catch_stop_signals, start_workers, stop_workers, stopped_line
 from forge.cli.server_cli import server_app
 from forge.cli.summary import GIB, console, err, error_line, print_summary, status_line
 from forge.errors import ForgeError
+from forge.eval.cli import EVAL_SETTINGS, eval_command
 
 if TYPE_CHECKING:
     from forge.driver.report import Report
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.add_typer(server_app, name="server")
+app.command("eval", context_settings=EVAL_SETTINGS)(eval_command)  # forge.eval.cli: lm-eval's CLI, --model forge
 
 
 def _fail(exc: Exception) -> None:
@@ -55,8 +57,8 @@ def run(ctx: typer.Context) -> None:
         precheck(ctx.args)
         saved = sys.argv
         sys.argv = ["forge run", *ctx.args]
-        try:
-            with early.stops_wait():  # Hydra's code; the task's body stops at once (`stops_at_once`)
+        try:  # Hydra's code; the task stops at once (`stops_at_once`); `plugins=[...]` registered as it composes
+            with early.stops_wait(), plugins_listed(ctx.args):
                 task()
         finally:
             sys.argv = saved

@@ -40,7 +40,7 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     modules = [m for m in listed if isinstance(m, str)] if isinstance(listed, ListConfig) else []
     pm = make_plugin_manager(modules=modules)
     check_function_package(cfg)  # a function YAML without its header: said before its lookup fails
-    return validate(cfg, function_schema(cfg), executors(pm), mode_schemas(pm))
+    return validate(cfg, function_schema(cfg, pm), executors(pm), mode_schemas(pm))
 
 
 def mode_schemas(pm) -> dict[str, type]:
@@ -50,7 +50,7 @@ def mode_schemas(pm) -> dict[str, type]:
     return {name: getattr(factory, "config_schema", Batching) for name, (factory, _) in batching_modes(pm).items()}
 
 
-def function_schema(cfg: DictConfig) -> type | None:
+def function_schema(cfg: DictConfig, pm=None) -> type | None:
     """The dataclass of root keys that the configured function declares, if any."""
     from forge.pluginmanager import function_class
 
@@ -58,16 +58,16 @@ def function_schema(cfg: DictConfig) -> type | None:
     if not isinstance(node, DictConfig):
         raise ForgeError("function: no _target_; pick one with function=<name> (see `forge ls`)")
     ref = {k: OmegaConf.select(node, k, default=None, throw_on_missing=False) for k in ("_target_", "name")}
-    return getattr(function_class(ref), "config_schema", None)
+    return getattr(function_class(ref, pm), "config_schema", None)
 
 
 def build_function(cfg: dict[str, Any]):
     """Instantiate the function from its typed config, an instance of its `config_schema` made
     from the validated root keys (a function that declares none reads no keys), and refuse a
     `too_long` policy it cannot honour."""
-    from forge.pluginmanager import function_class
+    from forge.pluginmanager import function_class, make_plugin_manager
 
-    cls = function_class(cfg["function"])
+    cls = function_class(cfg["function"], make_plugin_manager(modules=cfg.get("plugins") or ()))
     schema = getattr(cls, "config_schema", None)
     function = cls(instantiate(schema, cfg)) if schema is not None else cls()
     function.check_too_long(cfg["too_long"])

@@ -38,19 +38,12 @@ def precheck(args: list[str]) -> None:
         else:
             overrides.append(a)
         i += 1
-    from forge.config.devices import resolve_devices
     from forge.io.store import check_run_dir, check_sweep_dir
 
     combinations = sweep_combinations(overrides, config_dir) if multirun else [overrides]
     for job, combination in enumerate(combinations):
         plain = to_plain(compose(combination, config_dir))
-        if (plain.get("devices") or {}).get("inventory"):  # simulated devices are refused before a run directory exists
-            simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
-            if simulated:
-                raise ForgeError(
-                    f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
-                    "plan on simulated ones with `forge plan` and the same overrides"
-                )
+        check_devices(plain)
         output_dir = str(plain.get("output_dir", ""))
         check_output_dir(output_dir)
         if job == 0 and output_dir.startswith("memory://"):
@@ -63,6 +56,19 @@ def precheck(args: list[str]) -> None:
             check_sweep_dir(output_dir)
         if not multirun or len(combinations) <= MAX_SWEEP_CHECKS:  # a reduced check names no job directory
             check_run_dir(f"{output_dir.rstrip('/')}/{job}" if multirun else output_dir, bool(plain.get("resume")))
+
+
+def check_devices(plain: dict) -> None:
+    """Simulated devices are refused before a run directory exists."""
+    from forge.config.devices import resolve_devices
+
+    if (plain.get("devices") or {}).get("inventory"):
+        simulated = [d.name for d in resolve_devices(plain["devices"]) if d.sim is not None]
+        if simulated:
+            raise ForgeError(
+                f"devices: {', '.join(simulated)} simulated (sim:); `forge run` needs real devices: "
+                "plan on simulated ones with `forge plan` and the same overrides"
+            )
 
 
 def sweep_combinations(overrides: list[str], config_dir: Path | None = None) -> list[list[str]]:
@@ -126,6 +132,7 @@ def compose(overrides: list[str], config_dir: Path | None = None):
 
     from forge.cli.build import conf_dir
     from forge.cli.searchpath import register
+    from forge.pluginmanager import extra_plugins
 
     register()
     flags = [o for o in overrides if o.startswith("-")]
@@ -138,7 +145,7 @@ def compose(overrides: list[str], config_dir: Path | None = None):
         overrides = [*overrides, f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        with extra_plugins(*listed_plugins(overrides)), initialize_config_dir(str(conf_dir()), version_base="1.3"):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except HydraException as exc:
         from forge.cli.build import mode_schemas
@@ -147,6 +154,32 @@ def compose(overrides: list[str], config_dir: Path | None = None):
 
         line = explain_compose_error(exc, mode_schemas(make_plugin_manager()))
         raise ForgeError(line or " ".join(str(exc).split())) from None
+
+
+def plugins_listed(overrides: list[str]):
+    """A block in which every plugin manager registers the modules `plugins=[...]` lists."""
+    from forge.pluginmanager import extra_plugins
+
+    return extra_plugins(*listed_plugins(overrides))
+
+
+def listed_plugins(overrides: list[str]) -> tuple[str, ...]:
+    """The modules a `plugins=[a,b]` override lists: registered (`forge.pluginmanager.extra_plugins`)
+    while the config is composed, so a function one of them offers composes without a YAML of its
+    own (`forge.cli.searchpath.function_option`) and its schema gives every default."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    listed = [o for o in overrides if o.partition("=")[0].lstrip("+~") == "plugins" and "=" in o]
+    if not listed:
+        return ()
+    try:
+        value = OverridesParser.create().parse_overrides(listed[-1:])[0].value()
+    except HydraException as exc:
+        raise ForgeError(" ".join(str(exc).split())) from None
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        return ()  # not a list of names: the schema's check says so in its line
+    return tuple(value)
 
 
 def _check_runtime_bools(overrides: list[str]) -> None:

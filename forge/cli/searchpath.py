@@ -26,6 +26,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 PROVIDER = "forge-plugin"  # search-path provider names: forge-plugin:<plugin name>
 SCHEMAS = "forge-schema://registered"  # where SchemaSource answers (its scheme, and a path it ignores)
 SCHEMA_GROUPS = ("schema_batching", "schema_function")  # the config groups SchemaSource serves
+FUNCTION_GROUP = "function"  # SchemaSource also serves an option here for every registered function
 
 
 def _is_forge(search_path: ConfigSearchPath) -> bool:
@@ -97,31 +98,52 @@ class SchemaSource(ConfigSource):
 
         group, name = self._split(config_path)
         self._registry()  # the plugin manager, made once
+        where = f"{self.scheme()}://{self.path}"
+        if group == FUNCTION_GROUP:  # a function with no YAML of its own: its schema and the input keys
+            return ConfigResult(
+                config=function_option(name), path=where, provider=self.provider, header={"package": "_global_"}
+            )
         if group == "schema_function":
             schema = getattr(function_class({"name": name}, self._pm), "config_schema", None)
             node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
         else:  # the mode this option names, whichever mode's schema it shares (an ItemPacker subclass's)
             node = OmegaConf.create({**defaults_of(mode_schemas(self._pm)[name]), "mode": name})
-        where = f"{self.scheme()}://{self.path}"
         return ConfigResult(config=node, path=where, provider=self.provider, header={"package": None})
 
     def available(self) -> bool:
         return True
 
     def is_group(self, config_path: str) -> bool:
-        return config_path.strip("/") in SCHEMA_GROUPS
+        return config_path.strip("/") in (*SCHEMA_GROUPS, FUNCTION_GROUP)
 
     def is_config(self, config_path: str) -> bool:
         group, name = self._split(config_path)
+        group = "schema_function" if group == FUNCTION_GROUP else group
         return group in SCHEMA_GROUPS and name in self._registry()[group]
 
     def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
         group = config_path.strip("/")
         if not group:  # the root holds the groups
-            return list(SCHEMA_GROUPS) if results_filter != ObjectType.CONFIG else []
+            return [*SCHEMA_GROUPS, FUNCTION_GROUP] if results_filter != ObjectType.CONFIG else []
+        group = "schema_function" if group == FUNCTION_GROUP else group
         if group not in SCHEMA_GROUPS or results_filter == ObjectType.GROUP:
             return []
         return sorted(self._registry()[group])
+
+
+def function_option(name: str):
+    """The `function` option of a registered function that has no YAML on the search path (one
+    from `plugins=[module]`, or a class handed to `forge.run`): exactly what its YAML would say
+    with nothing to restate, `function.name` and the defaults of its `config_schema` and of the
+    `input` keys (`input.path` is then given on the command line)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "defaults": [f"/schema_function/{name}@_here_", "/schema_input@input", "_self_"],
+            "function": {"name": name},
+        }
+    )
 
 
 def register() -> None:

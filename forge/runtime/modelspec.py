@@ -173,10 +173,19 @@ class HFModel:
             **self.spec.hub_kwargs(),
             **placed,
         }
-        try:
-            model = loader.from_pretrained(path, **kwargs)
-        except OSError as exc:
-            raise ForgeError(
-                f"model.name={self.spec.name}: cannot load weights from {path} ({first_line(exc)})"
-            ) from None
-        return (model.to(device) if device is not None else model).eval()
+        from forge.runtime.model_cache import active
+
+        def read():
+            try:
+                model = loader.from_pretrained(path, **kwargs)
+            except OSError as exc:
+                raise ForgeError(
+                    f"model.name={self.spec.name}: cannot load weights from {path} ({first_line(exc)})"
+                ) from None
+            return (model.to(device) if device is not None else model).eval()
+
+        cache = None if placed else active()  # a forge.Session keeps its models (never a device group's)
+        if cache is None:
+            return read()
+        key = (path, f"{loader.__module__}.{loader.__qualname__}", device, attn, repr(sorted(kwargs.items())))
+        return cache.get(key, read)

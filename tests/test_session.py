@@ -1,0 +1,170 @@
+"""forge.run and forge.Session: the command line's composition and results, in this process, with
+the models a session loaded kept across its calls (docs/python-api.md)."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import forge
+from forge.errors import ForgeError
+from forge.hookspecs import hookimpl
+from forge.io.results import load
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = ROOT / "examples" / "local-plugin"
+ROWS = [
+    {
+        "id": i,
+        "text": f"Statement {i} is {'true' if i % 3 else 'false'}.",
+        "prefix": "Q: true?\n" * (i % 2),
+        "label": i % 2,
+    }
+    for i in range(24)
+]
+
+
+def cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "forge.cli.app", "run", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_forge_run_equals_the_command_line_run_of_the_same_rows_exactly(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    overrides = ["layers=[1,3]", "pooling=mean"]
+    done = cli(f"input.path={path}", f"output_dir={tmp_path / 'cli'}", *overrides)
+    assert done.returncode == 0, done.stderr
+    want = load(tmp_path / "cli")
+    got = forge.run("probe_gen", ROWS, overrides=overrides)
+    assert got.ids == want.ids == [str(r["id"]) for r in ROWS]
+    assert got.meta == want.meta == [r["label"] for r in ROWS]
+    for name, values in want.columns.items():
+        assert torch.equal(got.tensors[name], torch.from_numpy(values)), name
+    assert got.table().equals(want.table())
+    assert got.report["status"] == "finished" and got.report["balanced"]
+    assert not Path(got.run_dir).exists()  # its session's folder went with it
+
+
+@pytest.mark.slow
+def test_a_session_loads_the_weights_once_and_a_cut_model_is_whole_again_for_the_next_call():
+    """layers=[1] cuts the decoder to two layers; the next call reads layer 4 of the same model."""
+    with forge.Session(["pooling=last"]) as session:
+        first = session.run("probe_gen", ROWS, overrides=["layers=[1]"])
+        second = session.run("probe_gen", ROWS, overrides=["layers=[4]"])
+        assert session.models.loads == 1 and len(session.models) == 1
+        assert second.report["phases"]["worker_load_s"] is not None
+    fresh = forge.run("probe_gen", ROWS, overrides=["pooling=last", "layers=[1,4]"])
+    assert torch.equal(first.tensors["layer_1"], fresh.tensors["layer_1"])
+    assert torch.equal(second.tensors["layer_4"], fresh.tensors["layer_4"])
+    assert session.closed and len(session.models) == 0
+
+
+@pytest.mark.slow
+def test_a_bad_override_raises_the_line_the_command_line_prints():
+    from typer.testing import CliRunner
+
+    from forge.cli.app import app
+
+    printed = CliRunner().invoke(app, ["run", "batching=nope"])
+    assert printed.exit_code == 2
+    with forge.Session() as session, pytest.raises(ForgeError) as raised:
+        session.run("probe_gen", ROWS, overrides=["batching=nope"])
+    assert " ".join(printed.output.split()) == f"error: {raised.value}"
+    with pytest.raises(ForgeError, match="layers"):
+        forge.run("probe_gen", ROWS, overrides=["layers=[1,99]"])
+
+
+def test_rows_that_are_not_dicts_are_one_line_and_the_session_folder_goes_on_close():
+    session = forge.Session()
+    with pytest.raises(ForgeError, match=r"rows\[1\]: a str"):
+        session.run("probe_gen", [{"text": "a"}, "b"])
+    with pytest.raises(ForgeError, match="rows: a dict"):
+        session.run("probe_gen", {"text": "a"})
+    with pytest.raises(ForgeError, match="overrides: a list"):
+        session.run("probe_gen", [{"text": "a"}], overrides="layers=[1]")
+    folder = Path(session._dir)
+    assert folder.is_dir()
+    session.close()
+    assert not folder.exists()
+    with pytest.raises(ForgeError, match="closed"):
+        session.run("probe_gen", [{"text": "a"}])
+
+
+class _CtrlC:
+    """Ctrl-C as a terminal or a notebook's interrupt sends it, once the first batch is done."""
+
+    def __init__(self) -> None:
+        self.__name__ = "ctrl-c"
+        self.sent = 0
+
+    @hookimpl
+    def forge_batch_completed(self, run, batch, device, stats):
+        if not self.sent:
+            self.sent += 1
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_call_cleanly_and_the_session_runs_on(tmp_path):
+    from forge.pluginmanager import extra_plugins
+
+    rows = ROWS * 1  # many small batches: the stop comes before the end
+    with forge.Session(["batching=item", "batching.batch_size=2", "layers=[1]"]) as session:
+        with extra_plugins(_CtrlC()), pytest.raises(KeyboardInterrupt, match="interrupted by SIGINT"):
+            session.run("probe_gen", rows, output_dir=tmp_path / "stopped")
+        report = json.loads((tmp_path / "stopped" / "report.json").read_text())
+        assert report["status"] == "interrupted" and 0 < report["items"]["completed"] < len(rows)
+        again = session.run("probe_gen", rows, output_dir=tmp_path / "stopped", overrides=["resume=true"])
+        assert len(again) == len(rows) and session.models.loads == 1
+    assert (tmp_path / "stopped" / "report.json").exists()  # a given output_dir stays
+
+
+@pytest.mark.slow
+def test_a_function_class_runs_with_its_schema_defaults_in_process_and_from_the_command_line(tmp_path, monkeypatch):
+    """No YAML anywhere: the class's config_schema gives layer=2, in both routes."""
+    monkeypatch.syspath_prepend(str(LOCAL))
+    from last_norm import LastNorm
+
+    rows = [{"id": "a", "text": "one two"}, {"id": "b", "text": "three four five"}]
+    got = forge.run(LastNorm, rows)
+    assert got.report["config"]["layer"] == 2 and got.ids == ["a", "b"]
+    deeper = forge.run(LastNorm, rows, overrides=["layer=3"])
+    assert not torch.equal(deeper.tensors["norm"], got.tensors["norm"])
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**__import__("os").environ, "PYTHONPATH": str(LOCAL)}
+    done = cli(
+        "plugins=[last_norm]", "function=last_norm", f"input.path={path}", f"output_dir={tmp_path / 'o'}", env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(torch.from_numpy(load(tmp_path / "o").columns["norm"]), got.tensors["norm"])
+
+
+def test_a_class_without_a_name_is_told():
+    class Nameless(forge.CausalLMFunction):
+        pass
+
+    with pytest.raises(ForgeError, match="no `name`"):
+        forge.run(Nameless, [{"text": "a"}])
+
+
+@pytest.mark.slow
+def test_the_python_api_guide_runs_as_written():
+    """docs/python-api.md's Python blocks, in order, in one namespace: what a notebook would run."""
+    import re
+
+    guide = (ROOT / "docs" / "python-api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    assert len(blocks) >= 4
+    namespace: dict = {"__name__": "python_api_guide"}
+    for block in blocks:
+        exec(compile(block, "docs/python-api.md", "exec"), namespace)  # noqa: S102  (the guide's own code)
+    assert namespace["session"].closed
