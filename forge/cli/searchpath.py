@@ -25,7 +25,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 PROVIDER = "forge-plugin"  # search-path provider names: forge-plugin:<plugin name>
 SCHEMAS = "forge-schema://registered"  # where SchemaSource answers (its scheme, and a path it ignores)
-SCHEMA_GROUPS = ("schema_batching", "schema_function")  # the config groups SchemaSource serves
+SCHEMA_GROUPS = ("schema_batching", "schema_function", "schema_tracker")  # the config groups SchemaSource serves
 
 
 def _is_forge(search_path: ConfigSearchPath) -> bool:
@@ -78,10 +78,14 @@ class SchemaSource(ConfigSource):
     def _registry(self) -> dict[str, dict[str, object]]:
         """group -> {name: what the plugins register under it}; read once, at the first lookup."""
         if self._pm is None:
-            from forge.pluginmanager import batching_modes, functions, make_plugin_manager
+            from forge.pluginmanager import batching_modes, functions, make_plugin_manager, trackers
 
             self._pm = make_plugin_manager()
-            self._registered = {"schema_function": functions(self._pm), "schema_batching": batching_modes(self._pm)}
+            self._registered = {
+                "schema_function": functions(self._pm),
+                "schema_batching": batching_modes(self._pm),
+                "schema_tracker": trackers(self._pm),
+            }
         return self._registered
 
     def _split(self, config_path: str) -> tuple[str, str]:
@@ -93,12 +97,16 @@ class SchemaSource(ConfigSource):
 
         from forge.cli.build import mode_schemas
         from forge.config.nodes import defaults_of
-        from forge.pluginmanager import function_class
+        from forge.pluginmanager import function_class, load_object
 
         group, name = self._split(config_path)
         self._registry()  # the plugin manager, made once
         if group == "schema_function":
             schema = getattr(function_class({"name": name}, self._pm), "config_schema", None)
+            node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
+        elif group == "schema_tracker":  # the tracker's settings (imports its module, never its library)
+            ref, plugin = self._registered[group][name]
+            schema = getattr(load_object(ref, f"tracker {name} (plugin {plugin})"), "config_schema", None)
             node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
         else:  # the mode this option names, whichever mode's schema it shares (an ItemPacker subclass's)
             node = OmegaConf.create({**defaults_of(mode_schemas(self._pm)[name]), "mode": name})
