@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 
 from forge.config.trackers import TrackerSettings
 
+__all__ = ["Tracker", "TrackerRun", "TrackerSettings", "flat_params"]  # TrackerSettings: a settings schema's base
+
 
 @dataclass
 class TrackerRun:

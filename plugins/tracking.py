@@ -16,6 +16,7 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import sys
@@ -33,6 +34,7 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
+NICE = 10  # the trackers' thread's niceness, where threads have their own (Linux)
 
 
 def _metric_name(text: str) -> str:
@@ -102,6 +104,10 @@ class _Feed:
     # -- the thread's side: start, log, finish
 
     def _work(self, run, selected: dict) -> None:
+        try:  # Linux: this thread alone yields the CPU to the run's own threads (its imports take seconds)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):
+            pass
         trackers = self._start_all(run, selected)
         while True:
             kind, step, payload = self.queue.get()

@@ -254,3 +254,34 @@ def test_the_trackers_options_compose_with_their_defaults():
         "mlflow": {"project": "forge", "run_name": None, "uri": "http://host:5000"},
     }
     assert OmegaConf.to_container(compose())["trackers"] == {}
+
+
+# -- docs/trackers.md: its examples run, its files are the repository's
+
+GUIDE = TESTS.parent / "docs" / "trackers.md"
+
+
+@pytest.mark.slow
+def test_the_guides_read_back_examples_give_the_ledger(tracked):
+    import re
+
+    folder, _ = tracked
+    want = ledger(folder / "run")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S) if "completed = " in b]
+    assert len(blocks) == 3  # tensorboard, mlflow, trackio
+    for block in blocks:
+        namespace = {"run": str(folder / "run")}
+        exec(compile(block, str(GUIDE), "exec"), namespace)
+        assert (namespace["completed"], namespace["status"]) == (want["tokens/completed"], "finished"), block[:60]
+
+
+def test_the_guides_tracker_files_are_the_repositorys_byte_for_byte():
+    import re
+
+    marked = re.findall(r"<!-- file: (\S+) -->\n```(\w+)\n(.*?)```", GUIDE.read_text(), flags=re.S)
+    assert {path for path, _, _ in marked} == {
+        "examples/forge-plugin-example/forge_plugin_example/jsonl_tracker.py",
+        "examples/forge-plugin-example/forge_plugin_example/conf/trackers/jsonl.yaml",
+    }
+    for path, _, block in marked:
+        assert block == (TESTS.parent / path).read_text(), f"docs/trackers.md shows {path} as it is not"
