@@ -1,9 +1,9 @@
 """Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
 
 The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
-process, where the ledger counts. The hooks only count and queue (a dict per batch); one thread
-of this plugin imports each tracker's library, starts it, logs and finishes it, so a tracker's
-start-up and writes overlap the run instead of holding batches up. Per batch it logs, at a
+process, where the ledger counts. The hooks only count and queue (a dict per batch); a thread
+per tracker imports its library, starts it, logs and finishes it, so a tracker's start-up and
+writes overlap the run instead of holding batches up. Per batch it logs, at a
 step counted in tokens completed (items an earlier session committed included): tokens, items,
 tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
 it logs report.json's totals and status (after the ledger added them: `trylast`).
@@ -34,7 +34,7 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
-NICE = 10  # the trackers' thread's niceness, where threads have their own (Linux)
+NICE = 10  # the trackers' threads' niceness, where threads have their own (Linux)
 
 
 def _metric_name(text: str) -> str:
@@ -43,22 +43,29 @@ def _metric_name(text: str) -> str:
 
 
 class _Feed:
-    """The trackers' thread and what the hooks count for it."""
+    """The trackers' threads (one each) and what the hooks count for them."""
 
     def __init__(self, run, folder: Path, selected: dict):
         self.folder = folder
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.notes: dict[str, str] = {}  # tracker -> "logged", or its warning
+        self.ids = _read_ids(folder) if (run.config or {}).get("resume") else {}
+        self.lock = threading.Lock()  # over `ids` and ids.json
         self.started = time.perf_counter()
         self.step = 0  # tokens completed (resumed included): the x-axis
         self.session_tokens = 0
         self.items = 0
         self.sums: defaultdict[str, int] = defaultdict(int)  # padding, padded_slots, prefix, reused
         self.devices: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [tokens, busy s]
-        self.thread = threading.Thread(
-            target=self._work, args=(run, selected), name="forge-trackers", daemon=True
-        )  # daemon: a run that dies in start-up does not wait for it
-        self.thread.start()
+        params = flat_params({k: v for k, v in (run.config or {}).items() if k != "hydra"})
+        self.queues: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in selected}
+        self.threads = [  # daemons: a run that dies in start-up does not wait for them
+            threading.Thread(
+                target=self._work, args=(run, name, ref, params), name=f"forge-tracker-{name}", daemon=True
+            )
+            for name, ref in selected.items()
+        ]
+        for thread in self.threads:
+            thread.start()
 
     # -- the hooks' side: count and queue
 
@@ -88,30 +95,33 @@ class _Feed:
             f"device/{_metric_name(device.name)}/tokens": dev[0],
             f"device/{_metric_name(device.name)}/busy_s": dev[1],
         }
-        self.queue.put(("log", self.step, figures))
+        for q in self.queues.values():
+            q.put(("log", self.step, figures))
 
     def end(self, report: dict) -> dict[str, str]:
         totals = _totals(report)
         step = int((report.get("tokens") or {}).get("completed", self.step))
-        self.queue.put(("end", step, (totals, str(report.get("status", "finished")))))
-        self.thread.join(END_WAIT_S)
-        if self.thread.is_alive():
-            for name, note in self.notes.items():
-                if note == "logged":
-                    self.notes[name] = _warn(name, f"still writing after {END_WAIT_S:.0f} s; left to finish")
+        for q in self.queues.values():
+            q.put(("end", step, (totals, str(report.get("status", "finished")))))
+        deadline = time.monotonic() + END_WAIT_S
+        for thread in self.threads:  # they finish side by side
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        for name, thread in zip(self.queues, self.threads):
+            if thread.is_alive():
+                self.notes[name] = _warn(name, f"still writing after {END_WAIT_S:.0f} s; left to finish")
         return dict(self.notes)
 
-    # -- the thread's side: start, log, finish
+    # -- a tracker's thread: start, log, finish
 
-    def _work(self, run, selected: dict) -> None:
-        try:  # Linux: this thread alone yields the CPU to the run's own threads (its imports take seconds)
+    def _work(self, run, name: str, ref: tuple, params: dict) -> None:
+        try:  # Linux: these threads alone yield the CPU to the run's own (their imports take seconds)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         except (AttributeError, OSError):
             pass
-        trackers = self._start_all(run, selected)
+        tracker = self._start(run, name, ref, params)
         while True:
-            kind, step, payload = self.queue.get()
-            for name, tracker in list(trackers.items()):
+            kind, step, payload = self.queues[name].get()
+            if tracker is not None:
                 try:
                     if kind == "log":
                         tracker.log(step, payload)
@@ -119,35 +129,33 @@ class _Feed:
                         tracker.finish(step, *payload)
                 except Exception as exc:  # noqa: BLE001  (a tracker's failure never stops the run)
                     self.notes[name] = _warn(name, f"failed ({_line(exc)})")
-                    del trackers[name]
+                    tracker = None
             if kind == "end":
                 return
 
-    def _start_all(self, run, selected: dict) -> dict[str, Tracker]:
-        ids = _read_ids(self.folder) if (run.config or {}).get("resume") else {}
-        params = flat_params({k: v for k, v in (run.config or {}).items() if k != "hydra"})
-        started: dict[str, Tracker] = {}
-        for name, (ref, plugin) in selected.items():
-            tracker = None
-            try:
-                tracker = load_object(ref, f"tracker {name} (plugin {plugin})")()
-                settings = _settings(tracker, (run.config.get("trackers") or {}).get(name) or {})
-                folder = self.folder / name
-                folder.mkdir(parents=True, exist_ok=True)
-                run_name = settings.run_name or Path(str(run.run_dir)).name
-                ids[name] = tracker.start(TrackerRun(name, folder, settings, run_name, params, ids.get(name)))
-            except ImportError as exc:
-                need = getattr(tracker, "requires", "")
-                hint = f"pip install '{need}'" if need else "install its package"
-                self.notes[name] = _warn(name, f"not installed ({_line(exc)}); {hint}")
-                continue
-            except Exception as exc:  # noqa: BLE001  (a tracker that cannot start never stops the run)
-                self.notes[name] = _warn(name, f"could not start ({_line(exc)})")
-                continue
-            self.notes[name] = "logged"
-            started[name] = tracker
-        _write_ids(self.folder, {k: v for k, v in ids.items() if v is not None})
-        return started
+    def _start(self, run, name: str, ref: tuple, params: dict) -> Tracker | None:
+        tracker = None
+        try:
+            tracker = load_object(ref[0], f"tracker {name} (plugin {ref[1]})")()
+            settings = _settings(tracker, (run.config.get("trackers") or {}).get(name) or {})
+            folder = self.folder / name
+            folder.mkdir(parents=True, exist_ok=True)
+            run_name = settings.run_name or Path(str(run.run_dir)).name
+            kept = tracker.start(TrackerRun(name, folder, settings, run_name, params, self.ids.get(name)))
+        except ImportError as exc:
+            need = getattr(tracker, "requires", "")
+            hint = f"pip install '{need}'" if need else "install its package"
+            self.notes[name] = _warn(name, f"not installed ({_line(exc)}); {hint}")
+            return None
+        except Exception as exc:  # noqa: BLE001  (a tracker that cannot start never stops the run)
+            self.notes[name] = _warn(name, f"could not start ({_line(exc)})")
+            return None
+        self.notes[name] = "logged"
+        if kept is not None:
+            with self.lock:
+                self.ids[name] = kept
+                _write_ids(self.folder, self.ids)
+        return tracker
 
 
 def _settings(tracker: Tracker, values: dict):
@@ -224,4 +232,6 @@ def forge_batch_completed(run, batch, device, stats):
 def forge_run_end(run, report):
     feed = run.state.pop(NAME, None)
     if feed is not None:
+        waited = time.perf_counter()
         report["trackers"] = feed.end(report)
+        report["trackers_end_s"] = round(time.perf_counter() - waited, 3)  # the run's wait for their last writes
