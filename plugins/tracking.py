@@ -16,7 +16,6 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import sys
@@ -34,7 +33,6 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
-NICE = 10  # the trackers' threads' niceness, where threads have their own (Linux)
 
 
 def _metric_name(text: str) -> str:
@@ -114,10 +112,6 @@ class _Feed:
     # -- a tracker's thread: start, log, finish
 
     def _work(self, run, name: str, ref: tuple, params: dict) -> None:
-        try:  # Linux: these threads alone yield the CPU to the run's own (their imports take seconds)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (AttributeError, OSError):
-            pass
         tracker = self._start(run, name, ref, params)
         while True:
             kind, step, payload = self.queues[name].get()
