@@ -31,6 +31,9 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
     "start-up (benchmarks/startup/)": {
         "startup": ("benchmarks.startup.bench_startup", ""),
     },
+    "trackers": {
+        "trackers": ("benchmarks.bench_trackers", "trackers"),
+    },
     "faults": {
         "faults": ("benchmarks.fault_scenarios", ""),
         "soak": ("benchmarks.soak", ""),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from forge.batching.base import Packer
     from forge.executors.base import Executor
     from forge.function import Function
+    from forge.tracker import Tracker
     from forge.vocab.geometry import Batch, Device, Item
     from forge.vocab.records import BatchStats, RunContext, Skipped
 
@@ -78,6 +79,20 @@ def forge_config_searchpath() -> str | list[str]:
 
     :return: a config module path such as ``"pkg://my_plugin.conf"`` (a package holding
         `function/<name>.yaml`, `batching/<name>.yaml`, ...), a ``"file://DIR"``, or a list of them.
+    """
+
+
+@hookspec
+def forge_trackers() -> dict[str, Callable[..., Tracker] | str]:
+    """Offer trackers: where a run's figures are logged (`trackers=[<name>, ...]` selects them).
+
+    :return: a dict mapping a tracker name to a factory, usually a `forge.tracker.Tracker`
+        subclass, or to its import path ``"package.module:Class"`` (imported only when a run
+        selects it). The factory is called with no arguments in the driver process, on the
+        trackers' own thread; its `config_schema` (a dataclass extending
+        `forge.config.schema.TrackerSettings`) holds the keys `trackers.<name>.*` and their
+        defaults. A config option `trackers/<name>.yaml` (offered through
+        `forge_config_searchpath`) makes the name selectable on the command line.
     """
 
 

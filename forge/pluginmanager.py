@@ -97,6 +97,11 @@ def functions(pm: pluggy.PluginManager) -> dict[str, tuple[object, str]]:
     return _offers(pm, "forge_functions", "function")
 
 
+def trackers(pm: pluggy.PluginManager) -> dict[str, tuple[object, str]]:
+    """Every registered tracker: name -> (factory or "module:Class" import path, plugin's name)."""
+    return _offers(pm, "forge_trackers", "tracker")
+
+
 def load_object(ref: object, what: str) -> object:
     """A class given itself or as an import path, "pkg.module:Class" or "pkg.module.Class"."""
     if not isinstance(ref, str):

@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("io", ("forge.io",)),  # input rows, the run directory, results
     ("models", ("forge.runtime",)),  # transformers models: forward passes, caches, memory
     ("functions", ("forge.function", "forge.api", "forge.functions", "forge.data")),  # what a run computes
-    ("plugins", ("forge.hookspecs", "forge.pluginmanager", "forge.executors", "forge.builtin")),  # registries
+    ("plugins", ("forge.hookspecs", "forge.pluginmanager", "forge.tracker", "forge.executors", "forge.builtin")),
     ("loop", ("forge.core",)),  # the scheduler and the run loop
     ("driver", ("forge.driver",)),  # a run or a plan from a RunSpec, and its report
     (

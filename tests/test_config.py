@@ -144,8 +144,8 @@ BAD = {
     "model.torch_dtype=int8": "config model.torch_dtype='int8': choose one of: float32, float16, bfloat16",
     # unknown keys
     "+foo=1": "config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
-    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, intervene, "
-    "layers, capture, pooling, "
+    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, trackers, model, input, shard_size, "
+    "intervene, layers, capture, pooling, "
     "storage_dtype, prefix_states, shard_mb",
     "+runtime.retries=2": "config: unknown key 'retries' in runtime; valid keys: executor, max_in_flight, "
     "batch_timeout_s, timeout_floor_s, timeout_factor, startup_timeout_s, kill_grace_s, "

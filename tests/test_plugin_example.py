@@ -166,3 +166,29 @@ def test_sorted_mode_cuts_fixed_batches_shortest_first():
     ).plan.kept_batches
     lengths = [it.num_tokens for b in longest_first for it in b.items]
     assert lengths == sorted(lengths, reverse=True)
+
+
+@pytest.mark.slow
+def test_their_tracker_logs_the_ledger_and_a_resume_appends_to_it(tmp_path):
+    """trackers=[jsonl]: their tracker, selected and set as the built-in ones are; its last line
+    holds report.json's totals; a resume hands it back the id it kept."""
+    out = tmp_path / "run"
+    args = ["run", f"input.limit={N}", "devices=cpu", "runtime.executor=inprocess", f"output_dir={out}"]
+    result = _forge(*args, "trackers=[jsonl]", "trackers.jsonl.file=mine.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["trackers"] == {"jsonl": "logged"}
+    lines = [json.loads(line) for line in (out / "trackers" / "jsonl" / "mine.jsonl").read_text().splitlines()]
+    assert lines[0]["params"]["trackers.jsonl.file"] == "mine.jsonl" and lines[0]["resumed"] is False
+    steps = [line["step"] for line in lines[1:-1]]
+    assert steps == sorted(steps) and steps[-1] == report["tokens"]["completed"]
+    end = lines[-1]
+    assert end["status"] == "finished"
+    assert end["totals"]["items/completed"] == report["items"]["completed"] == N
+    assert end["totals"]["tokens/padding"] == report["tokens"]["padding"]
+    again = _forge(*args, "trackers=[jsonl]", "trackers.jsonl.file=mine.jsonl", "resume=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "trackers" / "jsonl" / "mine.jsonl").read_text().splitlines()]
+    resumed = [line for line in lines if "resumed" in line]
+    assert [r["resumed"] for r in resumed] == [False, True]
+    assert lines[-1]["totals"]["items/resumed"] == N and lines[-1]["status"] == "finished"

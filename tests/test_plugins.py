@@ -39,6 +39,7 @@ def test_every_hookspec_is_typed_and_documents_its_parameters():
     import forge.executors.base
     import forge.function
     import forge.hookspecs
+    import forge.tracker
     import forge.vocab.geometry
     import forge.vocab.records
 
@@ -49,6 +50,7 @@ def test_every_hookspec_is_typed_and_documents_its_parameters():
         "Packer": forge.batching.base.Packer,
         "Executor": forge.executors.base.Executor,
         "Function": forge.function.Function,
+        "Tracker": forge.tracker.Tracker,
     }
     specs = [f for name, f in vars(forge.hookspecs).items() if name.startswith("forge_") and callable(f)]
     assert len(specs) >= 20

@@ -17,6 +17,7 @@ from pathlib import Path
 from forge.config.docs import Section, render
 from forge.config.modes import Batching
 from forge.config.schema import CoreConfig, Devices, RayRuntime, Runtime
+from forge.config.trackers import SETTINGS as TRACKER_SETTINGS
 from forge.io.inputs import InputSpec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -48,6 +49,8 @@ def sections() -> list[Section]:
             out.append(Section(f"function={name}", schema, skip=_names(ModelFunctionConfig), note=_sets(name)))
     for name, (factory, _) in batching_modes(pm).items():
         out.append(Section(f"batching={name}", getattr(factory, "config_schema", Batching), "batching."))
+    for name, settings in TRACKER_SETTINGS.items():  # trackers=[...] picks any of them (docs/trackers.md)
+        out.append(Section(f"trackers=[{name}]", settings, f"trackers.{name}."))
     return out
 
 

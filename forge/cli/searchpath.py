@@ -25,7 +25,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 PROVIDER = "forge-plugin"  # search-path provider names: forge-plugin:<plugin name>
 SCHEMAS = "forge-schema://registered"  # where SchemaSource answers (its scheme, and a path it ignores)
-SCHEMA_GROUPS = ("schema_batching", "schema_function")  # the config groups SchemaSource serves
+SCHEMA_GROUPS = ("schema_batching", "schema_function", "schema_tracker")  # the config groups SchemaSource serves
 FUNCTION_GROUP = "function"  # SchemaSource also serves an option here for every registered function
 
 
@@ -79,10 +79,14 @@ class SchemaSource(ConfigSource):
     def _registry(self) -> dict[str, dict[str, object]]:
         """group -> {name: what the plugins register under it}; read once, at the first lookup."""
         if self._pm is None:
-            from forge.pluginmanager import batching_modes, functions, make_plugin_manager
+            from forge.pluginmanager import batching_modes, functions, make_plugin_manager, trackers
 
             self._pm = make_plugin_manager()
-            self._registered = {"schema_function": functions(self._pm), "schema_batching": batching_modes(self._pm)}
+            self._registered = {
+                "schema_function": functions(self._pm),
+                "schema_batching": batching_modes(self._pm),
+                "schema_tracker": trackers(self._pm),
+            }
         return self._registered
 
     def _split(self, config_path: str) -> tuple[str, str]:
@@ -94,7 +98,7 @@ class SchemaSource(ConfigSource):
 
         from forge.cli.build import mode_schemas
         from forge.config.nodes import defaults_of
-        from forge.pluginmanager import function_class
+        from forge.pluginmanager import function_class, load_object
 
         group, name = self._split(config_path)
         self._registry()  # the plugin manager, made once
@@ -105,6 +109,10 @@ class SchemaSource(ConfigSource):
             )
         if group == "schema_function":
             schema = getattr(function_class({"name": name}, self._pm), "config_schema", None)
+            node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
+        elif group == "schema_tracker":  # the tracker's settings (imports its module, never its library)
+            ref, plugin = self._registered[group][name]
+            schema = getattr(load_object(ref, f"tracker {name} (plugin {plugin})"), "config_schema", None)
             node = OmegaConf.create(defaults_of(schema) if schema is not None else {})
         else:  # the mode this option names, whichever mode's schema it shares (an ItemPacker subclass's)
             node = OmegaConf.create({**defaults_of(mode_schemas(self._pm)[name]), "mode": name})

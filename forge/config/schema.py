@@ -46,6 +46,7 @@ from forge.config.checks import (  # one_of, positive: functions' schemas too
     unwrap_optional,
 )
 from forge.config.modes import Batching
+from forge.config.trackers import check_trackers
 from forge.config.unknown_key import explain_unknown_key, unknown_key_line
 from forge.errors import ForgeError
 
@@ -151,6 +152,9 @@ class CoreConfig:
     check_disk: bool = True  # refuse, before any work, a local output_dir without room for the results
     fail_fast: bool = False  # true: stop at the first bad input row instead of recording it
     plugins: list[str] = field(default_factory=list)  # extra plugin modules to register (import paths), like pytest -p
+    # trackers the run logs to: trackers=[tensorboard,mlflow,wandb,trackio] selects any of them (each
+    # a conf/trackers/ option), trackers.<name>.<key> sets one (forge.config.trackers; docs/trackers.md)
+    trackers: dict[str, Any] = field(default_factory=dict)
 
 
 def schema_for(function_schema: type | None, runtime_schema: type = Runtime, batching_schema: type = Batching) -> type:
@@ -222,6 +226,7 @@ def validate(
     check_bools(schema_cls, cfg)
     _check_values(schema_cls, plain, "")
     _check_executor((plain.get("runtime") or {}).get("executor"), executors)
+    check_trackers(plain.get("trackers"))
     return plain
 
 

@@ -33,7 +33,7 @@ from forge.executors import Executor
 from forge.function import Function
 from forge.io.location import local_path
 from forge.io.store import RunStore
-from forge.pluginmanager import batching_modes, executors, load_object
+from forge.pluginmanager import batching_modes, executors, load_object, trackers
 from forge.vocab.geometry import DEFAULT_WINDOW, Device, Item
 from forge.vocab.records import RunContext
 
@@ -113,6 +113,7 @@ def prepare(
         config=spec.config,
         dry_run=dry_run,
         expected_items=None if dry_run else spec.function.expected_items(),
+        trackers={} if dry_run else selected_trackers(spec.config, pm),
     )
     packer = build_packer(spec, pm)
     if not spec.function.prefix_groups and getattr(packer, "packing", "rows") == "rows":
@@ -156,6 +157,22 @@ def prepare(
         max_attempts=spec.runtime.max_attempts,
     )
     return run, scheduler
+
+
+def selected_trackers(config: dict[str, Any], pm: pluggy.PluginManager) -> dict[str, tuple[Any, str]]:
+    """The trackers `trackers=[...]` selects (the keys of the `trackers` node), from the ones
+    plugins register (forge_trackers); a name none registers is refused, listing those that are."""
+    chosen = list(config.get("trackers") or {})
+    if not chosen:
+        return {}
+    offered = trackers(pm)
+    unknown = [name for name in chosen if name not in offered]
+    if unknown:
+        raise ForgeError(
+            f"trackers: {unknown[0]!r} is not a registered tracker; choose among: {', '.join(sorted(offered))} "
+            "(plugins add more through forge_trackers)"
+        )
+    return {name: offered[name] for name in chosen}
 
 
 def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) -> Executor:

@@ -30,6 +30,9 @@ class RunContext:
     # the recurring-bad-input watch over records read: set by the run loop from its policy;
     # admission adds every record's outcome (None: no watch)
     input_window: FailureWindow | None = None
+    # the trackers the config selects (`trackers=[...]`): name -> (factory or import path, plugin's
+    # name), from the `forge_trackers` registry; empty for a plan
+    trackers: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The plugin module named by the `forge` entry point: three hooks, no heavy imports."""
+"""The plugin module named by the `forge` entry point: four hooks, no heavy imports."""
 
 from forge import hookimpl
 
@@ -14,6 +14,11 @@ def forge_batching_modes():
     from forge_plugin_example.sorted_mode import SortedPacker
 
     return {"sorted": SortedPacker}
+
+
+@hookimpl
+def forge_trackers():
+    return {"jsonl": "forge_plugin_example.jsonl_tracker:JsonlTracker"}
 
 
 @hookimpl

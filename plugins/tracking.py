@@ -1,0 +1,231 @@
+"""Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
+
+The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
+process, where the ledger counts. The hooks only count and queue (a dict per batch); a thread
+per tracker imports its library, starts it, logs and finishes it, so a tracker's start-up and
+writes overlap the run instead of holding batches up. Per batch it logs, at a
+step counted in tokens completed (items an earlier session committed included): tokens, items,
+tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
+it logs report.json's totals and status (after the ledger added them: `trylast`).
+
+A tracker that is not installed, or whose start, log or finish raises, is one warning line on
+stderr (and in report.json's `trackers`); the run goes on without it. Each tracker's id is kept
+in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker run.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from forge.hookspecs import hookimpl
+from forge.io.location import local_path
+from forge.pluginmanager import load_object
+from forge.tracker import Tracker, TrackerRun, flat_params
+from forge.vocab.column_batch import ItemColumns
+
+NAME = "tracking"
+IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
+END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
+
+
+def _metric_name(text: str) -> str:
+    """A name every tracker takes (MLflow refuses ':' in `cuda:0`)."""
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", text)
+
+
+class _Feed:
+    """The trackers' threads (one each) and what the hooks count for them."""
+
+    def __init__(self, run, folder: Path, selected: dict):
+        self.folder = folder
+        self.notes: dict[str, str] = {}  # tracker -> "logged", or its warning
+        self.ids = _read_ids(folder) if (run.config or {}).get("resume") else {}
+        self.lock = threading.Lock()  # over `ids` and ids.json
+        self.started = time.perf_counter()
+        self.step = 0  # tokens completed (resumed included): the x-axis
+        self.session_tokens = 0
+        self.items = 0
+        self.sums: defaultdict[str, int] = defaultdict(int)  # padding, padded_slots, prefix, reused
+        self.devices: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [tokens, busy s]
+        params = flat_params({k: v for k, v in (run.config or {}).items() if k != "hydra"})
+        self.queues: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in selected}
+        self.threads = [  # daemons: a run that dies in start-up does not wait for them
+            threading.Thread(
+                target=self._work, args=(run, name, ref, params), name=f"forge-tracker-{name}", daemon=True
+            )
+            for name, ref in selected.items()
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    # -- the hooks' side: count and queue
+
+    def batch(self, batch, device, stats) -> None:
+        n = batch.num_tokens
+        self.step += n
+        self.session_tokens += n
+        self.items += len(batch.items)
+        s = self.sums
+        s["padding"] += batch.padding
+        s["padded_slots"] += stats.padded_slots
+        s["prefix"] += batch.prefix_tokens
+        s["reused"] += stats.cache_hit_tokens + stats.shared_tokens
+        dev = self.devices[device.name]
+        dev[0] += n
+        dev[1] += stats.seconds
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        figures = {
+            "tokens/completed": self.step,
+            "items/completed": self.items,
+            "tokens/per_s": self.session_tokens / elapsed,
+            "tokens/padding_share": s["padding"] / s["padded_slots"] if s["padded_slots"] else 0.0,
+            "tokens/prefix_reuse": s["reused"] / s["prefix"] if s["prefix"] else 0.0,
+            "batch/tokens": n,
+            "batch/padding_share": batch.padding / stats.padded_slots if stats.padded_slots else 0.0,
+            "batch/tokens_per_s": n / stats.seconds if stats.seconds > 0 else 0.0,
+            f"device/{_metric_name(device.name)}/tokens": dev[0],
+            f"device/{_metric_name(device.name)}/busy_s": dev[1],
+        }
+        for q in self.queues.values():
+            q.put(("log", self.step, figures))
+
+    def end(self, report: dict) -> dict[str, str]:
+        totals = _totals(report)
+        step = int((report.get("tokens") or {}).get("completed", self.step))
+        for q in self.queues.values():
+            q.put(("end", step, (totals, str(report.get("status", "finished")))))
+        deadline = time.monotonic() + END_WAIT_S
+        for thread in self.threads:  # they finish side by side
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        for name, thread in zip(self.queues, self.threads):
+            if thread.is_alive():
+                self.notes[name] = _warn(name, f"still writing after {END_WAIT_S:.0f} s; left to finish")
+        return dict(self.notes)
+
+    # -- a tracker's thread: start, log, finish
+
+    def _work(self, run, name: str, ref: tuple, params: dict) -> None:
+        tracker = self._start(run, name, ref, params)
+        while True:
+            kind, step, payload = self.queues[name].get()
+            if tracker is not None:
+                try:
+                    if kind == "log":
+                        tracker.log(step, payload)
+                    else:
+                        tracker.finish(step, *payload)
+                except Exception as exc:  # noqa: BLE001  (a tracker's failure never stops the run)
+                    self.notes[name] = _warn(name, f"failed ({_line(exc)})")
+                    tracker = None
+            if kind == "end":
+                return
+
+    def _start(self, run, name: str, ref: tuple, params: dict) -> Tracker | None:
+        tracker = None
+        try:
+            tracker = load_object(ref[0], f"tracker {name} (plugin {ref[1]})")()
+            settings = _settings(tracker, (run.config.get("trackers") or {}).get(name) or {})
+            folder = self.folder / name
+            folder.mkdir(parents=True, exist_ok=True)
+            run_name = settings.run_name or Path(str(run.run_dir)).name
+            kept = tracker.start(TrackerRun(name, folder, settings, run_name, params, self.ids.get(name)))
+        except ImportError as exc:
+            need = getattr(tracker, "requires", "")
+            hint = f"pip install '{need}'" if need else "install its package"
+            self.notes[name] = _warn(name, f"not installed ({_line(exc)}); {hint}")
+            return None
+        except Exception as exc:  # noqa: BLE001  (a tracker that cannot start never stops the run)
+            self.notes[name] = _warn(name, f"could not start ({_line(exc)})")
+            return None
+        self.notes[name] = "logged"
+        if kept is not None:
+            with self.lock:
+                self.ids[name] = kept
+                _write_ids(self.folder, self.ids)
+        return tracker
+
+
+def _settings(tracker: Tracker, values: dict):
+    from forge.config.nodes import instantiate
+
+    return instantiate(type(tracker).config_schema, values)
+
+
+def _totals(report: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for group in ("items", "tokens"):
+        for key, value in (report.get(group) or {}).items():
+            out[f"{group}/{key}"] = value
+    for key in ("padding_waste", "cache_hit_rate", "prefix_reuse_rate", "wall_s"):
+        if isinstance(report.get(key), (int, float)):
+            out[key] = report[key]
+    return out
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _warn(name: str, what: str) -> str:
+    line = f"tracker {name}: {what}; the run goes on without it"
+    print(f"forge: warning: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def _read_ids(folder: Path) -> dict:
+    try:
+        return json.loads((folder / IDS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_ids(folder: Path, ids: dict) -> None:
+    try:
+        (folder / IDS).write_text(json.dumps(ids, indent=1))
+    except OSError as exc:
+        print(f"forge: warning: trackers: {IDS} not written ({exc}); a resume starts new tracker runs", file=sys.stderr)
+
+
+@hookimpl
+def forge_run_start(run):
+    if run.dry_run or not run.trackers:
+        return
+    root = local_path(run.run_dir) if run.run_dir is not None else None
+    if root is None:
+        for name in run.trackers:
+            _warn(name, f"the run directory {run.run_dir} is not local, and trackers keep their files there")
+        return
+    folder = Path(root) / "trackers"
+    folder.mkdir(parents=True, exist_ok=True)
+    run.state[NAME] = _Feed(run, folder, dict(run.trackers))
+
+
+@hookimpl
+def forge_items_resumed(run, items):
+    feed = run.state.get(NAME)
+    if feed is not None:
+        feed.step += items.total_tokens if isinstance(items, ItemColumns) else sum(it.num_tokens for it in items)
+
+
+@hookimpl
+def forge_batch_completed(run, batch, device, stats):
+    feed = run.state.get(NAME)
+    if feed is not None:
+        feed.batch(batch, device, stats)
+
+
+@hookimpl(trylast=True)  # after the ledger put its totals in the report
+def forge_run_end(run, report):
+    feed = run.state.pop(NAME, None)
+    if feed is not None:
+        waited = time.perf_counter()
+        report["trackers"] = feed.end(report)
+        report["trackers_end_s"] = round(time.perf_counter() - waited, 3)  # the run's wait for their last writes
