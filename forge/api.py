@@ -91,6 +91,15 @@ class ModelFunctionConfig:
     intervene: list[InterventionConfig] = field(default_factory=list)
 
 
+def open_input(spec: InputSpec, columns: dict[str, Column]) -> InputFile:
+    """The input `spec` names: a Hugging Face dataset (`input.dataset`) or a file (`input.path`)."""
+    if getattr(spec, "dataset", None):
+        from forge.io.datasets_input import InputDataset
+
+        return InputDataset(spec, columns)
+    return InputFile(resolve_input(str(spec.path)), spec, columns)
+
+
 class ModelFunction(Function):
     """Everything a function over one Hugging Face model shares, whatever the model's kind."""
 
@@ -106,7 +115,7 @@ class ModelFunction(Function):
     def __init__(self, config: ModelFunctionConfig):
         self.cfg = config  # an instance of config_schema: the function's settings
         self.hf = HFModel(config.model)
-        self.input = InputFile(resolve_input(str(config.input.path)), config.input, self.columns)  # refuses a bad input
+        self.input = open_input(config.input, self.columns)  # refuses a bad input
         self.input_path = self.input.path
         self._rule: TokenRule | None = None
         self._warnings: list[str] = []
