@@ -43,13 +43,13 @@ from forge.config.schema import positive
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.io.aggregate import Aggregate
-from forge.io.inputs import Column, InputFile, InputSpec, Row
+from forge.io.inputs import Column, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
 from forge.runtime.cost_models import check_layers
 from forge.runtime.forward import Forward
 from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
-from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
+from forge.runtime.modelspec import HFModel, ModelSpec, open_input
 from forge.runtime.prompts import Prompt, Tokens
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
@@ -89,15 +89,6 @@ class ModelFunctionConfig:
     shard_size: int = positive(4096)  # rows per results shard
     # interventions at hook points (forge.runtime.interventions): steering, zero or mean ablation, patching
     intervene: list[InterventionConfig] = field(default_factory=list)
-
-
-def open_input(spec: InputSpec, columns: dict[str, Column]) -> InputFile:
-    """The input `spec` names: a Hugging Face dataset (`input.dataset`) or a file (`input.path`)."""
-    if getattr(spec, "dataset", None):
-        from forge.io.datasets_input import InputDataset
-
-        return InputDataset(spec, columns)
-    return InputFile(resolve_input(str(spec.path)), spec, columns)
 
 
 class ModelFunction(Function):

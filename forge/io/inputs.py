@@ -69,8 +69,8 @@ class InputSpec:
     split: str = "train"  # the dataset's split
     config: str | None = None  # the dataset's configuration (load_dataset's second argument)
     data_files: list[str] = field(default_factory=list)  # the files a builder (input.dataset=json, ...) reads
-    # Forge's field -> the dataset's column, e.g. {text: sentence, id: idx, label: label}; unmapped fields
-    # keep their own names
+    # Forge's field -> the dataset's column, e.g. {text: sentence, id: idx} (on the command line:
+    # +input.columns.text=sentence); unmapped fields keep their own names
     columns: dict[str, str] = field(default_factory=dict)
     streaming: bool = False  # read the dataset batch by batch, never whole in memory (docs/datasets.md)
     limit: int | None = positive(None)  # take only the first N rows
