@@ -24,7 +24,7 @@ RUN = [*small_run(N), "runtime.executor=inprocess", "shard_size=8"]
 
 
 def _renamed(row: dict) -> dict:
-    return {"uid": row["id"], "shots": row["prefix"], "sentence": row["text"], "label": row["label"]}
+    return {"uid": row["id"], "shots": row.get("prefix"), "sentence": row["text"], "label": row["label"]}
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +222,46 @@ def _same(run_dir: Path, clean_dir: Path) -> None:
     assert list(got.ids) == list(want.ids)
     for name, values in want.columns.items():
         assert np.allclose(got.columns[name], values, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.slow
+def test_the_datasets_pages_examples_run(tmp_path, monkeypatch):
+    """docs/datasets.md: every `forge run` command (on a few rows, in this process) and every
+    Python block, in order, in a folder holding the data the page names."""
+    import re
+
+    from conftest import compose
+    from forge.cli.build import build_spec
+    from forge.driver.engine import execute
+    from forge.pluginmanager import make_plugin_manager
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "datasets.md").read_text()
+    rows = [_renamed(json.loads(line)) for line in (ASSETS / "statements.jsonl").read_text().splitlines()[:16]]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "statements.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(tmp_path / "data" / "statements"))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(4))}).save_to_disk(
+        str(tmp_path / "data" / "statements_dict")
+    )
+    monkeypatch.chdir(tmp_path)
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", page, flags=re.S)
+    ran = 0
+    for lang, block in blocks:
+        if lang == "python":
+            exec(compile(block, "docs/datasets.md", "exec"), {})
+            ran += 1
+            continue
+        for command in block.replace("\\\n", " ").splitlines():
+            if not command.startswith("forge run "):
+                continue
+            args = [a.strip("'") for a in command.split()[2:]]
+            spec = build_spec(compose([*args, "runtime.executor=inprocess", "input.limit=8"]), tmp_path / _out(args))
+            report = execute(spec, make_plugin_manager(modules=spec.plugins))
+            assert report["status"] == "finished" and report["items"]["completed"] >= 4, command
+            ran += 1
+    assert ran == 6
+
+
+def _out(args: list[str]) -> str:
+    return next(a.split("=", 1)[1] for a in args if a.startswith("output_dir="))
