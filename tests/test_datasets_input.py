@@ -256,7 +256,7 @@ def test_the_datasets_pages_examples_run(tmp_path, monkeypatch):
             if not command.startswith("forge run "):
                 continue
             args = [a.strip("'") for a in command.split()[2:]]
-            spec = build_spec(compose([*args, "runtime.executor=inprocess", "input.limit=8"]), tmp_path / _out(args))
+            spec = build_spec(compose(*args, "runtime.executor=inprocess", "input.limit=8"), tmp_path / _out(args))
             report = execute(spec, make_plugin_manager(modules=spec.plugins))
             assert report["status"] == "finished" and report["items"]["completed"] >= 4, command
             ran += 1
