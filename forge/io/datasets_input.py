@@ -196,10 +196,11 @@ class _Source:
 class _TableSource(_Source):
     """An in-memory or memory-mapped `datasets.Dataset` (its Arrow table, batch by batch)."""
 
-    def __init__(self, ds):
+    def __init__(self, ds, sources: list[str] | None = None):
         self.ds = ds.flatten_indices() if getattr(ds, "_indices", None) is not None else ds
         self.schema = self.ds.data.schema
         self.names = list(self.schema.names)
+        self.sources = sources  # a builder's own files: its fingerprint, streamed or not
 
     def batches(self, columns: list[str] | None = None) -> Iterator[Any]:
         table = self.ds.data.table
@@ -211,7 +212,7 @@ class _TableSource(_Source):
         return self.ds.num_rows
 
     def files(self) -> list[str]:
-        return [f["filename"] for f in self.ds.cache_files]
+        return list(self.sources) if self.sources is not None else [f["filename"] for f in self.ds.cache_files]
 
 
 class _ArrowFiles(_Source):
@@ -306,7 +307,7 @@ def _from_builder(name: str, spec: InputSpec, source: str) -> _Source:
         ds = datasets.load_dataset(name, data_files=files, split="train", streaming=spec.streaming)
     except Exception as exc:  # noqa: BLE001
         raise ForgeError(f"{source}: its files cannot be read ({first_line(exc)}); fix them") from None
-    return _Streamed(ds, files) if spec.streaming else _TableSource(ds)
+    return _Streamed(ds, files) if spec.streaming else _TableSource(ds, files)
 
 
 def _from_hub_cache(name: str, spec: InputSpec, source: str) -> _Source:
