@@ -26,9 +26,10 @@ RUN = [*small_run(N), "runtime.executor=inprocess", "shard_size=8"]
 @pytest.fixture(scope="module", autouse=True)
 def _datasets_cache(tmp_path_factory):
     """The json builder's Arrow cache in a temporary folder, not the user's ~/.cache."""
+    folder = tmp_path_factory.mktemp("hf-datasets-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets-cache"))
-        yield
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", folder)
+        yield folder
 
 
 def _renamed(row: dict) -> dict:
@@ -87,6 +88,27 @@ def test_rows_get_ids_from_a_column_or_their_index(data):
     assert by_column[0].id == first["id"] and by_column[0].data["text"] == first["text"]
     assert [r.id for r in by_index] == [f"#{k}" for k in range(N)]
     assert "uid" in by_index[0].data  # an unmapped column keeps its own name
+
+
+def test_a_dataset_in_the_local_hub_cache_is_read_offline(data, _datasets_cache):
+    """A Hub name that `load_dataset` cached earlier (made here from the json builder's cache,
+    laid out as the Hub's would be), read with HF_HUB_OFFLINE: nothing is fetched."""
+    import shutil
+
+    from forge.api import TEXT_COLUMNS
+    from forge.io.datasets_input import InputDataset
+
+    datasets.load_dataset("json", data_files=[str(data / "renamed.jsonl")], split="train")
+    built = next((_datasets_cache / "json").glob("*/*/*"))
+    cached = _datasets_cache / "me___statements" / "default" / "0.0.0" / built.name
+    shutil.copytree(built, cached)
+    for f in cached.glob("json-*"):
+        f.rename(cached / f.name.replace("json-", "statements-"))
+    spec = {"dataset": "me/statements", "columns": {"text": "sentence", "id": "uid"}}
+    got = list(InputDataset(spec, TEXT_COLUMNS).rows())
+    assert [r.id for r in got] == [json.loads(line)["id"] for line in (data / "rows.jsonl").read_text().splitlines()]
+    with pytest.raises(ForgeError, match=r"input.dataset=me/statements: no split 'test' \(splits: train\)"):
+        InputDataset({**spec, "split": "test"}, TEXT_COLUMNS)
 
 
 def test_streaming_reads_the_same_rows_and_counts_them(data):
