@@ -5,7 +5,8 @@ of a file's lines, so every rule after reading is the same: the id rule (a colum
 `#<row index>`), `input.duplicate_ids`, `input.max_row_bytes`, `input.limit`, and a row that
 cannot be used is a recorded failure naming its row. Where the dataset comes from:
 
-* a `save_to_disk` folder (`state.json`, or `dataset_dict.json` with one folder per split);
+* a `save_to_disk` folder (`state.json`, or `dataset_dict.json` with one folder per split),
+  read as the Arrow files it is, without importing `datasets`;
 * a builder over local files: `input.dataset=json|csv|parquet|arrow|text` with `input.data_files`;
 * otherwise a name in the local Hub cache, read offline (HF_DATASETS_OFFLINE and HF_HUB_OFFLINE
   are set before `datasets` is imported: nothing is downloaded).
@@ -18,7 +19,7 @@ a memory map, whose pages would count as the process's memory), a builder throug
 own streaming. The order is the dataset's, the same on every read, so a resume skips exactly
 the rows the journal names (each item's input position) and reads on from there.
 
-This module imports `datasets` only when a dataset is opened; the core never imports it.
+This module imports `datasets` only to open a builder or a Hub cache entry; the core never imports it.
 """
 
 from __future__ import annotations
@@ -216,23 +217,37 @@ class _TableSource(_Source):
 
 
 class _ArrowFiles(_Source):
-    """A save_to_disk split streamed: its Arrow stream files, a batch at a time (no memory map)."""
+    """A save_to_disk split: its Arrow stream files (`state.json`'s `_data_files`), a batch at a
+    time, memory-mapped as `datasets.load_from_disk` maps them, or (`streaming`) read through
+    pyarrow's stream reader, whose batches are freed once read (a map's pages would count as
+    the process's memory). `datasets` itself is not imported."""
 
-    def __init__(self, folder: Path, state: dict):
+    def __init__(self, folder: Path, source: str, streaming: bool):
         import pyarrow as pa
 
-        self.paths = [str(folder / f["filename"]) for f in state.get("_data_files", [])]
-        if not self.paths:
-            raise ForgeError(f"input.dataset={folder}: its state.json names no data files; save the dataset again")
-        with pa.OSFile(self.paths[0]) as f:
-            self.schema = pa.ipc.open_stream(f).schema
+        try:
+            state = json.loads((folder / "state.json").read_text())
+            self.paths = [str(folder / f["filename"]) for f in state["_data_files"]]
+            with self._open(self.paths[0]) as f:
+                self.schema = pa.ipc.open_stream(f).schema
+        except (OSError, ValueError, KeyError, IndexError, TypeError, pa.ArrowException) as exc:
+            raise ForgeError(
+                f"{source}: cannot be read as a saved dataset ({first_line(exc)}); save it again"
+            ) from None
+        self.streaming = streaming
         self.names = list(self.schema.names)
+
+    @staticmethod
+    def _open(path: str, streaming: bool = True):
+        import pyarrow as pa
+
+        return pa.OSFile(path) if streaming else pa.memory_map(path)
 
     def batches(self, columns: list[str] | None = None) -> Iterator[Any]:
         import pyarrow as pa
 
         for path in self.paths:
-            with pa.OSFile(path) as f:
+            with self._open(path, self.streaming) as f:
                 for batch in pa.ipc.open_stream(f):
                     for lo in range(0, batch.num_rows, BATCH_ROWS):
                         part = batch.slice(lo, BATCH_ROWS)
@@ -284,13 +299,7 @@ def _from_disk(folder: Path, spec: InputSpec, source: str) -> _Source:
         if spec.split not in splits:
             raise ForgeError(f"{source}: no split {spec.split!r} (splits: {', '.join(splits)}); set input.split")
         folder = folder / spec.split
-    if spec.streaming:
-        return _ArrowFiles(folder, json.loads((folder / "state.json").read_text()))
-    datasets = load_datasets()
-    try:
-        return _TableSource(datasets.load_from_disk(str(folder)))
-    except Exception as exc:  # noqa: BLE001  (datasets raises several types for a bad folder)
-        raise ForgeError(f"{source}: cannot be read as a saved dataset ({first_line(exc)})") from None
+    return _ArrowFiles(folder, source, spec.streaming)
 
 
 def _from_builder(name: str, spec: InputSpec, source: str) -> _Source:
