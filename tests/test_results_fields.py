@@ -112,6 +112,7 @@ def test_the_summary_says_why_there_are_more_items_than_input_rows(capture_run):
     assert f"items = input rows + {prefixes} prefix-state items (prefix_states=once" in report["path"]
 
 
+@pytest.mark.slow
 def test_results_as_a_dataset_share_the_runs_arrow_data(tmp_path):
     datasets = pytest.importorskip("datasets")
     from forge.io.results import load

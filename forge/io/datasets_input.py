@@ -162,6 +162,9 @@ class InputDataset(InputFile):
         has_ids = self._id_column() is not None
         start, counted = 0, 0
         for batch in self.data.batches(self._one_column()):
+            if self.limit is not None and start >= self.limit:
+                self._count = self.limit  # at least this many: count() says the limit
+                return
             counted += batch.num_rows
             if has_ids:
                 for k, value in enumerate(batch.column(0).to_pylist()):
