@@ -27,6 +27,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "strategies": ("benchmarks.scale.bench_strategies", ""),
         "tree-mask": ("benchmarks.scale.bench_tree_mask", ""),
         "ray": ("benchmarks.scale.bench_ray", "bench"),
+        "datasets": ("benchmarks.scale.bench_datasets", "datasets"),
     },
     "start-up (benchmarks/startup/)": {
         "startup": ("benchmarks.startup.bench_startup", ""),

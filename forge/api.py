@@ -43,13 +43,13 @@ from forge.config.schema import positive
 from forge.errors import ForgeError
 from forge.function import Function
 from forge.io.aggregate import Aggregate
-from forge.io.inputs import Column, InputFile, InputSpec, Row
+from forge.io.inputs import Column, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
 from forge.runtime.cost_models import check_layers
 from forge.runtime.forward import Forward
 from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
-from forge.runtime.modelspec import HFModel, ModelSpec, resolve_input
+from forge.runtime.modelspec import HFModel, ModelSpec, open_input
 from forge.runtime.prompts import Prompt, Tokens
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
@@ -106,7 +106,7 @@ class ModelFunction(Function):
     def __init__(self, config: ModelFunctionConfig):
         self.cfg = config  # an instance of config_schema: the function's settings
         self.hf = HFModel(config.model)
-        self.input = InputFile(resolve_input(str(config.input.path)), config.input, self.columns)  # refuses a bad input
+        self.input = open_input(config.input, self.columns)  # refuses a bad input
         self.input_path = self.input.path
         self._rule: TokenRule | None = None
         self._warnings: list[str] = []

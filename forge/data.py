@@ -62,7 +62,7 @@ class Shard:
 
 def token_states(
     run_dir,
-    layer: int,
+    layer: int | str | None = None,
     batch_size: int = 4096,
     shuffle_buffer: int = 1 << 20,
     seed: int = 0,
@@ -74,9 +74,11 @@ def token_states(
     rank: int | None = None,
     world_size: int | None = None,
     chunk_tokens: int = 1 << 16,
+    field: str | None = None,
 ) -> TokenStates:
-    """An `IterableDataset` of [batch_size, hidden] state batches of `layer` from a pooling=none
-    run (a local path or an fsspec URL). `with_ids`: dicts with `states`, `token_ids`,
+    """An `IterableDataset` of [batch_size, width] state batches of `layer` (`layer_<L>`), or of
+    any stored per-token field (`field="mlp_out.2"`, a capture; a string `layer` names a field
+    too), from a pooling=none run (a local path or an fsspec URL). `with_ids`: dicts with `states`, `token_ids`,
     `item_index`, `position` (in the item's whole sequence) and `item_id` instead. `rank` and
     `world_size` default to torch.distributed's when it is initialized. See the module doc."""
     return TokenStates(
@@ -92,6 +94,7 @@ def token_states(
         rank=rank,
         world_size=world_size,
         chunk_tokens=chunk_tokens,
+        field=field,
     )
 
 
@@ -113,6 +116,7 @@ class TokenStates(IterableDataset):
         rank: int | None,
         world_size: int | None,
         chunk_tokens: int,
+        field: str | None = None,
     ):
         if prefix not in PREFIX_MODES:
             raise ForgeError(f"prefix={prefix!r}; choose one of: {', '.join(PREFIX_MODES)}")
@@ -123,7 +127,7 @@ class TokenStates(IterableDataset):
         ):
             if int(value) < 1:
                 raise ForgeError(f"{name}={value}: must be positive")
-        self.run_dir, self.layer, self.prefix = run_dir, int(layer), prefix
+        self.run_dir, self.prefix = run_dir, prefix
         self.batch_size, self.shuffle_buffer, self.chunk_tokens = (
             int(batch_size),
             int(shuffle_buffer),
@@ -137,9 +141,7 @@ class TokenStates(IterableDataset):
                 f"{run_dir}: {ITEMS}/ holds pooled states (pooling={info.get('pooling')}); per-token "
                 "states come from `forge run function=probe_gen pooling=none`"
             )
-        if self.layer not in info["layers"]:
-            raise ForgeError(f"layer={layer}: the run stored layers {info['layers']}; choose one of them")
-        self.field = f"layer_{self.layer}"
+        self.field = _field_of(run_dir, info, layer, field)
         self.stored_prefixes = info.get("prefix_states") == "once"
         if prefix != "drop" and not self.stored_prefixes:
             raise ForgeError(
@@ -303,6 +305,23 @@ class TokenStates(IterableDataset):
                             "position": torch.arange(b - a),
                         }
         return self._prefixes
+
+
+def _field_of(run_dir, info: dict[str, Any], layer: int | str | None, field: str | None) -> str:
+    """The stored per-token field `layer` (an int: `layer_<L>`; a string: a field's name) or
+    `field` names; one line listing those there are where it names none."""
+    per_token = [f["name"] for f in info["fields"] if f.get("ragged") and f["name"] != "token_ids"]
+    if (layer is None) == (field is None):
+        raise ForgeError(f"token_states: give layer=L or field=NAME (not both); this run stores {', '.join(per_token)}")
+    name = field if field is not None else layer if isinstance(layer, str) else f"layer_{layer}"
+    if name not in per_token:
+        layers = info.get("layers") or []
+        others = [n for n in per_token if n not in {f"layer_{x}" for x in layers}]
+        also = f" (or field= one of {', '.join(others)})" if others else ""
+        if field is None and not isinstance(layer, str):
+            raise ForgeError(f"layer={layer}: the run stored layers {layers}; choose one of them{also}")
+        raise ForgeError(f"field={name!r}: {run_dir} stores {', '.join(per_token)} per token; choose one of them")
+    return str(name)
 
 
 @contextmanager

@@ -29,6 +29,7 @@ from forge.config.schema import MISSING, one_of, positive
 POOLINGS = ("last", "mean", "none")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 PREFIX_FOLDER = "prefix_states"  # pooling=none, prefix_states=once: each distinct prefix's states
+HIDDEN_WIDE = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out")  # hook points of hidden_size values
 PREFIX_ROW = "prefix"  # the id suffix of the item holding a prefix's states: "<row id>/prefix"
 
 
@@ -114,6 +115,29 @@ class ProbeGen(CausalLMFunction):
         captured = {"capture": self.capture} if self.capture else {}
         return {"layers": self.layers, "pooling": self.pooling, **captured, **per_token}
 
+    def output_bytes(self, items: int, own_tokens: int) -> dict[str, int | None] | None:
+        """The base's sizes, and a capture at a residual, attention or MLP point (whose width
+        is the model's hidden size; a module path's is not known before the run) sized as a layer."""
+        out = super().output_bytes(items, own_tokens)
+        if out is None:
+            return None
+        per = Field("_", self.dtype, (self.hidden_size,)).value_bytes() or 0
+        for name in self.capture:
+            if out.get(name) is None and name.partition(".")[0] in HIDDEN_WIDE:
+                out[name] = per * (own_tokens if self.pooling == "none" else items)
+        return out
+
+    def path(self) -> str:
+        """How it runs; with prefix_states=once, why there are more items than input rows."""
+        base = super().path()
+        if self.pooling != "none" or self.prefix_states != "once" or not self._stored:
+            return base
+        n = len(self._stored)
+        return (
+            f"{base}; items = input rows + {n:,} prefix-state item{'s' if n != 1 else ''} (prefix_states=once "
+            f"stores each distinct prefix's states once, in {PREFIX_FOLDER}/)"
+        )
+
     def memory_pooling(self) -> str:
         return "last" if self.pooling == "last" else "mean"
 
@@ -146,7 +170,9 @@ class ProbeGen(CausalLMFunction):
         main = self.result_schema()
         sinks = {
             "items": super().open_sink(store),
-            PREFIX_FOLDER: ResultSink(store, replace(main, folder=PREFIX_FOLDER, meta_key=None)),
+            PREFIX_FOLDER: ResultSink(
+                store, replace(main, folder=PREFIX_FOLDER, meta_key=None, meta={**main.meta, "part_of": main.folder})
+            ),
         }
         return RoutedSink(sinks, lambda item: PREFIX_FOLDER if isinstance(item.meta.data, PrefixRow) else "items")
 

@@ -274,7 +274,11 @@ def test_every_function_yaml_takes_its_input_defaults_from_the_schema():
     from forge.cli.build import conf_dir, to_plain
     from forge.io.inputs import InputSpec
 
-    defaults = {f.name: f.default for f in dataclasses.fields(InputSpec) if f.name != "path"}
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(InputSpec)
+        if f.name != "path"
+    }
     example = Path(__file__).resolve().parent.parent / "examples" / "forge-plugin-example" / "forge_plugin_example"
     paths = sorted((conf_dir() / "function").glob("*.yaml")) + sorted((example / "conf" / "function").glob("*.yaml"))
     assert {p.stem for p in paths} >= {"probe_gen", "score", "embed", "surprisal", "token_norms"}

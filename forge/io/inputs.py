@@ -28,7 +28,7 @@ import hashlib
 import re
 import stat
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,17 @@ class InputSpec:
     function YAML extends it (`- /schema_input@input` in its defaults list, registered by
     `forge.cli.searchpath.store_schemas`) and sets only `path`."""
 
-    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>"
+    path: str = MISSING  # JSONL or Parquet file, or "embedded:<name>" (input.dataset, when set, replaces it)
+    # a Hugging Face dataset (pip install 'forge[datasets]'): a save_to_disk folder, a dataset in the local Hub
+    # cache (read offline), or a builder over local files (json, csv, parquet, arrow) with input.data_files
+    dataset: str | None = None
+    split: str = "train"  # the dataset's split
+    config: str | None = None  # the dataset's configuration (load_dataset's second argument)
+    data_files: list[str] = field(default_factory=list)  # the files a builder (input.dataset=json, ...) reads
+    # Forge's field -> the dataset's column, e.g. {text: sentence, id: idx} (on the command line:
+    # +input.columns.text=sentence); unmapped fields keep their own names
+    columns: dict[str, str] = field(default_factory=dict)
+    streaming: bool = False  # read the dataset batch by batch, never whole in memory (docs/datasets.md)
     limit: int | None = positive(None)  # take only the first N rows
     duplicate_ids: str = one_of("error", *DUPLICATE_POLICIES)  # a repeated id: refuse | keep first | keep last
     max_row_bytes: int = positive(MAX_ROW_BYTES)  # a longer row fails before it is parsed or tokenized
@@ -113,6 +123,11 @@ def check_input(path: Path, key: str = "input.path", columns: Mapping[str, Colum
 def check_spec(spec: InputSpec) -> None:
     """One ForgeError line for a bad `input` setting (the config schema checks them too; a
     function built in code gets the same lines)."""
+    if spec.dataset is None and (spec.columns or spec.data_files or spec.streaming):
+        raise ForgeError(
+            "input.columns, input.data_files and input.streaming apply to input.dataset only; set "
+            "input.dataset=NAME_OR_PATH, or rename the file's columns"
+        )
     if spec.duplicate_ids not in DUPLICATE_POLICIES:
         raise ForgeError(f"input.duplicate_ids={spec.duplicate_ids!r}; choose one of: {', '.join(DUPLICATE_POLICIES)}")
     for key, value in (("max_row_bytes", spec.max_row_bytes), ("limit", spec.limit)):
@@ -143,6 +158,7 @@ class InputFile:
         self.spec = spec if isinstance(spec, InputSpec) else _spec(spec)
         check_spec(self.spec)
         self.path = check_input(path, columns=columns)
+        self.source = f"input.path={self.path}"  # where the rows come from, as a message starts
         self.limit = self.spec.limit
         self.max_row_bytes = self.spec.max_row_bytes
         self.duplicate_ids = self.spec.duplicate_ids
@@ -267,7 +283,7 @@ class InputFile:
         listed = (", ".join(spots[:-1]) + " and " + spots[-1]) if len(places) <= 3 else ", ".join(spots) + ", ..."
         n = len(repeats)
         return (
-            f"input.path={self.path}: {n} {'id repeats' if n == 1 else 'ids repeat'}, e.g. {short(rid)} at "
+            f"{self.source}: {n} {'id repeats' if n == 1 else 'ids repeat'}, e.g. {short(rid)} at "
             f"{unit} {listed}; make ids unique, or set input.duplicate_ids=first or input.duplicate_ids=last "
             "to keep one row of each"
         )

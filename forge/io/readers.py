@@ -49,7 +49,6 @@ class Record(NamedTuple):
 
 def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "input.path") -> None:
     """One ForgeError line if a column is missing or holds the wrong type (pyarrow's schema)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -57,13 +56,22 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise ForgeError(f"{key}={path}: not a readable Parquet file ({first_line(exc)})") from None
     check_unique_columns(path, schema.names, key)
+    check_schema(schema, columns, f"{key}={path}", "and write the file again")
+
+
+def check_schema(schema, columns: Mapping[str, Column], source: str, fix: str, add: str = "add") -> None:
+    """One ForgeError line if an Arrow schema lacks a required column or holds a wrong type;
+    `source` starts the line (e.g. "input.path=x.parquet"), `fix` ends a type's fix, `add`
+    starts a missing column's fix."""
+    import pyarrow as pa
+
     kinds = {"string": is_string_type, "integer": pa.types.is_integer, "any": lambda t: True}
     for name, column in columns.items():
         if name not in schema.names:
             if column.required:
                 raise ForgeError(
-                    f"{key}={path}: no {name!r} column (columns: {', '.join(schema.names)}); "
-                    f"add a {' or '.join(column.kinds)} column {name!r}"
+                    f"{source}: no {name!r} column (columns: {', '.join(schema.names)}); "
+                    f"{add} a {'' if column.kinds == ('any',) else ' or '.join(column.kinds) + ' '}column {name!r}"
                 )
             continue
         t = schema.field(name).type
@@ -73,8 +81,8 @@ def check_parquet_schema(path: Path, columns: Mapping[str, Column], key: str = "
             continue  # an all-null optional column: every row lacks it
         if not any(kinds[k](t) for k in column.kinds):
             raise ForgeError(
-                f"{key}={path}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
-                f"(cast it, e.g. with pyarrow or pandas, and write the file again)"
+                f"{source}: column {name!r} is {t}; it must be {' or '.join(column.kinds)} "
+                f"(cast it, e.g. with pyarrow or pandas, {fix})"
             )
 
 
@@ -246,7 +254,7 @@ def parquet_records(path: Path, cap: int) -> Iterator[Record]:
                 why = first_line(exc)
                 break
             take = min(batch.num_rows, n - done)
-            yield from _batch_records(batch.slice(0, take), start + done, cap)
+            yield from batch_records(batch.slice(0, take), start + done, cap)
             done += take
         for index in range(start + done, start + n):
             yield Record(
@@ -259,7 +267,7 @@ def parquet_records(path: Path, cap: int) -> Iterator[Record]:
         start += n
 
 
-def _batch_records(batch, start: int, cap: int) -> Iterator[Record]:
+def batch_records(batch, start: int, cap: int) -> Iterator[Record]:
     sizes = _row_sizes(batch)
     over = sizes > cap
     if over.any():

@@ -175,6 +175,18 @@ class Results:
             data[name] = _arrow_column(values)
         return pa.table(data)
 
+    def to_dataset(self):
+        """The results as a Hugging Face `datasets.Dataset` (the `datasets` extra) over `table()`:
+        Arrow buffers that share the numeric columns' memory, not copied again; ready for
+        `save_to_disk` or `push_to_hub`."""
+        try:
+            import datasets
+        except ImportError:
+            raise ForgeError(
+                "to_dataset() needs the Hugging Face datasets package: pip install 'forge[datasets]'"
+            ) from None
+        return datasets.Dataset(self.table())
+
 
 def result_folders(run_dir) -> list[str]:
     """Folders of the run directory that hold committed results (journal order)."""
@@ -206,9 +218,14 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
 
 
 def _folder(run_dir, folder: str | None) -> str:
+    """`folder`, or the run's one results folder (a folder whose meta.json says it is `part_of`
+    another, such as probe_gen's prefix_states/, is not a candidate)."""
     if folder is not None:
         return folder
     folders = result_folders(run_dir)
+    if len(folders) > 1:
+        where = open_location(run_dir)
+        folders = [f for f in folders if "part_of" not in json.loads(where.read_bytes(f"{f}/{META}"))] or folders
     if len(folders) != 1:
         raise ForgeError(
             f"{run_dir}: {'no results' if not folders else 'results in ' + ', '.join(folders)}; "

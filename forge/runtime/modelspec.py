@@ -89,6 +89,18 @@ def resolve_input(path: str) -> Path:
     return Path(path).expanduser()
 
 
+def open_input(spec, columns):
+    """The input `spec` (an `InputSpec`) names: a Hugging Face dataset (`input.dataset`,
+    `forge.io.datasets_input`, imported only then) or a file (`input.path`), checked."""
+    if getattr(spec, "dataset", None):
+        from forge.io.datasets_input import InputDataset
+
+        return InputDataset(spec, columns)
+    from forge.io.inputs import InputFile
+
+    return InputFile(resolve_input(str(spec.path)), spec, columns)
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
