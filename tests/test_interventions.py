@@ -327,7 +327,9 @@ CASES = {
     "zero-positions-attn_out": [{"at": "attn_out.1", "op": "zero", "span": [0, 2, -1]}],
     "set-all-mlp_out": [{"at": "mlp_out.1", "op": "set", "vector": "FILE", "span": "all"}],
     "zero-prefix-resid_post": [{"at": "resid_post.0", "op": "zero", "span": "prefix"}],
-    "add-positions-resid_pre": [{"at": "resid_pre.1", "op": "add", "vector": "FILE", "scale": -1.5, "span": [1, 3, -2]}],
+    "add-positions-resid_pre": [
+        {"at": "resid_pre.1", "op": "add", "vector": "FILE", "scale": -1.5, "span": [1, 3, -2]}
+    ],
     "add-text-mlp_in": [{"at": "mlp_in.2", "op": "add", "vector": "FILE", "span": "text"}],
     "two-at-one-point": [
         {"at": "resid_post.1", "op": "add", "vector": "FILE", "scale": 2.0, "span": "all"},

@@ -110,6 +110,7 @@ class RowSteer:
         values: dict[str, Any] = {}
         for parameter, column in iv.rows:
             if parameter == "source" and data.get(column) is None:
+                self._sources()  # (refuses a run where no row names a source: a misspelt column)
                 return EntryRow(())  # a row naming no source is not patched (it may be one)
             if column not in data or data[column] is None:
                 return f"{parameter}: the row has no {column!r} field ({parameter}: {ROW}{column}); give every row one"
