@@ -122,7 +122,8 @@ def test_a_vector_per_row_picked_from_a_table_equals_one_run_per_vector_exactly(
         assert value == want[dir_of[item.split("/")[0]]][item], item
 
 
-def test_a_scale_per_row_that_reaches_the_prefix_equals_hooked_transformers(setup, tmp_path):
+@pytest.mark.parametrize("mode", ["token-cache", pytest.param("token-merged", marks=pytest.mark.slow)])
+def test_a_scale_per_row_that_reaches_the_prefix_equals_hooked_transformers(setup, tmp_path, mode):
     """span all: a prefix steered at each row's scale is that row's own (its prefix key says so),
     so rows under one prefix text at other scales never share its keys and values."""
     from tests.test_interventions import reference_loglik
@@ -130,8 +131,8 @@ def test_a_scale_per_row_that_reaches_the_prefix_equals_hooked_transformers(setu
     rows = _sweep_rows(setup)
     steer = {"at": "resid_post.0", "op": "add", "vector": "FILE", "span": "all"}
     small = ["devices.limits.max_seq_len=64", "devices.limits.max_batch_tokens=64", "budget.tokens_per_step=64"]
-    report = _run(setup, rows, tmp_path / "sweep", "token-cache", [{**steer, "scale": "row.scale"}], "score", *small)
-    assert {"split-prefix rows", "cache-hit rows"} <= set(report["layouts"]), report["layouts"]
+    report = _run(setup, rows, tmp_path / "sweep", mode, [{**steer, "scale": "row.scale"}], "score", *small)
+    assert LAYOUTS[mode] <= set(report["layouts"]), report["layouts"]
     got = _logliks(tmp_path / "sweep")
     _, items = _items(setup)
     scale_of = {r["id"]: r["scale"] for r in map(json.loads, open(rows)) if "id" in r}
@@ -460,3 +461,27 @@ def test_every_function_takes_a_scale_per_row(setup, tmp_path, function, options
         _run(setup, path, tmp_path / f"at-{s}", "token-merged", [{**steer, "scale": s}], function, *options)
         mine = [r["id"] for k, r in enumerate(rows) if SCALES[k % 4] == s]
         _columns_equal(got, load(tmp_path / f"at-{s}"), mine)
+
+
+def test_a_rows_span_is_a_position_a_list_of_them_or_a_span_name(setup, tmp_path):
+    """What each row's `pos` resolves to (`ItemMeta.steer`): positions of its own sequence."""
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.score import Score, ScoreConfig
+    from forge.vocab.geometry import Item
+    from forge.vocab.records import Rejected
+
+    spans = {"a": 2, "b": [0, -1], "c": "last", "d": "text", "e": "middle", "f": [1, 2.5]}
+    rows = [{"id": k, "context": "Yes and", "continuation": " no", "pos": v} for k, v in spans.items()]
+    path = _write(tmp_path / "rows.jsonl", rows)
+    entry = {"at": "resid_post.1", "op": "zero", "span": "row.pos"}
+    fn = Score(
+        ScoreConfig(model=ModelSpec(name=str(setup.model_dir)), input=InputSpec(path=str(path)), intervene=[entry])
+    )
+    made = {r.id if isinstance(r, Item) else r.record_id: r for r in fn.records()}
+    item = made["a"]
+    n, p = item.num_tokens, item.prefix_len
+    got = {k: made[k].meta.steer[0].positions for k in "abcd"}
+    assert got == {"a": (2,), "b": (0, n - 1), "c": (n - 1,), "d": tuple(range(p, n))}
+    for k in "ef":
+        assert isinstance(made[k], Rejected) and "intervene[0].span ('pos'): " in made[k].reason
+        assert "is not a position (a whole number; negative counts from the end)" in made[k].reason

@@ -32,7 +32,7 @@ import numpy as np
 
 from forge.errors import ForgeError
 from forge.io.ids import canonical_id, short
-from forge.runtime.interventions import ROW, Intervention, Interventions
+from forge.runtime.interventions import ROW, SPANS, Intervention, Interventions
 from forge.vocab.geometry import Item
 
 SourceIndex = dict[str, dict[Any, tuple[np.ndarray, int]]]  # row id -> {its items' suffix: (token ids, prefix length)}
@@ -127,8 +127,8 @@ class RowSteer:
                 return f"index: {got} in {iv.column('index')!r} is not a row of the vector file (0..{size - 1})"
         n, prefix_len = item.num_tokens, item.prefix_len
         wanted = values.get("span", iv.span)
-        if isinstance(wanted, str) and "span" not in values:
-            if iv.op != "patch":
+        if isinstance(wanted, str) and wanted in SPANS:  # a named span (the entry's, or the row's own)
+            if iv.op != "patch" and "span" not in values:
                 return EntryRow(None, scale, index)
             positions = named_positions(wanted, n, prefix_len)
         else:
