@@ -11,12 +11,14 @@ with a hook that writes the recorded values at the item's positions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from forge.errors import ForgeError
 from forge.io.results import load
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 SCALES = (0.0, 0.5, 1.0, 2.0)
 QUICK = ("one-at-a-time", "token-cache", "token-merged")  # the rest are marked slow
 MODE_PARAMS = [m if m in QUICK else pytest.param(m, marks=pytest.mark.slow) for m in ALL_MODES]
+SLOW_MODES = [pytest.param(m, marks=pytest.mark.slow) for m in ALL_MODES]  # (five runs each: 5 s and more)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def _sweep_rows(setup: Setup) -> Path:
     )
 
 
-@pytest.mark.parametrize("mode", MODE_PARAMS)
+@pytest.mark.parametrize("mode", SLOW_MODES)
 def test_a_scale_per_row_equals_one_run_per_constant_scale_exactly(setup, tmp_path, mode, request):
     """Rows at scales 0, 0.5, 1, 2 in one run give, bit for bit, what four runs at each constant
     scale give those rows (the items' geometry is the same in all five runs, so are the batches)."""
@@ -105,6 +108,38 @@ def test_a_scale_per_row_equals_one_run_per_constant_scale_exactly(setup, tmp_pa
     assert len({want[s]["s0"] for s in SCALES}) == 4  # each scale changes the result
 
 
+def test_one_batch_of_rows_at_their_own_scales_equals_a_batch_per_constant_scale_bit_for_bit(setup, tmp_path):
+    """The quick loop's check, on one runner: a split-prefix batch of items at scales 0, 0.5, 1, 2
+    gives each item what the same batch at its constant scale gives it."""
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.score import Score, ScoreConfig
+    from forge.runtime.causal_lm import CausalLMRunner
+    from forge.runtime.views import CausalViews
+    from forge.vocab.geometry import Item
+    from tests.test_interventions import _split_batch
+
+    rows = _sweep_rows(setup)
+    steer = {"at": "resid_post.1", "op": "add", "vector": str(setup.root / "v.npy"), "span": "text"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup.model_dir).eval()
+    options = dict(layers=[], cache_tokens=4096, pad_token_id=3, allow_no_layers=True)
+
+    def logliks(scale):
+        cfg = ScoreConfig(model=ModelSpec(name=str(setup.model_dir)), input=InputSpec(path=str(rows)))
+        fn = Score(dataclasses.replace(cfg, intervene=[{**steer, "scale": scale}]))
+        items = [it for it in fn.records() if isinstance(it, Item) and it.id.startswith("s")][:8]
+        runner = CausalLMRunner(model, **options, interventions=fn.interventions)
+        out = CausalViews(runner, Score.forward).run(_split_batch(items))
+        return {v.id: float(v.logprobs.double().sum()) for v in out.views}
+
+    got = logliks("row.scale")
+    assert len(got) == 8
+    for k, s in enumerate(SCALES):
+        want = logliks(s)
+        assert all(got[i] == want[i] for i in got if int(i[1:]) % 4 == k)  # (row k of the sweep: scale k % 4)
+    assert len({logliks(s)["s1"] for s in SCALES}) == 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["item", "token-packed"])
 def test_a_vector_per_row_picked_from_a_table_equals_one_run_per_vector_exactly(setup, tmp_path, mode):
     table = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
@@ -122,7 +157,8 @@ def test_a_vector_per_row_picked_from_a_table_equals_one_run_per_vector_exactly(
         assert value == want[dir_of[item.split("/")[0]]][item], item
 
 
-@pytest.mark.parametrize("mode", ["token-cache", pytest.param("token-merged", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token-cache", "token-merged"])
 def test_a_scale_per_row_that_reaches_the_prefix_equals_hooked_transformers(setup, tmp_path, mode):
     """span all: a prefix steered at each row's scale is that row's own (its prefix key says so),
     so rows under one prefix text at other scales never share its keys and values."""
@@ -440,6 +476,7 @@ def _columns_equal(got, want, rows: list[str]) -> None:
             assert np.array_equal(np.asarray(a), np.asarray(b)), (name, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "function, options",
     [
@@ -447,7 +484,7 @@ def _columns_equal(got, want, rows: list[str]) -> None:
         ("logit_lens", ["layers=[1, 2]"]),
         ("token_entropy", []),
         ("probe_gen", ["layers=[2]", "pooling=mean"]),
-        pytest.param("embed", [], marks=pytest.mark.slow),
+        ("embed", []),
     ],
 )
 def test_every_function_takes_a_scale_per_row(setup, tmp_path, function, options):
