@@ -522,3 +522,23 @@ def test_a_rows_span_is_a_position_a_list_of_them_or_a_span_name(setup, tmp_path
     for k in "ef":
         assert isinstance(made[k], Rejected) and "intervene[0].span ('pos'): " in made[k].reason
         assert "is not a position (a whole number; negative counts from the end)" in made[k].reason
+
+
+def test_one_source_for_every_row_is_its_id(setup, tmp_path):
+    """`source: c` (not row.<column>): every row takes row c's activation, c itself included."""
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.score import Score, ScoreConfig
+    from forge.vocab.geometry import Item
+
+    rows = [{"id": k, "context": "Yes and", "continuation": t} for k, t in (("c", " no"), ("a", " maybe so"))]
+    path = _write(tmp_path / "rows.jsonl", rows)
+    entry = {"at": "resid_post.1", "op": "patch", "source": "c", "span": [-1]}
+    fn = Score(
+        ScoreConfig(model=ModelSpec(name=str(setup.model_dir)), input=InputSpec(path=str(path)), intervene=[entry])
+    )
+    items = {it.id: it for it in fn.records() if isinstance(it, Item)}
+    c, a = items["c"], items["a"]
+    for item in (c, a):
+        got = item.meta.steer[0]
+        assert list(got.source) == list(c.tokens) and got.positions == (item.num_tokens - 1,)
+        assert got.source_positions == (c.num_tokens - 1,)
