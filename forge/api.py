@@ -179,9 +179,10 @@ class ModelFunction(Function):
 
     def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
         from forge.runtime.prompts import make_items, tokenized
+        from forge.runtime.row_steer import steer_for
 
         made = tokenized(self.tokenize, [p for _, p, _ in pending])
-        return make_items(pending, made, self.forward.targets, self.interventions.key)
+        return make_items(pending, made, self.forward.targets, self.interventions.key, steer_for(self))
 
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""

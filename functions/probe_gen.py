@@ -91,6 +91,11 @@ class ProbeGen(CausalLMFunction):
                 "prefix_states=once stores each prefix run as an item of its own, where intervene spans text, last "
                 "and prefix name other tokens than in the items; set prefix_states=none (or span: all or positions)"
             )
+        if pooling == "none" and self.prefix_states == "once" and self.interventions.row_dependent:
+            raise ForgeError(
+                "prefix_states=once stores each prefix run as an item of its own, which has no row's own intervene "
+                "parameters (row.<column>, op: patch, positions from the end); set prefix_states=none"
+            )
         self.dtype = storage_dtype or (self.model.torch_dtype if pooling == "none" else "float32")
         hidden = (self.hidden_size,)
         self.fields = tuple(

@@ -154,7 +154,7 @@ def _positions(span, n: int, prefix_len: int) -> list[int]:
         return list(range(n))
     if span == "last":
         return [n - 1] if n > prefix_len else []
-    return [p for p in span if p < n]
+    return sorted({p % n for p in span})  # (from the end where negative; past it: the item's failure)
 
 
 def _vector_of(entry: dict, setup: Setup) -> np.ndarray | None:
@@ -324,15 +324,17 @@ CASES = {
     "add-text-resid_post": [{"at": "resid_post.1", "op": "add", "vector": "FILE", "scale": 2.0, "span": "text"}],
     "add-prefix-mlp_out": [{"at": "mlp_out.0", "op": "add", "vector": "FILE", "scale": 3.0, "span": "prefix"}],
     "set-last-attn_out": [{"at": "attn_out.2", "op": "set", "vector": "FILE", "span": "last"}],
-    "zero-positions-attn_out": [{"at": "attn_out.1", "op": "zero", "span": [0, 2, 5, 9, 14]}],
+    "zero-positions-attn_out": [{"at": "attn_out.1", "op": "zero", "span": [0, 2, -1]}],
     "set-all-mlp_out": [{"at": "mlp_out.1", "op": "set", "vector": "FILE", "span": "all"}],
     "zero-prefix-resid_post": [{"at": "resid_post.0", "op": "zero", "span": "prefix"}],
-    "add-positions-resid_pre": [{"at": "resid_pre.1", "op": "add", "vector": "FILE", "scale": -1.5, "span": [1, 3, 8]}],
+    "add-positions-resid_pre": [
+        {"at": "resid_pre.1", "op": "add", "vector": "FILE", "scale": -1.5, "span": [1, 3, -2]}
+    ],
     "add-text-mlp_in": [{"at": "mlp_in.2", "op": "add", "vector": "FILE", "span": "text"}],
     "two-at-one-point": [
         {"at": "resid_post.1", "op": "add", "vector": "FILE", "scale": 2.0, "span": "all"},
         {"at": "resid_post.1", "op": "zero", "span": "last"},
-        {"at": "mlp_out.2", "op": "set", "vector": "FILE", "span": [4, 6]},
+        {"at": "mlp_out.2", "op": "set", "vector": "FILE", "span": [2, -1]},
     ],
 }
 
@@ -450,7 +452,7 @@ def _states(setup: Setup, item, entries: list[dict], layer: int) -> torch.Tensor
 PROBES = {  # mode, where, span, items whose layer-2 states change
     "text": ("token-merged", "resid_post.0", "text", 18),
     "prefix": ("token-cache", "resid_post.0", "prefix", 16),  # (the 2 rows without a prefix: unchanged)
-    "positions": ("token-packed", "resid_post.0", [2, 30, 61], 18),
+    "positions": ("token-packed", "resid_post.0", [2, -1, -7], 18),  # (-7: in some items' prefixes)
     # at the layer read: hidden_states[2] is layer 1's output as it flows on, the intervention's included
     "same-layer": ("item", "resid_post.1", "all", 18),
     # hidden_states[2] is what layer 2 reads before resid_pre.2 changes it: not included (a worker
@@ -495,7 +497,7 @@ REFUSED = {
     ),
     "no-vector": ("[{at: resid_post.1, op: add}]", "intervene[0].vector is missing: op=add needs a vector"),
     "bad-span": ("[{at: resid_post.1, op: zero, span: middle}]", "intervene[0].span='middle'; choose one of: text"),
-    "negative-position": ("[{at: resid_post.1, op: zero, span: [3, -1]}]", "positions count from 0"),
+    "row-scale-not-add": ("[{at: resid_post.1, op: set, vector: [1.0], scale: row.s}]", "a scale applies to op=add"),
     "no-point": ("[{op: zero}]", "intervene[0].at is missing"),
     "past-the-layers": ("[{at: mlp_out.3, op: zero}]", "intervene: hook point 'mlp_out.3': the model has layers 0..2"),
     "attention-pattern": ("[{at: attn_pattern.1, op: zero}]", "attention patterns are read, not changed"),

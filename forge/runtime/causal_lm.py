@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from forge.runtime import hf_compat, hooks, shared_prefix
+from forge.runtime import hf_compat, hooks, row_tables, shared_prefix
 from forge.runtime.capabilities import Capabilities, capabilities
 from forge.runtime.hf_compat import cache_key_values, cache_kwarg, num_layers, output_cache, plain_cache, text_config
 from forge.runtime.items import check_batch_items, resolve_layers, token_tensor
@@ -109,6 +109,9 @@ class CausalLMRunner:
         self.layers_run = keep if cut else self.num_layers
         ivs = list(getattr(interventions, "items", interventions or ()))
         self.hooks = hooks.HookSet(model, self.base, self.num_layers, list(captures), ivs)
+        patches = self.hooks.patch_points  # patch sources run alone (forge.runtime.row_tables)
+        self.sources = row_tables.SourceValues(model, self.base, self.num_layers, patches) if patches else None
+        self._table: row_tables.RowTables | None = None  # the running batch's per-item parameters
         if place is not None:  # a device group: accelerate places the cut model by its map (forge.runtime.dispatch)
             place(model)
         elif device is not None:
@@ -183,7 +186,7 @@ class CausalLMRunner:
                 self.cache.misses += 1
         P = prefix.numel()
         kv_cache = plain_cache()  # every layer keeps all prefix keys; masks apply the windows
-        slots = hooks.Slots.prefix(P, self.device) if self.hooks.active else None
+        slots = hooks.Slots.prefix(P, self.device, self._table) if self.hooks.active else None
         out, _ = self.hooks.run(
             self.base,
             slots,
@@ -232,6 +235,10 @@ class CausalLMRunner:
             return None
         seqs = [token_tensor(it) for it in items]
         self._validate(batch, seqs, items)
+        self._table = None
+        if self.hooks.row_dependent:  # each item's own intervention parameters (and patch sources)
+            sources = self.sources.of(items, self.device) if self.sources is not None else {}
+            self._table = row_tables.RowTables(items, self.hooks.interventions, sources)
 
         split = batch.split_prefix
         packed = batch.packed
@@ -318,7 +325,7 @@ class CausalLMRunner:
             position_ids[tok_row, tok_col] = item_off[tok_item] + tok_within
         P = entry.length if entry is not None else 0
         tok = (tok_item, tok_within, tok_row, tok_col)
-        slots = hooks.row_slots(items, tok, B, S, position_ids) if self.hooks.active else None
+        slots = hooks.row_slots(items, tok, B, S, position_ids, table=self._table) if self.hooks.active else None
         out, caught = self._shared(
             entry, packed, [used[r] for r in keep_rows], input_ids.to(dev), position_ids.to(dev), slots
         )
@@ -336,7 +343,8 @@ class CausalLMRunner:
                 ctx[tok_row, tok_col] = torch.where(group >= 0, n + group, NO_CONTEXT)[tok_item]
                 write_prefix_spans(layout, seqs, rmap, n, input_ids, position_ids, seg, ctx)
                 if slots is not None:
-                    slots = hooks.row_slots(items, tok, B, S, position_ids, prefix_spans=seg >= n)
+                    held = row_tables.span_items(layout, seg, n)
+                    slots = hooks.row_slots(items, tok, B, S, position_ids, seg >= n, self._table, held)
             window = self.caps.windows[0] if self.caps.windows else None
             mask = additive_masks(seg, position_ids, P, self.caps.layer_types, window, self.dtype, dev, ctx)
         else:

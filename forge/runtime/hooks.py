@@ -142,14 +142,15 @@ class Slots:
     prefix_len: torch.Tensor  # its item's prefix length (prefix spans: larger than any position in them)
     seq_len: torch.Tensor  # its item's token count (-1: a prefix span shared by several items)
     valid: torch.Tensor  # bool: a token (not padding)
+    item: torch.Tensor | None = None  # its item in the batch (-1: padding; a shared prefix's: an item holding it)
+    table: Any = None  # the batch's per-item parameters of row-dependent entries (forge.runtime.row_tables)
 
     @staticmethod
-    def prefix(length: int, device: Any) -> Slots:
-        """A shared prefix run on its own: every slot is a prefix token."""
+    def prefix(length: int, device: Any, table: Any = None) -> Slots:
+        """A shared prefix run on its own: every slot is a prefix token (of the batch's first item)."""
         pos = torch.arange(length, device=device).view(1, length)
-        return Slots(
-            pos, torch.full_like(pos, length + 1), torch.full_like(pos, -1), torch.ones_like(pos, dtype=torch.bool)
-        )
+        one = torch.ones_like(pos, dtype=torch.bool)
+        return Slots(pos, torch.full_like(pos, length + 1), torch.full_like(pos, -1), one, torch.zeros_like(pos), table)
 
     def span(self, span: Any) -> torch.Tensor:
         """bool [rows, tokens]: the slots an intervention's span covers."""
@@ -192,6 +193,8 @@ class HookSet:
             points.setdefault(point.name, (point, []))[1].append(iv)
         for name, (point, ivs) in points.items():
             self._install(model, base, num_layers, point, ivs, name in self.captures)
+        self.row_dependent = any(iv.row_dependent for _, ivs in points.values() for iv in ivs)
+        self.patch_points = [p for name, (p, ivs) in points.items() if any(iv.op == "patch" for iv in ivs)]
 
     def _install(self, model, base, num_layers, point: HookPoint, ivs: list[Intervention], keep: bool) -> None:
         name = point.name
@@ -261,6 +264,11 @@ class HookSet:
                 f"[{slots.position.shape[0]}, {slots.position.shape[1]}, ...]; choose a module inside a layer"
             )
         for iv in ivs:
+            if iv.row_dependent:  # its parameters and tokens are each item's own
+                if slots.table is None or slots.item is None:
+                    raise ValueError(f"intervention at {iv.at!r}: this forward pass gave no per-item parameters")
+                value = slots.table.apply(iv, value, slots)
+                continue
             mask = self._masks.get((iv.span, value.device))  # a split model's layers are on several devices
             if mask is None:
                 mask = self._masks[iv.span, value.device] = slots.span(iv.span).to(value.device)
@@ -324,21 +332,28 @@ def row_slots(
     width: int,
     position_ids: torch.Tensor,
     prefix_spans: torch.Tensor | None = None,
+    table: Any = None,
+    span_items: torch.Tensor | None = None,
 ) -> Slots:
     """Slots of a forward pass over rows: each item's tokens where `tok` puts them (item, place,
-    row, column), at `position_ids`; tree rows' prefix spans (`prefix_spans`, bool) are prefix tokens."""
+    row, column), at `position_ids`; tree rows' prefix spans (`prefix_spans`, bool) are prefix tokens,
+    each of the item `span_items` names there (one holding it)."""
     tok_item, _, tok_row, tok_col = tok
     prefix_len = torch.zeros(rows, width, dtype=torch.long)
     seq_len = torch.full((rows, width), -1, dtype=torch.long)
     valid = torch.zeros(rows, width, dtype=torch.bool)
+    item = torch.full((rows, width), -1, dtype=torch.long)
     prefix_len[tok_row, tok_col] = torch.tensor([it.prefix_len for it in items], dtype=torch.long)[tok_item]
     seq_len[tok_row, tok_col] = torch.tensor([it.num_tokens for it in items], dtype=torch.long)[tok_item]
     valid[tok_row, tok_col] = True
+    item[tok_row, tok_col] = tok_item
     if prefix_spans is not None:
         span = prefix_spans.cpu()
         valid |= span
         prefix_len[span] = position_ids[span] + 1  # a prefix token, in every item that shares the span
-    return Slots(position_ids.clone(), prefix_len, seq_len, valid)
+        if span_items is not None:
+            item[span] = span_items.cpu()[span]
+    return Slots(position_ids.clone(), prefix_len, seq_len, valid, item, table)
 
 
 def check_points(

@@ -10,7 +10,16 @@ An entry (`InterventionConfig`, one per list element of the function's ``interve
                                 # or a run's dataset result: run:<run dir>#<name>[/<label>]
         scale: 4.0              # add: the multiple of the vector added
         span: text              # text (the item's own tokens) | prefix | all | last (its last own
-                                # token) | [positions] (from the start of the sequence, prefix included)
+                                # token) | [positions] (from the sequence's first token, prefix included;
+                                # a negative one counts from its end: -1 is the last token)
+
+Per-row parameters (`forge.runtime.row_steer`): a value ``row.<column>`` is read from each input
+row, so one run holds a sweep or a set of patching pairs:
+
+      - {at: resid_post.2, op: add, vector: dirs.npy, scale: row.scale}      # a scale per row
+      - {at: resid_post.2, op: add, vector: dirs.npy, index: row.dir}        # a row of a [k, hidden] file
+      - {at: resid_post.2, op: patch, source: row.clean_id, span: [-1]}      # the source row's activation
+      - {at: resid_post.2, op: patch, source: row.clean_id, span: row.pos}   # positions per row
 
 Every layout applies an entry to the same tokens (`forge.runtime.hooks.Slots`), so results stay
 equal to a plain one-prompt forward pass with the same hook. An entry that can reach prefix
@@ -30,9 +39,10 @@ import numpy as np
 
 from forge.errors import ForgeError
 
-OPS = ("add", "set", "zero")
+OPS = ("add", "set", "zero", "patch")
 SPANS = ("text", "prefix", "all", "last")
 WIDE_POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out")  # one hidden-size vector per token
+ROW = "row."  # a value read from each input row: row.<column>
 
 
 @dataclass
@@ -40,10 +50,12 @@ class InterventionConfig:
     """One ``intervene:`` entry as written in YAML (checked by `load_interventions`)."""
 
     at: str = ""  # the hook point: resid_pre.L, resid_post.L, attn_out.L, mlp_in.L, mlp_out.L or a module path
-    op: str = "add"  # add (steering) | set (patch / mean-ablate with the given vector) | zero
+    op: str = "add"  # add (steering) | set (the given vector) | zero | patch (a source row's own activation)
     vector: Any = None  # add/set: numbers, or a file (.npy, .pt, .safetensors#key) or run:<dir>#<name>[/<label>]
-    scale: float = 1.0  # add: the multiple of the vector added
-    span: Any = "text"  # text | prefix | all | last | a list of positions (prefix included, from 0)
+    scale: Any = 1.0  # add: the multiple of the vector added (row.<column>: each row's own)
+    span: Any = "text"  # text | prefix | all | last | positions (from 0; negative: from the end) | row.<column>
+    index: Any = None  # add/set with a [k, hidden] vector file: which of its rows (row.<column>: each row's own)
+    source: Any = None  # patch: the id of the row whose activation is patched in (row.<column>: each row's own)
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,21 @@ class Intervention:
     vector: tuple[float, ...] | None  # add/set: the vector (the value's last dimension)
     scale: float
     span: str | tuple[int, ...]
+    rows: tuple[tuple[str, str], ...] = ()  # (parameter, input column) read per row: scale, index, source, span
+    table: tuple[tuple[float, ...], ...] | None = None  # the [k, width] vectors a per-row index picks from
+    source: str | None = None  # patch: one source row id for every row (None: per row, or no patch)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def column(self, parameter: str) -> str | None:
+        """The input column a parameter is read from per row (None: the entry's own value)."""
+        return dict(self.rows).get(parameter)
+
+    @property
+    def row_dependent(self) -> bool:
+        """Its parameters or its tokens depend on the row: per-row values, a patch or positions
+        counted from the end (`forge.runtime.row_tables` applies it)."""
+        negative = isinstance(self.span, tuple) and any(p < 0 for p in self.span)
+        return bool(self.rows) or self.op == "patch" or negative
 
     def apply(self, value: Any, mask: Any) -> Any:
         """`value` [rows, tokens, ...] with this intervention on the slots where `mask` [rows, tokens]."""
@@ -64,15 +90,7 @@ class Intervention:
         m = mask.view(*mask.shape, *([1] * (value.dim() - 2)))
         if self.op == "zero":
             return value.masked_fill(m, 0)
-        key = (value.device, value.dtype)
-        vec = self._cache.get(key)
-        if vec is None:
-            vec = self._cache[key] = torch.tensor(self.vector, dtype=value.dtype, device=value.device)
-        if vec.shape[-1] != value.shape[-1]:
-            raise ValueError(
-                f"intervention at {self.at!r}: its vector has {vec.shape[-1]} values, the hook point's value "
-                f"has {value.shape[-1]} per token"
-            )
+        vec = self.vector_tensor(value)
         if self.op == "add":
             return torch.where(m, value + self.scale * vec, value)
         return torch.where(m, vec.expand_as(value), value)
@@ -82,11 +100,34 @@ class Intervention:
             None if self.vector is None else hashlib.sha256(np.asarray(self.vector, np.float64).tobytes()).hexdigest()
         )
         span = list(self.span) if isinstance(self.span, tuple) else self.span
-        return {"at": self.at, "op": self.op, "scale": self.scale, "span": span, "vector_sha256": digest}
+        out = {"at": self.at, "op": self.op, "scale": self.scale, "span": span, "vector_sha256": digest}
+        if self.table is not None:
+            out["table_sha256"] = hashlib.sha256(np.asarray(self.table, np.float64).tobytes()).hexdigest()
+        return {
+            **out,
+            **({"per_row": dict(self.rows)} if self.rows else {}),
+            **({"source": self.source} if self.source is not None else {}),
+        }
 
     @property
     def touches_prefix(self) -> bool:
-        return self.span in ("prefix", "all") or isinstance(self.span, tuple)
+        return self.span in ("prefix", "all") or isinstance(self.span, tuple) or self.column("span") is not None
+
+    def vector_tensor(self, value: Any, index: Any = None) -> Any:
+        """The vector (or, with `index` [...]: the table's rows) as a tensor like `value`, kept per device."""
+        import torch
+
+        key = (value.device, value.dtype, index is not None)
+        vec = self._cache.get(key)
+        if vec is None:
+            source = self.vector if index is None else self.table
+            vec = self._cache[key] = torch.tensor(source, dtype=value.dtype, device=value.device)
+        if vec.shape[-1] != value.shape[-1]:
+            raise ValueError(
+                f"intervention at {self.at!r}: its vector has {vec.shape[-1]} values, the hook point's value "
+                f"has {value.shape[-1]} per token"
+            )
+        return vec if index is None else vec[index]
 
 
 @dataclass(frozen=True)
@@ -97,6 +138,16 @@ class Interventions:
 
     def fingerprint(self) -> list[dict[str, Any]]:
         return [iv.describe() for iv in self.items]
+
+    @property
+    def row_dependent(self) -> bool:
+        """Some entry reads its rows (`Intervention.row_dependent`): items carry their own parameters."""
+        return any(iv.row_dependent for iv in self.items)
+
+    @property
+    def checks_rows(self) -> bool:
+        """Each item is checked against its entries (positions past its end fail it), or carries its own."""
+        return self.row_dependent or any(isinstance(iv.span, tuple) for iv in self.items)
 
     @property
     def key(self) -> str | None:
@@ -115,9 +166,10 @@ class Interventions:
         only once it runs: there a wrong length fails the batch's items, with the reason."""
         for k, iv in enumerate(self.items):
             kind = iv.at.rpartition(".")[0]
-            if iv.vector is not None and kind in WIDE_POINTS and len(iv.vector) != hidden_size:
+            width = len(iv.vector) if iv.vector is not None else len(iv.table[0]) if iv.table else None
+            if width is not None and kind in WIDE_POINTS and width != hidden_size:
                 raise ForgeError(
-                    f"{function}: {where}[{k}] at {iv.at!r}: its vector has {len(iv.vector)} values, but the "
+                    f"{function}: {where}[{k}] at {iv.at!r}: its vector has {width} values, but the "
                     f"model's hidden size is {hidden_size}"
                 )
 
@@ -133,20 +185,72 @@ def load_interventions(entries: Any, where: str = "intervene") -> Interventions:
             raise ForgeError(f"{name}.at is missing: name a hook point such as resid_post.2 or mlp_out.1")
         if op not in OPS:
             raise ForgeError(f"{name}.op={op!r}; choose one of: {', '.join(OPS)}")
-        span = _span(get("span", "text"), name)
-        vector = None if op == "zero" else _vector(get("vector"), name, op)
+        rows = [(key, col) for key in ("scale", "index", "source", "span") if (col := _column(get(key), name, key))]
+        per_row = dict(rows)
+        span = f"{ROW}{per_row['span']}" if "span" in per_row else _span(get("span", "text"), name)
+        vector, table, source = _values(get, name, op, per_row)
+        if "scale" in per_row and op != "add":
+            raise ForgeError(f"{name}.scale={get('scale')!r}: a scale applies to op=add only")
         try:
-            scale = float(get("scale", 1.0))
+            scale = 1.0 if "scale" in per_row else float(get("scale", 1.0))
         except (TypeError, ValueError):
-            raise ForgeError(f"{name}.scale={get('scale')!r}: give a number") from None
-        out.append(Intervention(at, op, vector, scale, span))
+            raise ForgeError(
+                f"{name}.scale={get('scale')!r}: expected a number, or {ROW}<column> (each row's own)"
+            ) from None
+        out.append(Intervention(at, op, vector, scale, span, tuple(rows), table, source))
     return Interventions(tuple(out))
+
+
+def _column(value: Any, name: str, key: str) -> str | None:
+    """The input column of a ``row.<column>`` value (None: not one)."""
+    if not isinstance(value, str) or not value.startswith(ROW):
+        return None
+    column = value[len(ROW) :]
+    if not column:
+        raise ForgeError(f"{name}.{key}={value!r}: name the input column after {ROW} (say {ROW}{key})")
+    return column
+
+
+def _values(get: Any, name: str, op: str, per_row: dict[str, str]) -> tuple[Any, Any, str | None]:
+    """(vector, table, source) of an entry: what op takes, checked."""
+    index, source = get("index"), get("source")
+    if op != "patch" and source is not None:
+        raise ForgeError(f"{name}.source={source!r}: a source row is patched in by op=patch only")
+    if op in ("zero", "patch") and index is not None:
+        raise ForgeError(f"{name}.index={index!r}: op={op} takes no vector, so no index")
+    if op == "zero":
+        return None, None, None
+    if op == "patch":
+        if get("vector") is not None:
+            raise ForgeError(f"{name}.vector: op=patch takes the source row's own activation; drop the vector")
+        if source is None or (not isinstance(source, (str, int)) or isinstance(source, bool)):
+            raise ForgeError(f"{name}.source is missing: op=patch needs {ROW}<column> (or one row's id)")
+        return None, None, None if "source" in per_row else str(source)
+    if index is None:
+        return _vector(get("vector"), name, op), None, None
+    values = _array(get("vector"), name, op)
+    if values.ndim != 2 or not values.size or not np.isfinite(values).all():
+        raise ForgeError(f"{name}.vector: index picks a row of a [k, width] table of finite values, got {values.shape}")
+    table = tuple(tuple(float(v) for v in row) for row in values)
+    if "index" in per_row:
+        return None, table, None
+    try:
+        at = _position(index)
+    except (TypeError, ValueError):
+        at = -1
+    if not 0 <= at < len(table):
+        raise ForgeError(
+            f"{name}.index={index!r}: give a row of the vector file, 0..{len(table) - 1}, or {ROW}<column>"
+        )
+    return table[at], None, None
 
 
 def _span(span: Any, name: str) -> str | tuple[int, ...]:
     if isinstance(span, str):
         if span not in SPANS:
-            raise ForgeError(f"{name}.span={span!r}; choose one of: {', '.join(SPANS)}, or a list of positions")
+            raise ForgeError(
+                f"{name}.span={span!r}; choose one of: {', '.join(SPANS)}, a list of positions or {ROW}<column>"
+            )
         return span
     try:
         positions = tuple(_position(p) for p in span)
@@ -154,11 +258,6 @@ def _span(span: Any, name: str) -> str | tuple[int, ...]:
         raise ForgeError(f"{name}.span={span!r}; choose one of: {', '.join(SPANS)}, or a list of positions") from None
     if not positions:
         raise ForgeError(f"{name}.span=[]: name at least one position (or span: all)")
-    if any(p < 0 for p in positions):
-        raise ForgeError(
-            f"{name}.span={list(positions)}: positions count from 0 at the sequence's first token (use span: last "
-            "for the last token)"
-        )
     return positions
 
 
@@ -170,18 +269,21 @@ def _position(p: Any) -> int:
 
 
 def _vector(source: Any, name: str, op: str) -> tuple[float, ...]:
-    if source is None:
-        raise ForgeError(f"{name}.vector is missing: op={op} needs a vector (numbers or a file)")
-    if isinstance(source, str):
-        values = read_vector(source, name)
-    else:
-        try:
-            values = np.asarray(list(source), dtype=np.float64)
-        except (TypeError, ValueError):
-            raise ForgeError(f"{name}.vector: give a list of numbers or a file path") from None
+    values = _array(source, name, op)
     if values.ndim != 1 or not values.size or not np.isfinite(values).all():
         raise ForgeError(f"{name}.vector: need one finite vector (1-D), got shape {values.shape}")
     return tuple(float(v) for v in values)
+
+
+def _array(source: Any, name: str, op: str) -> np.ndarray:
+    if source is None:
+        raise ForgeError(f"{name}.vector is missing: op={op} needs a vector (numbers or a file)")
+    if isinstance(source, str):
+        return read_vector(source, name)
+    try:
+        return np.asarray([list(v) if not np.isscalar(v) else v for v in source], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ForgeError(f"{name}.vector: give a list of numbers or a file path") from None
 
 
 def read_vector(source: str, name: str) -> np.ndarray:

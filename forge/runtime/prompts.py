@@ -79,10 +79,16 @@ def by_token_rule(rule: Any, encode_texts: Callable[[list[str]], list[list[int]]
 
 
 def make_items(
-    pending: list[tuple[Any, Any, int]], tokens_of: list[Any], with_targets: bool, key: str | None = None
+    pending: list[tuple[Any, Any, int]],
+    tokens_of: list[Any],
+    with_targets: bool,
+    key: str | None = None,
+    steer: Callable[[Any, Any, Item], Item | str] | None = None,
 ) -> Iterator[Item | Rejected]:
     """(row, prompt, commit key) with its `Tokens` (or why it has none) -> an `Item` (or `Rejected`).
-    `key`: what every prefix key carries (interventions that change prefix tokens make another prefix)."""
+    `key`: what every prefix key carries (interventions that change prefix tokens make another prefix);
+    `steer(row, suffix, item)`: the item with its per-row intervention parameters, or why it has none
+    (`forge.runtime.row_steer`)."""
     for (row, p, index), made in zip(pending, tokens_of):
         iid = row.id if p.suffix is None else f"{row.id}/{p.suffix}"
         if isinstance(made, str):
@@ -95,7 +101,9 @@ def make_items(
         start = first - 1 if made.target_start is None else made.target_start
         meta = ItemMeta(targets, start, p.label, p.data, row.index)
         prefix_key = made.prefix_key if key is None or made.prefix_key is None else f"{made.prefix_key}|{key}"
-        yield Item(iid, len(tokens), prefix_key, len(made.prefix), tokens, meta, index)
+        item = Item(iid, len(tokens), prefix_key, len(made.prefix), tokens, meta, index)
+        steered = item if steer is None else steer(row, p.suffix, item)
+        yield steered if isinstance(steered, Item) else Rejected(iid, f"{row.where}: {steered}")
 
 
 def sample_output(

@@ -39,6 +39,7 @@ class ItemMeta:
     label: Any = None  # the row's label (kept in the journal by functions that keep labels)
     data: Any = None  # whatever the function attached to the item (its own row metadata)
     row: int = -1  # the input row it came from (forge.io.inputs.Row.index)
+    steer: Any = None  # per entry of intervene: its parameters for this item (forge.runtime.row_steer.EntryRow)
 
 
 @dataclass
