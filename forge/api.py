@@ -50,7 +50,7 @@ from forge.runtime.cost_models import check_layers
 from forge.runtime.forward import Forward
 from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
 from forge.runtime.modelspec import HFModel, ModelSpec, open_input
-from forge.runtime.prompts import Prompt, Tokens
+from forge.runtime.prompts import Prompt, Tokens, sample_output
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
 from forge.vocab.geometry import Device, Item
@@ -250,8 +250,6 @@ class ModelFunction(Function):
     def sample_output(
         self, rows: int, max_seq_len: int | None = None, too_long: str = "skip"
     ) -> tuple[int, int, int] | None:
-        from forge.runtime.prompts import sample_output
-
         return sample_output(self.records(), rows, max_seq_len, too_long)
 
     def open_sink(self, store):
