@@ -102,6 +102,7 @@ class ModelFunction(Function):
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
     shard_bytes: int = SHARD_BYTES  # a shard is also cut once its rows hold this many bytes (per-token results)
+    generates: bool = False  # it feeds generated tokens back (intervene span: generated)
 
     def __init__(self, config: ModelFunctionConfig):
         self.cfg = config  # an instance of config_schema: the function's settings
@@ -290,7 +291,8 @@ class CausalLMFunction(ModelFunction):
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
         self.caps = causal_lm_capabilities(self.config, self.model, self.hf.source)
-        check_points(self.forward.capture, self.interventions.items, n, self.caps.attn, self.name, self.config)
+        ivs = self.interventions.items
+        check_points(self.forward.capture, ivs, n, self.caps.attn, self.name, self.config, self.generates)
         self.interventions.check_widths(self.hidden_size, self.name)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
         self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)

@@ -17,7 +17,8 @@ hold, what batching=memory and ``max_seq_len`` see. Greedy output equals one-pro
 `generate` token for token, in every batching mode (tests/test_generate.py); ``sampling`` draws
 each row's tokens from its own stream, seeded by (seed, id): a row's text does not depend on its
 batch or the budget. A model whose cache is not keys and values per layer (`decoder_refusal`) is
-refused before any work, and so are interventions.
+refused before any work. ``intervene:`` entries apply at the prompt's, the prefix's and every
+generated token's forward pass, by their span (``generated``: the tokens fed back).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class GenerateConfig(ModelFunctionConfig):
     # a batch holds the KV of up to this many steps' tokens (prompts + max_new_tokens): the sequences
     # that decode together, sharing prefixes and steps; each step still takes at most the step budget
     batch_steps: int = positive(16)
+    # sequences decoding at once at most (vLLM's max_num_seqs): the rest of a batch waits, and those
+    # that finish are committed in parts of shard_size rows while the others decode (a kill keeps them)
+    max_running: int = positive(256)
+    shard_size: int = positive(64)  # rows per results shard, and per part a worker hands on as its rows finish
 
 
 def decoder_refusal(config: Any, model_module: str | None = None) -> str | None:
@@ -105,14 +110,18 @@ class Generate(CausalLMFunction):
         Field("num_generated_tokens", "int32"),
     )
     tree_rows = False  # a batch is a set of prompts: the decoder lays out its own steps
+    generates = True
     prefix_groups = False  # ... and shares their prefixes itself: batches mix them
 
     def __init__(self, config: GenerateConfig):
         self.forward = Forward(layers=tuple(config.layers), capture=tuple(config.capture))
         super().__init__(config)
         self.tree_rows = False  # CausalLMFunction.__init__ turns them on (for its runner's tree rows)
-        if self.interventions:
-            raise ForgeError("generate does not apply interventions (intervene): the decoder runs the plain model")
+        if self.interventions and (config.layers or config.capture):
+            raise ForgeError(
+                "generate: intervene with layers or capture is not supported yet (the states' forward pass "
+                "runs unsteered); drop layers/capture, or read the states with probe_gen on the generated text"
+            )
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.states_of = config.states_of
         self.batch_steps = int(config.batch_steps)
@@ -251,7 +260,17 @@ class Generate(CausalLMFunction):
         if self.kv_model is not None and device.memory_bytes:
             kv_bytes = max(0, device.memory_bytes - self.kv_model.weight_bytes)
         sampling = Sampling(*self.sampling)
-        decoder = Decoder(model, self.tokenizer, budget, eos, self.hf.pad_token_id, sampling, kv_bytes=kv_bytes)
+        steer = None
+        if self.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
+            from forge.runtime.hf_compat import base_decoder, num_layers
+            from forge.runtime.hooks import HookSet
+
+            hooks = HookSet(model, base_decoder(model), num_layers(self.config), [], list(self.interventions.items))
+            steer = (hooks, self.interventions.key)
+        decoder = Decoder(
+            model, self.tokenizer, budget, eos, self.hf.pad_token_id, sampling, kv_bytes=kv_bytes,
+            max_running=int(self.cfg.max_running), steer=steer,
+        )  # fmt: skip
         runner = None
         if self.states:
             from forge.runtime.causal_lm import CausalLMRunner
@@ -264,7 +283,8 @@ class Generate(CausalLMFunction):
                 allow_no_layers=True,
                 captures=list(self.forward.capture),
             )
-        return GenerateWorker(decoder, runner, self.states_of == "all", budget, dispatch.close if dispatch else None)
+        close = dispatch.close if dispatch else None
+        return GenerateWorker(decoder, runner, self.states_of == "all", budget, close, int(self.cfg.shard_size))
 
     def open_sink(self, store):
         from forge.runtime.generate_worker import GenerateSink

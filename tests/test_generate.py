@@ -271,15 +271,6 @@ def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work)
     assert not (work / "refused-mamba" / "report.json").exists()
 
 
-def test_interventions_are_refused_before_work(work):
-    """The engine runs the plain model: a steering or ablation there would not be applied."""
-    with pytest.raises(ForgeError, match="generate does not apply interventions"):
-        run_function(
-            "generate", work / "rows.jsonl", work / "intervene", [*limits(), "intervene=[{at: mlp_out.1, op: zero}]"]
-        )
-    assert not (work / "intervene" / "report.json").exists()
-
-
 @pytest.mark.slow
 def test_eos_ends_a_row_and_eos_false_runs_on(work, embedded):
     """The embedded model with a second EOS id, a token its greedy text emits: rows stop at it (kept,
@@ -512,6 +503,54 @@ def test_kill9_and_resume_give_every_id_once_with_the_clean_text(tmp_path, fault
     assert len(got.ids) == len(set(got.ids)) == n and got.ids == want.ids  # every id once, in input order
     for name in ("text", "finish_reason", "num_generated_tokens"):
         assert list(got.columns[name]) == list(want.columns[name]), name
+    assert [a.tolist() for a in got.columns["generated_ids"]] == [a.tolist() for a in want.columns["generated_ids"]]
+
+
+@pytest.mark.slow
+def test_rows_committed_in_parts_while_their_batch_decodes_are_the_same(work, embedded):
+    """A few sequences decoding at once, the rest waiting, and rows handed on in parts of two as
+    they finish: the tokens are those of one prompt at a time, and the parts' prefix tokens add up
+    to what the decoder shared."""
+    run = work / "parts"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(), "max_running=3", "shard_size=2"])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert report["batches"] == 1  # one batch, committed in parts
+    embedded.check(run, ROWS)
+    tokens, gen = report["tokens"], report["outputs"]["generation"]
+    assert tokens["cache_hit"] + tokens["prefix_shared"] == gen["prefill_tokens_shared"] > 0, (tokens, gen)
+
+
+@pytest.mark.slow
+def test_a_kill_keeps_the_rows_that_finished_while_their_batch_decoded(tmp_path, faults):
+    """One batch of 24 prompts, 4 decoding at once: rows are committed in parts of shard_size as they
+    finish, while the rest of the batch decodes. A kill -9 at the third shard keeps the first two, and
+    resume gives what an uninterrupted run gives."""
+    from test_aggregate import forge_run_killed
+
+    from conftest import run_forge
+
+    n = 24
+    args = [
+        "function=generate",
+        f"input.limit={n}",
+        "max_new_tokens=4",
+        "devices=auto",
+        "devices.limits.max_batch_tokens=256",
+        "devices.limits.max_seq_len=128",
+        "budget.tokens_per_step=256",
+        "batch_steps=64",  # every prompt in one batch
+        "max_running=4",
+        "shard_size=4",
+    ]
+    clean = run_forge(tmp_path / "clean", *args, "runtime.executor=inprocess")
+    assert clean["items"]["completed"] == n and clean["batches"] == 1 and clean["balanced"], clean
+    args.append("runtime.executor=process")
+    committed = forge_run_killed(tmp_path / "killed", *args, faults=faults)
+    assert 8 <= committed < n  # two parts of the one batch were committed before the kill
+    report = run_forge(tmp_path / "killed", *args, "resume=true")
+    assert report["items"]["resumed"] == committed and report["items"]["completed"] == n and report["balanced"]
+    got, want = load(tmp_path / "killed"), load(tmp_path / "clean")
+    assert got.ids == want.ids and list(got.columns["text"]) == list(want.columns["text"])
     assert [a.tolist() for a in got.columns["generated_ids"]] == [a.tolist() for a in want.columns["generated_ids"]]
 
 

@@ -56,36 +56,46 @@ class GenerateWorker:
     from_prompt: bool  # states of the prompt's own tokens too
     budget: int  # tokens per engine step
     on_close: Any = None  # what closing releases beside the model (a device group's offload folder)
+    part_rows: int = 0  # with `emit`, finished rows are handed on in parts of at least this many (0: whole)
+    streams = True  # `run(batch, emit)` hands finished rows on while the rest decode (forge.executors.worker)
 
-    def run(self, batch) -> GenerationColumns:
+    def run(self, batch, emit: Any = None) -> GenerationColumns:
+        """Generate every item of the batch. `emit(positions, output)`: where parts of at least
+        `part_rows` finished items go while others still decode (so a kill keeps them: the loop
+        commits them at once); the returned output is then for the items not emitted."""
         items = batch.items
         seqs = []
-        limits = [it.meta.data if isinstance(it.meta.data, RowLimits) else RowLimits(1) for it in items]
+        limits = [row_limits(it) for it in items]
         for k, (it, lim) in enumerate(zip(items, limits)):
             sampling = self.decoder.sampling
             rng = None if sampling is None else sampling.stream(str(it.id))
             seqs.append(Sequence(k, list(it.tokens), it.prefix_len, lim.max_new_tokens, lim.stop, rng))
-        t0 = time.perf_counter()
-        run = self.decoder.generate(seqs)
-        seconds = time.perf_counter() - t0
-        eos = self.decoder.eos
-        done = [finish(self.decoder.tokenizer, s.out, lim, eos) for s, lim in zip(seqs, limits)]
-        columns: dict[str, Any] = {
-            "generated_ids": [np.asarray(g.ids, np.int32) for g in done],
-            "text": [g.text for g in done],
-            "finish_reason": [g.finish_reason for g in done],
-            "num_prompt_tokens": np.asarray([len(it.tokens) for it in items], np.int32),
-            "num_generated_tokens": np.asarray([len(g.ids) for g in done], np.int32),
-        }
-        if self.runner is not None:
-            import torch
+        prefixes = PrefixShares(items, self.decoder)
+        ready: list[int] = []  # finished, not emitted yet
+        given: list[int] = []
+        sent = [0, 0, 0]  # what the emitted parts carried: prefix tokens hit and shared, generated tokens
 
-            with torch.inference_mode():
-                states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt, self.budget)
-            for name in states[0] if states else ():
-                columns[name] = [s[name].float().cpu().numpy() for s in states]
+        def finished(ended: list[Sequence]) -> None:
+            ready.extend(seq.index for seq in ended)
+            if emit is not None and self.part_rows and len(ready) >= self.part_rows:
+                if len(given) + len(ready) < len(items):  # the batch's own outcome keeps at least one
+                    ready.sort()  # a part's output is in its batch's order (`Batch.select`)
+                    columns = self._columns([items[k] for k in ready], [seqs[k] for k in ready], limits, ready)
+                    hit, shared = prefixes.of(ready)
+                    sent[0], sent[1] = sent[0] + hit, sent[1] + shared
+                    sent[2] += int(columns["num_generated_tokens"].sum())
+                    engine = None if batch.split_prefix else (hit, shared)
+                    emit(list(ready), GenerationColumns(columns, 0, False, engine))
+                    given.extend(ready)
+                    ready.clear()
+
+        t0 = time.perf_counter()
+        run = self.decoder.generate(seqs, finished)
+        seconds = time.perf_counter() - t0
+        rest = [k for k in range(len(items)) if k not in set(given)]
+        columns = self._columns([items[k] for k in rest], [seqs[k] for k in rest], limits, rest)
         prompt = sum(len(it.tokens) for it in items)
-        generated = sum(len(g.ids) for g in done)
+        generated = sent[2] + int(columns["num_generated_tokens"].sum())
         figures = GenerationFigures(
             prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
             run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes, run.prefill_pads,
@@ -93,12 +103,36 @@ class GenerateWorker:
         )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
-        prefixes = sum(it.prefix_len for it in items)
-        computed = min(prefixes, max(0, figures.prefill_computed - own))
+        total = sum(it.prefix_len for it in items)
+        left = sum(items[k].prefix_len for k in rest)  # the prefix tokens of the items returned here
+        computed = min(total, max(0, figures.prefill_computed - own))
         if batch.split_prefix:
-            return GenerationColumns(columns, computed, False, None, figures)
-        hit = min(prefixes - computed, figures.prefix_stored_tokens)  # the rest: computed once for several
-        return GenerationColumns(columns, 0, False, (hit, prefixes - computed - hit), figures)
+            return GenerationColumns(columns, min(left, computed), False, None, figures)
+        hit = min(total - computed, figures.prefix_stored_tokens)  # the rest: computed once for several
+        shared = total - computed - hit - sent[1]
+        hit = min(left, max(0, hit - sent[0]))
+        shared = min(left - hit, max(0, shared))
+        return GenerationColumns(columns, 0, False, (hit, shared), figures)
+
+    def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
+        """The result fields of these items (their sequences ended)."""
+        eos = self.decoder.eos
+        done = [finish(self.decoder.tokenizer, s.out, limits[k], eos) for s, k in zip(seqs, at)]
+        columns: dict[str, Any] = {
+            "generated_ids": [np.asarray(g.ids, np.int32) for g in done],
+            "text": [g.text for g in done],
+            "finish_reason": [g.finish_reason for g in done],
+            "num_prompt_tokens": np.asarray([len(it.tokens) for it in items], np.int32),
+            "num_generated_tokens": np.asarray([len(g.ids) for g in done], np.int32),
+        }
+        if self.runner is not None and items:
+            import torch
+
+            with torch.inference_mode():
+                states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt, self.budget)
+            for name in states[0] if states else ():
+                columns[name] = [s[name].float().cpu().numpy() for s in states]
+        return columns
 
     def close(self) -> None:
         self.decoder = None  # type: ignore[assignment]
@@ -106,6 +140,41 @@ class GenerateWorker:
         if self.on_close is not None:
             self.on_close()
             self.on_close = None
+
+
+def row_limits(item: Any) -> RowLimits:
+    """An item's own limits (`Generate.prompts` gives every item them); an item without: an error."""
+    limits = getattr(getattr(item, "meta", None), "data", None)
+    if not isinstance(limits, RowLimits):
+        raise ValueError(f"generate: item {item.id!r} carries no RowLimits (max_new_tokens): made outside Generate?")
+    return limits
+
+
+class PrefixShares:
+    """How a batch's items had their shared prefix, for the ledger of the parts it is emitted in:
+    held by the worker before the batch (hit), or computed in it, the first item of a prefix paying
+    for it and the others sharing it."""
+
+    def __init__(self, items: list, decoder: Decoder):
+        self.items, self.decoder = items, decoder
+        self.stored = set(decoder.prefixes.entries)
+        self.paid: set = set()
+
+    def of(self, positions: list[int]) -> tuple[int, int]:
+        """(hit, shared) prefix tokens of these items, each item counted once, in the order given."""
+        hit = shared = 0
+        for k in positions:
+            item = self.items[k]
+            key = self.decoder.prefix_key(item.tokens, item.prefix_len)
+            if not key[1]:
+                continue
+            if key in self.stored:
+                hit += item.prefix_len
+            elif key in self.paid:
+                shared += item.prefix_len
+            else:
+                self.paid.add(key)
+        return hit, shared
 
 
 class GenerateSink:

@@ -11,6 +11,7 @@ An entry (`InterventionConfig`, one per list element of the function's ``interve
         scale: 4.0              # add: the multiple of the vector added
         span: text              # text (the item's own tokens) | prefix | all | last (its last own
                                 # token) | [positions] (from the start of the sequence, prefix included)
+                                # | generated (generate: each generated token as it is fed back)
 
 Every layout applies an entry to the same tokens (`forge.runtime.hooks.Slots`), so results stay
 equal to a plain one-prompt forward pass with the same hook. An entry that can reach prefix
@@ -31,7 +32,7 @@ import numpy as np
 from forge.errors import ForgeError
 
 OPS = ("add", "set", "zero")
-SPANS = ("text", "prefix", "all", "last")
+SPANS = ("text", "prefix", "all", "last", "generated")  # generated: the tokens generate feeds back (generate only)
 WIDE_POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out")  # one hidden-size vector per token
 
 
