@@ -19,6 +19,8 @@ __all__ = [
     "EncoderFunction",
     "Field",
     "Forward",
+    "GenerativeConfig",
+    "GenerativeFunction",
     "InputSpec",
     "ItemView",
     "ModelFunction",
@@ -27,6 +29,8 @@ __all__ = [
     "Prompt",
     "Rejected",
     "Row",
+    "RowLimits",
+    "SamplingConfig",
     "Tokens",
 ]
 _API = frozenset(__all__[7:])

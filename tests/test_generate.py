@@ -256,7 +256,7 @@ def test_greedy_equals_one_prompt_at_a_time_in_each_family(work, name):
 def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work):
     """A recurrent state, KV shared across layers, a cache class of the model's own: one line each;
     transformer decoders of every kind above go through."""
-    from forge.functions.generate import decoder_refusal
+    from forge.runtime.decoder_fit import decoder_refusal
 
     assert "linear_attention" in decoder_refusal(transformers.MambaConfig())
     assert "DummyLayer" in decoder_refusal(transformers.Gemma3nTextConfig())

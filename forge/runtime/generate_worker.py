@@ -150,6 +150,47 @@ def row_limits(item: Any) -> RowLimits:
     return limits
 
 
+def open_generate_worker(fn: Any, device: Any) -> GenerateWorker:
+    """A generative function's worker on `device` (`forge.api.GenerativeFunction.open_worker`): its
+    model loaded (a device group: onto its members by the plan's map), the decoder under the step
+    budget and the KV budget (batching=memory), steered by the function's interventions, and a
+    forward runner for the generated tokens' states when it asks for them."""
+    from transformers import AutoModelForCausalLM
+
+    from forge.runtime.dispatch import dispatch_for
+    from forge.runtime.sampling import Sampling
+
+    dispatch = dispatch_for(fn, device)
+    loader, attn = AutoModelForCausalLM, fn.caps.attn
+    model = dispatch.load(fn.hf, loader, attn) if dispatch else fn.hf.load(loader, device.torch_device, attn)
+    ids = model.generation_config.eos_token_id if fn.eos else None
+    eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    budget = device.limits.max_batch_tokens // fn.batch_steps  # the step's, under batch_limits
+    kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
+    if fn.kv_model is not None and device.memory_bytes:
+        kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
+    steer = None
+    if fn.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
+        from forge.runtime.hf_compat import base_decoder, num_layers
+        from forge.runtime.hooks import HookSet
+
+        hooks = HookSet(model, base_decoder(model), num_layers(fn.config), [], list(fn.interventions.items))
+        steer = (hooks, fn.interventions.key)
+    decoder = Decoder(
+        model, fn.tokenizer, budget, eos, fn.hf.pad_token_id, Sampling(*fn.sampling), kv_bytes=kv_bytes,
+        max_running=int(fn.cfg.max_running), steer=steer,
+    )  # fmt: skip
+    runner = None
+    if fn.states:
+        from forge.runtime.causal_lm import CausalLMRunner
+
+        layers, captures = list(fn.forward.layers), list(fn.forward.capture)
+        runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
+                                allow_no_layers=True, captures=captures)  # fmt: skip
+    close = dispatch.close if dispatch else None
+    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size))
+
+
 class PrefixShares:
     """How a batch's items had their shared prefix, for the ledger of the parts it is emitted in:
     held by the worker before the batch (hit), or computed in it, the first item of a prefix paying
