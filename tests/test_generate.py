@@ -256,7 +256,7 @@ def test_greedy_equals_one_prompt_at_a_time_in_each_family(work, name):
 def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work):
     """A recurrent state, KV shared across layers, a cache class of the model's own: one line each;
     transformer decoders of every kind above go through."""
-    from forge.runtime.decoder_fit import decoder_refusal
+    from forge.runtime.decoder.fit import decoder_refusal
 
     assert "linear_attention" in decoder_refusal(transformers.MambaConfig())
     assert "DummyLayer" in decoder_refusal(transformers.Gemma3nTextConfig())
@@ -403,7 +403,7 @@ def test_no_step_over_the_budget(base):
 
 def test_histogram_and_stop_cut_helpers():
     from forge.functions.assets import embedded_model_source
-    from forge.runtime.generation import cut_at_stop, step_histogram
+    from forge.runtime.decoder.finish import cut_at_stop, step_histogram
 
     assert step_histogram([1, 2, 3, 64, 65, 128, 128], 128) == {"<=1": 1, "<=2": 1, "<=4": 1, "<=64": 1, "<=128": 3}
     tok = transformers.AutoTokenizer.from_pretrained(str(embedded_model_source()))
@@ -609,7 +609,7 @@ def test_a_sampled_row_is_the_same_in_any_batch_and_budget_and_its_seed_decides_
 
 
 def test_sampling_streams_and_draws():
-    from forge.runtime.sampling import Sampling
+    from forge.runtime.decoder.sampling import Sampling
 
     s = Sampling(temperature=1.0, top_p=1.0, top_k=2, seed=3)
     logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
@@ -625,10 +625,10 @@ def test_sampling_streams_and_draws():
 
 
 def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_prefix_once(embedded):
-    """The decode steps' split softmax (forge.runtime.prefix_attention) against the same decoder
+    """The decode steps' split softmax (forge.runtime.decoder.prefix_attention) against the same decoder
     with every token in its slot: the same greedy tokens, the prefixes' KV stacked once per step."""
-    from forge.runtime import prefix_attention
-    from forge.runtime.decode import Decoder, Sequence
+    from forge.runtime.decoder import prefix_attention
+    from forge.runtime.decoder.engine import Decoder, Sequence
 
     def seqs():
         out = []
@@ -655,7 +655,7 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
 
 
 def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
-    from forge.runtime.prefix_attention import eligible
+    from forge.runtime.decoder.prefix_attention import eligible
 
     def model(cfg):
         torch.manual_seed(0)
@@ -678,7 +678,7 @@ def test_a_kv_budget_is_never_exceeded_and_preempted_rows_are_recomputed_exactly
     never hold more than the budget, and every row's tokens are still the greedy ones of one prompt
     at a time. Short prompts and long generations make every budget here preempt: a block of them is
     admitted on its prompts' KV, then grows past what the budget holds."""
-    from forge.runtime.decode import Decoder, Sequence
+    from forge.runtime.decoder.engine import Decoder, Sequence
 
     n = 48
     rows = ROWS[:3] + [{"id": f"short-{k}", "prompt": r["prompt"][:24]} for k, r in enumerate(ROWS[3:])]

@@ -167,7 +167,7 @@ def test_a_steered_prefix_is_never_served_from_an_unsteered_ones_cache(embedded)
     """One decoder's prefix store, filled by unsteered prompts, then read by a steered decoder: the
     steered prefixes are computed anew (none found stored) and the tokens are the steered ones; and
     back: an unsteered decoder never takes the steered prefixes."""
-    from forge.runtime.decode import Decoder, Sequence
+    from forge.runtime.decoder.engine import Decoder, Sequence
     from forge.runtime.hf_compat import base_decoder, num_layers
     from forge.runtime.hooks import HookSet
     from forge.runtime.interventions import load_interventions

@@ -1,5 +1,5 @@
 """`GenerativeFunction`: a causal LM's function whose items are prompts that Forge's decoder
-continues (forge.runtime.decode), steered by ``intervene:`` where the config has it.
+continues (forge.runtime.decoder.engine), steered by ``intervene:`` where the config has it.
 
 An author declares the config (a `GenerativeConfig` subclass), the fields, and `prompts(row)`:
 each `Prompt` carries its own `RowLimits` (`self.row_limits(row)` reads a row's ``max_new_tokens``
@@ -8,7 +8,7 @@ and ``stop`` over the config's). The base does the rest, once for every generati
 - a batch holds ``batch_steps`` steps' tokens of KV, each step at most the step budget
   (`batch_device`), and under batching=memory the KV model prices it (`cost_model`);
 - a model whose cache is not keys and values per layer is refused before work (`check_mode`);
-- the worker (forge.runtime.generate_worker) generates a batch and hands finished rows on in
+- the worker (forge.runtime.decoder.worker) generates a batch and hands finished rows on in
   parts of ``shard_size``; with ``layers``/``capture`` in `forward`, it adds the generated tokens'
   states from a plain forward over each final sequence.
 """
@@ -23,7 +23,7 @@ from forge.api.model import ModelFunctionConfig
 from forge.config.checks import non_negative, positive, share
 from forge.errors import ForgeError
 from forge.io.inputs import Row
-from forge.runtime.generation import RowLimits
+from forge.runtime.decoder.finish import RowLimits
 from forge.vocab.geometry import Item
 
 __all__ = ["GenerativeConfig", "GenerativeFunction", "RowLimits", "SamplingConfig"]
@@ -31,7 +31,7 @@ __all__ = ["GenerativeConfig", "GenerativeFunction", "RowLimits", "SamplingConfi
 
 @dataclass
 class SamplingConfig:
-    """How each token is chosen (forge.runtime.sampling.Sampling): temperature 0 is greedy."""
+    """How each token is chosen (forge.runtime.decoder.sampling.Sampling): temperature 0 is greedy."""
 
     temperature: float = non_negative(0.0)  # 0: greedy; else softmax(logits / temperature)
     top_p: float = share(1.0)  # keep the most likely tokens up to this probability mass
@@ -106,7 +106,7 @@ class GenerativeFunction(CausalLMFunction):
                 yield replace(record, num_tokens=record.num_tokens + limits.max_new_tokens)
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
-        from forge.runtime.decoder_fit import decoder_refusal
+        from forge.runtime.decoder.fit import decoder_refusal
 
         reason = decoder_refusal(self.config, self.caps.model_module)  # whatever the layout: first
         if reason:
@@ -124,7 +124,7 @@ class GenerativeFunction(CausalLMFunction):
         batch pays the fixed cost of all its steps, and a shorter row costs only attention columns,
         not a padded forward slot: its overhead is what it may hold, so the packer does not cut
         batches at small length differences."""
-        from forge.runtime.decoder_fit import decoder_refusal
+        from forge.runtime.decoder.fit import decoder_refusal
 
         step, longest = device.limits.max_batch_tokens, device.limits.max_seq_len
         memory = device.memory_bytes  # what the KV model may fill: the budget less one step's activations
@@ -143,7 +143,7 @@ class GenerativeFunction(CausalLMFunction):
         of a step of one full-length row's tokens, and the KV the decoder holds to run one such row
         (`batch_device` then makes steps no larger than the room allows); 0 for a model the decoder
         refuses (it never runs)."""
-        from forge.runtime.decoder_fit import decoder_refusal
+        from forge.runtime.decoder.fit import decoder_refusal
 
         if decoder_refusal(self.config, self.caps.model_module) is not None:
             return 0
@@ -152,15 +152,15 @@ class GenerativeFunction(CausalLMFunction):
 
     def least_kv_bytes(self, longest: int) -> int:
         """The KV budget the decoder needs for one sequence of `longest` tokens (0: no KV model yet)."""
+        from forge.runtime.decoder.sequence import least_kv_bytes
         from forge.runtime.hf_compat import num_layers, text_config
-        from forge.runtime.sequence import least_kv_bytes
 
         if self.kv_model is None:
             return 0
         return least_kv_bytes(longest, self.kv_model.bytes_per_token, num_layers(text_config(self.config)))
 
     def step_activation_bytes(self, tokens: int, max_seq_len: int) -> int:
-        from forge.runtime.decoder_fit import step_activation_bytes
+        from forge.runtime.decoder.fit import step_activation_bytes
 
         return step_activation_bytes(self.config, self.model.torch_dtype, tokens, max_seq_len)
 
@@ -185,11 +185,11 @@ class GenerativeFunction(CausalLMFunction):
 
     # -- running --------------------------------------------------------------------------
     def open_worker(self, device, cache_tokens: int):
-        from forge.runtime.generate_worker import open_generate_worker
+        from forge.runtime.decoder.worker import open_generate_worker
 
         return open_generate_worker(self, device)
 
     def open_sink(self, store):
-        from forge.runtime.generate_worker import GenerateSink
+        from forge.runtime.decoder.worker import GenerateSink
 
         return GenerateSink(super().open_sink(store))

@@ -2,7 +2,7 @@
 
 Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before
 prompt ``g``), so each is contiguous and ends at the block's last column, as a decoding slot
-wants it (`forge.runtime.kv_slots`). Where prompts start with a prefix whose KV is known
+wants it (`forge.runtime.decoder.kv_slots`). Where prompts start with a prefix whose KV is known
 (computed once, `PrefixStore`), the block's first ``C`` columns are that KV instead of a forward
 pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens there, and its remaining
 tokens are computed. ``C`` is the most every prompt allows, min over g of ``pads[g] + P_g``: a

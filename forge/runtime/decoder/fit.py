@@ -2,7 +2,7 @@
 
 `decoder_refusal` says why a model's cache cannot go through the decoder (before any work);
 `step_activation_bytes` is the most one engine step holds beside weights and keys and values, from
-the model's shape; `least_kv_bytes` (forge.runtime.sequence) the KV budget one sequence needs.
+the model's shape; `least_kv_bytes` (forge.runtime.decoder.sequence) the KV budget one sequence needs.
 """
 
 from __future__ import annotations

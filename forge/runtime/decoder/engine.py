@@ -2,8 +2,8 @@
 
 Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
 tokens: one decode token per running sequence (all in one forward pass over their slots,
-`forge.runtime.kv_slots`), then, within what is left, the next chunk of a block of waiting
-prompts being prefilled (`forge.runtime.prefill`, in parts of prompts that compute about as many
+`forge.runtime.decoder.kv_slots`), then, within what is left, the next chunk of a block of waiting
+prompts being prefilled (`forge.runtime.decoder.prefill`, in parts of prompts that compute about as many
 columns each). A prompt block is formed when none is in progress: the next waiting prompts by
 their own length (past their prefix), as many as the step's room allows; the prefixes
 among them not stored yet are computed first, once each (one forward pass of their own), and
@@ -15,7 +15,7 @@ A sequence never waits on another's length or padding for its result: its slot's
 position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
 (tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
 model allows it, decode steps read each shared prefix's KV once for all its sequences
-(`forge.runtime.prefix_attention`): a sequence's slot then holds only its own tokens.
+(`forge.runtime.decoder.prefix_attention`): a sequence's slot then holds only its own tokens.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from forge.runtime import prefix_attention
+from forge.runtime.decoder import prefix_attention
+from forge.runtime.decoder.kv_slots import SlotKV
+from forge.runtime.decoder.prefill import BlockPrefill, Prefill, PrefixKey, PrefixStore, forward, steered
+from forge.runtime.decoder.sampling import Sampling
+from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 from forge.runtime.hf_compat import input_device
-from forge.runtime.kv_slots import SlotKV
-from forge.runtime.prefill import BlockPrefill, Prefill, PrefixKey, PrefixStore, forward, steered
-from forge.runtime.sampling import Sampling
-from forge.runtime.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 
 __all__ = ["DecodeFigures", "Decoder", "Sequence", "least_kv_bytes"]
 

@@ -1,6 +1,6 @@
 """A sequence being generated, what a decoder's call did, and where a decode step's tokens sit.
 
-`Sequence` is one prompt in Forge's decoder (`forge.runtime.decode`): its tokens, limits and
+`Sequence` is one prompt in Forge's decoder (`forge.runtime.decoder.engine`): its tokens, limits and
 stream, the slot it holds. `step_slots` says where each running slot's token sits in its sequence
 for the interventions' hooks (`forge.runtime.hooks.Slots`): past its prompt, a generated token.
 """

@@ -1,6 +1,6 @@
 """The generate function's worker and sink: a batch of prompts through the engine, its figures into the report.
 
-`GenerateWorker.run(batch)` generates every item of the batch (`forge.runtime.decode.Decoder`)
+`GenerateWorker.run(batch)` generates every item of the batch (`forge.runtime.decoder.engine.Decoder`)
 and returns `GenerationColumns`: the result fields, one row per item, plus what the engine did
 (`GenerationFigures`). `GenerateSink` commits the rows through the generic sink and adds the
 figures up for the report (``outputs.generation``): prompt, prefill and generated tokens, the
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from forge.runtime.decode import Decoder, Sequence
-from forge.runtime.generation import RowLimits, final_states, finish, step_histogram
+from forge.runtime.decoder.engine import Decoder, Sequence
+from forge.runtime.decoder.finish import RowLimits, final_states, finish, step_histogram
 from forge.vocab.records import ResultColumns
 
 
@@ -157,8 +157,8 @@ def open_generate_worker(fn: Any, device: Any) -> GenerateWorker:
     forward runner for the generated tokens' states when it asks for them."""
     from transformers import AutoModelForCausalLM
 
+    from forge.runtime.decoder.sampling import Sampling
     from forge.runtime.dispatch import dispatch_for
-    from forge.runtime.sampling import Sampling
 
     dispatch = dispatch_for(fn, device)
     loader, attn = AutoModelForCausalLM, fn.caps.attn
