@@ -23,6 +23,8 @@ __all__ = [
     "EncoderFunction",
     "Field",
     "Forward",
+    "GenerativeConfig",
+    "GenerativeFunction",
     "InputSpec",
     "ItemView",
     "ModelFunction",
@@ -31,6 +33,8 @@ __all__ = [
     "Prompt",
     "Rejected",
     "Row",
+    "RowLimits",
+    "SamplingConfig",
     "Tokens",
 ]
 _INPROC = frozenset(__all__[7:10])

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from forge.api import load_results as load, read_info
 from forge.errors import ForgeError
-from forge.io.results import load, read_info
 
 SUBDIR = "activations"
 

@@ -34,8 +34,9 @@ from forge.api import (
     ModelFunctionConfig,
     Prompt,
     Row,
+    one_of,
+    positive,
 )
-from forge.config.schema import one_of, positive
 
 FORMATS = ("safetensors", "parquet")
 UNBOUNDED = 1_000_000  # tokenizers report a huge model_max_length when they know none
@@ -165,8 +166,7 @@ class Embed:
     config_schema = EmbedConfig
 
     def __new__(cls, config: EmbedConfig):
-        from forge.runtime.capabilities import capabilities
-        from forge.runtime.modelspec import HFModel
+        from forge.api import HFModel, capabilities
 
         spec = config.model
         decoder = capabilities(HFModel(spec).config, None, spec.attn_implementation).causal
@@ -180,7 +180,7 @@ class Embeddings(NamedTuple):
 
 def load_embeddings(run_dir) -> Embeddings:
     """ids and float32 vectors [N, dim] of an `embed` run (a local path or an fsspec URL), in input order."""
-    from forge.io.results import load
+    from forge.api import load_results as load
 
     res = load(run_dir, "embeddings")
     return Embeddings(res.ids, res.columns["embedding"])

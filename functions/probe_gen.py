@@ -23,8 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.api import CausalLMFunction, Field, ForgeError, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.config.schema import MISSING, one_of, positive
+from forge.api import (
+    MISSING,
+    CausalLMFunction,
+    Field,
+    ForgeError,
+    Forward,
+    ItemView,
+    ModelFunctionConfig,
+    Prompt,
+    Row,
+    Tokens,
+    one_of,
+    positive,
+)
 
 POOLINGS = ("last", "mean", "none")
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -170,7 +182,7 @@ class ProbeGen(CausalLMFunction):
             return super().open_sink(store)
         from dataclasses import replace
 
-        from forge.io.sinks import ResultSink, RoutedSink
+        from forge.api import ResultSink, RoutedSink
 
         main = self.result_schema()
         sinks = {

@@ -19,12 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from forge import api
 from forge.api import CausalLMFunction, Column, Field, Forward, ItemView, ModelFunctionConfig, Prompt, Row, Tokens
-from forge.config.schema import positive
-from forge.io.ids import short
-from forge.io.results import load
-from forge.io.rows import MayBeEmpty
-from forge.runtime.token_rule import PairEncoder as _Encoder  # lm-eval's (context, continuation) encoding
+
+_Encoder = api.PairEncoder  # lm-eval's (context, continuation) encoding
 
 QUESTIONS = "questions.parquet"
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's when the model's config names no maximum
@@ -38,7 +36,7 @@ class ScoreConfig(ModelFunctionConfig):
     # start every context with what the tokenizer adds (BOS for Llama; nothing for GPT-2)
     add_special_tokens: bool = True
     # tokens the model reads, cut from the left of the context; null: the model's maximum
-    max_length: int | None = positive(None)
+    max_length: int | None = api.positive(None)
 
 
 @dataclass(slots=True)
@@ -59,7 +57,7 @@ class Score(CausalLMFunction):
     config_schema = ScoreConfig
     forward = Forward(targets=True)
     columns = {
-        "context": MayBeEmpty(required=True),
+        "context": api.MayBeEmpty(required=True),
         "continuation": Column(),
         "id": Column(kinds=("string", "integer")),
     }
@@ -80,12 +78,12 @@ class Score(CausalLMFunction):
         super().__init__(config)
         self.target_delimiter, self.add_special_tokens = str(config.target_delimiter), bool(config.add_special_tokens)
         self.max_length = int(config.max_length) if config.max_length else self._model_max_length()
-        self._encoder: _Encoder | None = None
+        self._encoder: api.PairEncoder | None = None
         self._truncated = 0
 
     def _model_max_length(self) -> int:
         """lm-eval's rule: the config's maximum positions, else the tokenizer's, else 2048."""
-        from forge.runtime.hf_compat import text_config
+        from forge.api import text_config
 
         values = [
             getattr(text_config(self.config), k, None) for k in ("n_positions", "max_position_embeddings", "n_ctx")
@@ -129,13 +127,13 @@ class Score(CausalLMFunction):
             return f"{what}; give a string 'continuation', or a list 'choices' with 'gold'"
         if continuation is not None:
             if not continuation:
-                return f"has an empty 'continuation' ({short(continuation)}); it needs at least one character"
+                return f"has an empty 'continuation' ({api.short_id(continuation)}); it needs at least one character"
             return [Prompt(continuation, context, data=Choice(row.id, -1, 1, -1, len(continuation.encode())))]
         if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
-            return f"'choices' must be a non-empty list of non-empty strings, got {short(choices)}"
+            return f"'choices' must be a non-empty list of non-empty strings, got {api.short_id(choices)}"
         gold = row.data.get("gold")
         if gold is not None and (isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices)):
-            return f"'gold' is {short(gold)}, not a choice index 0..{len(choices) - 1}; fix it or leave it out"
+            return f"'gold' is {api.short_id(gold)}, not a choice index 0..{len(choices) - 1}; fix it or leave it out"
         gold = -1 if gold is None else gold
         return [
             Prompt(
@@ -208,7 +206,7 @@ class _QuestionSink:
 
 def load_scores(run_dir):
     """Every committed score row of a run (pyarrow Table, input order; gold -1: none)."""
-    return load(run_dir, "scores").table()
+    return api.load_results(run_dir, "scores").table()
 
 
 def question_table(scores):

@@ -39,6 +39,25 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+#: what a built-in function (a module of `functions/`) may import of Forge: the author API, as a
+#: plugin's function does (and `forge` itself, left out of the map); its embedded assets are data
+FUNCTION_IMPORTS = ("forge.api", "forge.errors", "forge.functions")
+FUNCTION_EXEMPT = ("forge.functions.assets",)
+
+
+def past_the_api(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(function module, a Forge module it imports past `forge.api`): none, so a built-in is
+    written as a plugin's function is."""
+    out = []
+    for module, targets in sorted(edges.items()):
+        if not module.startswith("forge.functions") or module.startswith(FUNCTION_EXEMPT):
+            continue
+        for target in sorted(targets):
+            if not any(target == p or target.startswith(p + ".") for p in FUNCTION_IMPORTS):
+                out.append((module, target))
+    return out
+
+
 def floor_of(module: str) -> int | None:
     for k, (_, prefixes) in enumerate(FLOORS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):

@@ -15,6 +15,8 @@ PUBLIC = [
     "Field",
     "ForgeError",
     "Forward",
+    "GenerativeConfig",
+    "GenerativeFunction",
     "InputSpec",
     "Item",
     "ItemView",
@@ -24,6 +26,8 @@ PUBLIC = [
     "Prompt",
     "Rejected",
     "Row",
+    "RowLimits",
+    "SamplingConfig",
     "Tokens",
 ]
 

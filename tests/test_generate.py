@@ -256,7 +256,7 @@ def test_greedy_equals_one_prompt_at_a_time_in_each_family(work, name):
 def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work):
     """A recurrent state, KV shared across layers, a cache class of the model's own: one line each;
     transformer decoders of every kind above go through."""
-    from forge.functions.generate import decoder_refusal
+    from forge.runtime.decoder.fit import decoder_refusal
 
     assert "linear_attention" in decoder_refusal(transformers.MambaConfig())
     assert "DummyLayer" in decoder_refusal(transformers.Gemma3nTextConfig())
@@ -269,15 +269,6 @@ def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work)
         run_model(work / "refused-mamba", path, work / "rows.jsonl")
     assert "\n" not in str(err.value)
     assert not (work / "refused-mamba" / "report.json").exists()
-
-
-def test_interventions_are_refused_before_work(work):
-    """The engine runs the plain model: a steering or ablation there would not be applied."""
-    with pytest.raises(ForgeError, match="generate does not apply interventions"):
-        run_function(
-            "generate", work / "rows.jsonl", work / "intervene", [*limits(), "intervene=[{at: mlp_out.1, op: zero}]"]
-        )
-    assert not (work / "intervene" / "report.json").exists()
 
 
 @pytest.mark.slow
@@ -412,7 +403,7 @@ def test_no_step_over_the_budget(base):
 
 def test_histogram_and_stop_cut_helpers():
     from forge.functions.assets import embedded_model_source
-    from forge.runtime.generation import cut_at_stop, step_histogram
+    from forge.runtime.decoder.finish import cut_at_stop, step_histogram
 
     assert step_histogram([1, 2, 3, 64, 65, 128, 128], 128) == {"<=1": 1, "<=2": 1, "<=4": 1, "<=64": 1, "<=128": 3}
     tok = transformers.AutoTokenizer.from_pretrained(str(embedded_model_source()))
@@ -515,6 +506,54 @@ def test_kill9_and_resume_give_every_id_once_with_the_clean_text(tmp_path, fault
     assert [a.tolist() for a in got.columns["generated_ids"]] == [a.tolist() for a in want.columns["generated_ids"]]
 
 
+@pytest.mark.slow
+def test_rows_committed_in_parts_while_their_batch_decodes_are_the_same(work, embedded):
+    """A few sequences decoding at once, the rest waiting, and rows handed on in parts of two as
+    they finish: the tokens are those of one prompt at a time, and the parts' prefix tokens add up
+    to what the decoder shared."""
+    run = work / "parts"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(), "max_running=3", "shard_size=2"])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert report["batches"] == 1  # one batch, committed in parts
+    embedded.check(run, ROWS)
+    tokens, gen = report["tokens"], report["outputs"]["generation"]
+    assert tokens["cache_hit"] + tokens["prefix_shared"] == gen["prefill_tokens_shared"] > 0, (tokens, gen)
+
+
+@pytest.mark.slow
+def test_a_kill_keeps_the_rows_that_finished_while_their_batch_decoded(tmp_path, faults):
+    """One batch of 24 prompts, 4 decoding at once: rows are committed in parts of shard_size as they
+    finish, while the rest of the batch decodes. A kill -9 at the third shard keeps the first two, and
+    resume gives what an uninterrupted run gives."""
+    from test_aggregate import forge_run_killed
+
+    from conftest import run_forge
+
+    n = 24
+    args = [
+        "function=generate",
+        f"input.limit={n}",
+        "max_new_tokens=4",
+        "devices=auto",
+        "devices.limits.max_batch_tokens=256",
+        "devices.limits.max_seq_len=128",
+        "budget.tokens_per_step=256",
+        "batch_steps=64",  # every prompt in one batch
+        "max_running=4",
+        "shard_size=4",
+    ]
+    clean = run_forge(tmp_path / "clean", *args, "runtime.executor=inprocess")
+    assert clean["items"]["completed"] == n and clean["batches"] == 1 and clean["balanced"], clean
+    args.append("runtime.executor=process")
+    committed = forge_run_killed(tmp_path / "killed", *args, faults=faults)
+    assert 8 <= committed < n  # two parts of the one batch were committed before the kill
+    report = run_forge(tmp_path / "killed", *args, "resume=true")
+    assert report["items"]["resumed"] == committed and report["items"]["completed"] == n and report["balanced"]
+    got, want = load(tmp_path / "killed"), load(tmp_path / "clean")
+    assert got.ids == want.ids and list(got.columns["text"]) == list(want.columns["text"])
+    assert [a.tolist() for a in got.columns["generated_ids"]] == [a.tolist() for a in want.columns["generated_ids"]]
+
+
 # -- reading the results; the README's command ----------------------------------------------------
 
 
@@ -570,7 +609,7 @@ def test_a_sampled_row_is_the_same_in_any_batch_and_budget_and_its_seed_decides_
 
 
 def test_sampling_streams_and_draws():
-    from forge.runtime.sampling import Sampling
+    from forge.runtime.decoder.sampling import Sampling
 
     s = Sampling(temperature=1.0, top_p=1.0, top_k=2, seed=3)
     logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
@@ -586,10 +625,10 @@ def test_sampling_streams_and_draws():
 
 
 def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_prefix_once(embedded):
-    """The decode steps' split softmax (forge.runtime.prefix_attention) against the same decoder
+    """The decode steps' split softmax (forge.runtime.decoder.prefix_attention) against the same decoder
     with every token in its slot: the same greedy tokens, the prefixes' KV stacked once per step."""
-    from forge.runtime import prefix_attention
-    from forge.runtime.decode import Decoder, Sequence
+    from forge.runtime.decoder import prefix_attention
+    from forge.runtime.decoder.engine import Decoder, Sequence
 
     def seqs():
         out = []
@@ -616,7 +655,7 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
 
 
 def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
-    from forge.runtime.prefix_attention import eligible
+    from forge.runtime.decoder.prefix_attention import eligible
 
     def model(cfg):
         torch.manual_seed(0)
@@ -639,7 +678,7 @@ def test_a_kv_budget_is_never_exceeded_and_preempted_rows_are_recomputed_exactly
     never hold more than the budget, and every row's tokens are still the greedy ones of one prompt
     at a time. Short prompts and long generations make every budget here preempt: a block of them is
     admitted on its prompts' KV, then grows past what the budget holds."""
-    from forge.runtime.decode import Decoder, Sequence
+    from forge.runtime.decoder.engine import Decoder, Sequence
 
     n = 48
     rows = ROWS[:3] + [{"id": f"short-{k}", "prompt": r["prompt"][:24]} for k, r in enumerate(ROWS[3:])]

@@ -24,6 +24,21 @@ def test_every_module_stands_on_a_floor():
     assert import_map.unplaced(import_map.graph()) == []
 
 
+def test_the_built_in_functions_import_forge_api_alone():
+    assert import_map.past_the_api(import_map.graph()) == []
+    made_up = {
+        "forge.functions.x": {"forge.api", "forge.runtime.decoder.engine"},
+        "forge.functions.assets.y": {"forge.runtime"},
+    }
+    assert import_map.past_the_api(made_up) == [("forge.functions.x", "forge.runtime.decoder.engine")]
+
+
+def test_generate_is_at_most_150_code_lines():
+    from linecount import code_lines
+
+    assert code_lines(ROOT / "functions" / "generate.py") <= 150
+
+
 def test_the_map_sees_a_cycle_and_an_upward_arrow():
     """The checks above can fail: a made-up graph with both is caught."""
     edges = {"forge.errors": {"forge.cli.app"}, "forge.cli.app": {"forge.errors"}}

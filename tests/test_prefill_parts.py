@@ -1,4 +1,4 @@
-"""A block's prefill in parts (`forge.runtime.prefill.split`, `BlockPrefill`): the least work, and
+"""A block's prefill in parts (`forge.runtime.decoder.prefill.split`, `BlockPrefill`): the least work, and
 the same keys, values and next-token logits as the block in one rectangle."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from forge.runtime.prefill import FORWARD_TOKENS, BlockPrefill, Prefill, split
+from forge.runtime.decoder.prefill import FORWARD_TOKENS, BlockPrefill, Prefill, split
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

@@ -45,13 +45,15 @@ class BatchShapes:
     cache_hits: int = 0  # split-prefix batches whose prefix came from the device's cache
     keys: set | None = field(default_factory=set)  # distinct prefix keys; None once over MAX_DISTINCT
 
-    def add(self, batch: Batch, stats: BatchStats) -> None:
-        self.layouts[layout(batch, stats)] += 1
+    def add(self, batch: Batch, stats: BatchStats, whole: bool = True) -> None:
+        """`whole` False: a part of a batch (its items; the batch's layout is counted with its last part)."""
+        if whole:
+            self.layouts[layout(batch, stats)] += 1
         if batch.split_prefix and batch.prefix_len:
             hit = stats.prefix_computed_tokens == 0
             self.items += len(batch.items)
-            self.cache_hits += hit
-            self.computed["split-prefix batches"] += not hit
+            self.cache_hits += hit and whole
+            self.computed["split-prefix batches"] += not hit and whole
             self._see([batch.prefix_key])
             return
         items, computed, keys = _prefix_runs(batch)
@@ -98,3 +100,27 @@ def _prefix_runs(batch: Batch) -> tuple[int, int, list]:
             keys.add(key)
             last = key
     return items, computed, list(keys)
+
+
+@dataclass
+class DeviceTally:
+    """Per-device figures for the report."""
+
+    batches: int = 0
+    tree_batches: int = 0  # of them, batches of merged prefix groups (Batch.tree)
+    tokens: int = 0  # useful tokens completed
+    padded_slots: int = 0
+    busy_s: float = 0.0
+    cache_misses: int = 0  # prefix computed on this device because its cache lacked it
+    peak_bytes: int = 0  # batching=memory: largest predicted peak of a batch routed here
+    budget_bytes: int | None = None  # batching=memory: the budget it was planned against
+    shapes: BatchShapes = field(default_factory=BatchShapes)  # batches per layout, prefix computations
+
+    def add(self, batch: Batch, stats: BatchStats, *, whole: bool = True) -> None:
+        """A completed batch's figures; `whole` False: a part of one (its items only, not a batch more)."""
+        self.shapes.add(batch, stats, whole)
+        self.batches += whole
+        self.tree_batches += batch.tree
+        self.tokens += batch.num_tokens
+        self.padded_slots += stats.padded_slots
+        self.busy_s += stats.seconds

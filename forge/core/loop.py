@@ -22,17 +22,16 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from forge.core.layouts import BatchShapes
+from forge.core.layouts import DeviceTally
 from forge.core.scheduler import Scheduler
 from forge.errors import LockLost
 from forge.executors.base import Executor, Outcome, Status
 from forge.vocab.column_batch import ItemColumns
 from forge.vocab.geometry import Batch, Device, Item
 from forge.vocab.indexset import IndexSet
-from forge.vocab.records import BatchStats, FailureWindow, RunContext, batch_stats
+from forge.vocab.records import FailureWindow, RunContext, batch_stats
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime  # the policy: timeouts, recurring failures, commits, drain
@@ -126,6 +125,7 @@ class RunLoop:
         self.policy = policy
         self.in_flight: dict[int, tuple[Batch, Device]] = {}  # ticket -> (batch, device)
         self.expired: dict[int, tuple[Batch, Device]] = {}  # tickets given up on; a late result may come
+        self.parts: dict[int, list[bool]] = {}  # ticket -> its batch's items given by PARTIAL outcomes so far
         self.tallies: dict[str, DeviceTally] = {d.name: DeviceTally() for d in scheduler.devices.values()}
         self.counts: Counter = Counter()  # timeouts, lost, oom, splits, discarded, late
         self.retry_reasons: Counter = Counter()  # reason -> failed attempts that were retried
@@ -225,14 +225,20 @@ class RunLoop:
 
     # -- outcomes ---------------------------------------------------------------
     def complete(self, outcome: Outcome) -> None:
-        entry = self.in_flight.pop(outcome.ticket, None)
+        if outcome.status == Status.PARTIAL:
+            self._part(outcome)
+            return
+        entry = self._rest(self.in_flight.pop(outcome.ticket, None), outcome.ticket)
         if entry is None:  # a late answer for a batch already re-routed
-            late = self.expired.pop(outcome.ticket, None)
+            late = self._rest(self.expired.pop(outcome.ticket, None), outcome.ticket)
+            self.parts.pop(outcome.ticket, None)
             if late is not None and outcome.status == Status.COMPLETED:
                 self.counts["late_results"] += 1
                 self.hook.forge_batch_late(run=self.run, batch=late[0], device=late[1])
                 self._commit(late[0], late[1], outcome, late=True)
             return
+        if outcome.status != Status.TIMEOUT:  # a timed-out batch's late parts may still come
+            self.parts.pop(outcome.ticket, None)
         batch, device = entry
         if outcome.status == Status.COMPLETED:
             if outcome.seconds > 0:
@@ -257,6 +263,29 @@ class RunLoop:
         )
         self._finished([failed] * len(batch.items))
 
+    def _part(self, outcome: Outcome) -> None:
+        """Some items of a running batch, finished: committed now (a streaming worker's parts); the
+        batch's own outcome is then for the rest."""
+        late = outcome.ticket not in self.in_flight
+        entry = self.in_flight.get(outcome.ticket) or self.expired.get(outcome.ticket)
+        if entry is None:
+            return
+        batch, device = entry
+        given = self.parts.setdefault(outcome.ticket, [False] * len(batch.items))
+        keep = [False] * len(given)
+        for k in outcome.part:
+            keep[k], given[k] = True, True
+        part = batch.select(keep)
+        self.scheduler.heard(device.name, part)
+        self._commit(part, device, outcome, late=late)
+
+    def _rest(self, entry: tuple[Batch, Device] | None, ticket: int) -> tuple[Batch, Device] | None:
+        """A batch's entry less the items its PARTIAL outcomes gave (what its own outcome is for)."""
+        given = self.parts.get(ticket)
+        if entry is None or given is None:
+            return entry
+        return entry[0].select([not g for g in given]), entry[1]
+
     def _commit(self, batch: Batch, device: Device, outcome: Outcome, late: bool) -> None:
         t0 = time.perf_counter()
         with signals_deferred():
@@ -280,7 +309,7 @@ class RunLoop:
             kept, outcome.seconds, output.prefix_computed_tokens, getattr(output, "engine_prefix", None)
         )
         tally = self.tallies[device.name]
-        tally.add(kept, stats)
+        tally.add(kept, stats, whole=outcome.status != Status.PARTIAL)  # a part: of a batch counted at its end
         if kept.split_prefix and kept.prefix_len and not output.cache_hit:
             tally.cache_misses += 1
         self.hook.forge_batch_completed(run=self.run, batch=kept, device=device, stats=stats)
@@ -320,7 +349,11 @@ class RunLoop:
         deadline = time.monotonic() + self.policy.drain_s
         while self.in_flight and time.monotonic() < deadline and status != "stalled":
             for outcome in self.executor.collect(min(0.5, max(0.0, deadline - time.monotonic()))):
-                entry = self.in_flight.pop(outcome.ticket, None)
+                if outcome.status == Status.PARTIAL:
+                    self._part(outcome)
+                    continue
+                entry = self._rest(self.in_flight.pop(outcome.ticket, None), outcome.ticket)
+                self.parts.pop(outcome.ticket, None)
                 if entry is None:
                     continue
                 if outcome.status == Status.COMPLETED:
@@ -335,8 +368,8 @@ class RunLoop:
         buffered is committed, and every item not committed is accounted as unfinished. The
         executor's workers must be stopped first (a second Ctrl-C does that at once)."""
         with signals_deferred():
-            for entry in list(self.in_flight.values()):
-                self._drop(entry, "in flight when the run stopped")
+            for ticket, entry in list(self.in_flight.items()):
+                self._drop(self._rest(entry, ticket) or entry, "in flight when the run stopped")
             self.in_flight.clear()
             try:
                 self.committer.flush()
@@ -353,26 +386,3 @@ class RunLoop:
         items = [it for it in batch.items if it.index not in self.committer.committed]
         if items:
             self.hook.forge_items_unfinished(run=self.run, items=items, reason=why)
-
-
-@dataclass
-class DeviceTally:
-    """Per-device figures for the report."""
-
-    batches: int = 0
-    tree_batches: int = 0  # of them, batches of merged prefix groups (Batch.tree)
-    tokens: int = 0  # useful tokens completed
-    padded_slots: int = 0
-    busy_s: float = 0.0
-    cache_misses: int = 0  # prefix computed on this device because its cache lacked it
-    peak_bytes: int = 0  # batching=memory: largest predicted peak of a batch routed here
-    budget_bytes: int | None = None  # batching=memory: the budget it was planned against
-    shapes: BatchShapes = field(default_factory=BatchShapes)  # batches per layout, prefix computations
-
-    def add(self, batch: Batch, stats: BatchStats) -> None:
-        self.shapes.add(batch, stats)
-        self.batches += 1
-        self.tree_batches += batch.tree
-        self.tokens += batch.num_tokens
-        self.padded_slots += stats.padded_slots
-        self.busy_s += stats.seconds

@@ -164,6 +164,10 @@ class Scheduler:
             return replace(cut, seq=seq)
         return replace(cut, seq=seq, cache_hit=self.prefix_caches.route(device.name, cut.prefix, prefix_len))
 
+    def heard(self, device: str, part: Batch) -> None:
+        """`device` gave the output of `part` of a batch it runs on (a PARTIAL outcome)."""
+        self.balancer.heard(device, part.padded_slots)
+
     def update_from_output(self, device: str, batch: Batch, outcome: Outcome) -> str | None:
         """Learn from what happened to `batch` on `device`. Returns the reason when its item
         fails for good (a single item that cannot succeed); None when it completed or went back."""

@@ -24,6 +24,7 @@ class Status(str, Enum):
     OOM = "oom"  # the device ran out of memory on it
     TIMEOUT = "timeout"  # no answer within its timeout; the worker is replaced if it stays silent
     LOST = "lost"  # the worker died (crash, kill, restart) with the batch in flight
+    PARTIAL = "partial"  # some items' output while the batch runs on (`Outcome.part`); its own outcome follows
 
 
 @dataclass(slots=True)
@@ -37,6 +38,9 @@ class Outcome:
     reason: str = ""  # one line, when not COMPLETED
     seconds: float = 0.0  # time on the device (virtual time for the simulator)
     charged: bool = True  # the failure is this batch's own; False: it was only queued behind the one that failed
+    #: PARTIAL: the positions in the submitted batch's items that `output` holds, ascending (its order); the
+    #: batch's later outcomes are then for the items not given yet
+    part: tuple[int, ...] = ()
 
 
 def one_line(exc: BaseException) -> str:

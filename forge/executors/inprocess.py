@@ -12,8 +12,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from forge.executors.base import Executor, Outcome
-from forge.executors.worker import run_batch
+from forge.executors.base import Executor, Outcome, Status
+from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
 
 if TYPE_CHECKING:
@@ -57,8 +57,14 @@ class InProcessExecutor(Executor):
         if not self._queue:
             return []
         ticket, device, batch = self._queue.popleft()
+        parts: list[Outcome] = []  # a streaming worker's parts: they come first, in order
+
+        def emit(p) -> None:
+            parts.append(Ran(Status.PARTIAL, (p.positions, p.output), p.seconds).outcome(ticket, device.name))
+
         # a sticky device error retires nothing here: the driver's own process cannot be replaced
-        return [run_batch(self.workers[device.name], self.hook, device, batch).outcome(ticket, device.name)]
+        ran = run_batch(self.workers[device.name], self.hook, device, batch, emit)
+        return [*parts, ran.outcome(ticket, device.name)]
 
     def close(self, grace_s: float = 5.0) -> None:
         for worker in self.workers.values():

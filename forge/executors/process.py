@@ -215,6 +215,9 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                     slot.load_error = msg[1]
                     continue
                 kind, ticket, payload, seconds = msg
+                if kind == Status.PARTIAL.value:  # the head runs on: it is still the one running
+                    self._pending.append(Ran(Status.PARTIAL, payload, seconds).outcome(ticket, name))
+                    continue
                 if slot.queue and slot.queue[0][0] == ticket:
                     slot.queue.popleft()
                 self._answered(slot)
@@ -302,7 +305,8 @@ def worker_main(
         if msg is None:
             break
         ticket, batch = msg
-        ran = run_batch(worker, hook, device, batch)
+        emit = lambda part, t=ticket: _send(conn, ("partial", t, (part.positions, part.output), part.seconds))  # noqa: E731
+        ran = run_batch(worker, hook, device, batch, emit)
         _send(conn, (ran.status.value, ticket, ran.payload, ran.seconds))
         if ran.sticky:
             break  # this process is done: the driver sees it exit and starts another

@@ -140,7 +140,9 @@ class Slots:
 
     position: torch.Tensor  # its position in the item's sequence (prefix included)
     prefix_len: torch.Tensor  # its item's prefix length (prefix spans: larger than any position in them)
-    seq_len: torch.Tensor  # its item's token count (-1: a prefix span shared by several items)
+    # its item's token count (-1: a prefix span shared by several items); generate: its prompt's,
+    # and the tokens it generated after them sit at positions from there on
+    seq_len: torch.Tensor
     valid: torch.Tensor  # bool: a token (not padding)
     item: torch.Tensor | None = None  # its item in the batch (-1: padding; a shared prefix's: an item holding it)
     table: Any = None  # the batch's per-item parameters of row-dependent entries (forge.runtime.row_tables)
@@ -154,7 +156,9 @@ class Slots:
 
     def span(self, span: Any) -> torch.Tensor:
         """bool [rows, tokens]: the slots an intervention's span covers."""
-        own = self.valid & (self.position >= self.prefix_len)
+        own = self.valid & (self.position >= self.prefix_len) & (self.position < self.seq_len)  # not generated
+        if span == "generated":  # past the item's own tokens (seq_len -1: a shared prefix span)
+            return self.valid & (self.position >= self.seq_len) & (self.seq_len >= 0)
         if span == "text":
             return own
         if span == "prefix":
@@ -357,11 +361,15 @@ def row_slots(
 
 
 def check_points(
-    captures: Any, interventions: Any, num_layers: int, attn: str, function: str, config: Any = None
+    captures: Any, interventions: Any, num_layers: int, attn: str, function: str, config: Any = None, generates=False
 ) -> None:
     """Refuse, before any work, hook points the model cannot have (ForgeError naming the point);
-    module paths are looked up in the model built from `config` on the meta device (no weights)."""
+    module paths are looked up in the model built from `config` on the meta device (no weights). A
+    span 'generated' is refused unless the function `generates` tokens."""
     from forge.errors import ForgeError
+
+    if not generates and any(iv.span == "generated" for iv in interventions):
+        raise ForgeError(f"{function}: intervene span 'generated' is for generate only; {function} generates none")
 
     for where, names in (("capture", captures), ("intervene", [iv.at for iv in interventions])):
         for name in names:

@@ -12,6 +12,7 @@ An entry (`InterventionConfig`, one per list element of the function's ``interve
         span: text              # text (the item's own tokens) | prefix | all | last (its last own
                                 # token) | [positions] (from the sequence's first token, prefix included;
                                 # a negative one counts from its end: -1 is the last token)
+                                # | generated (generate: each generated token as it is fed back)
 
 Per-row parameters (`forge.runtime.row_steer`): a value ``row.<column>`` is read from each input
 row, so one run holds a sweep or a set of patching pairs:
@@ -40,7 +41,7 @@ import numpy as np
 from forge.errors import ForgeError
 
 OPS = ("add", "set", "zero", "patch")
-SPANS = ("text", "prefix", "all", "last")
+SPANS = ("text", "prefix", "all", "last", "generated")  # generated: the tokens generate feeds back (generate only)
 WIDE_POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out")  # one hidden-size vector per token
 ROW = "row."  # a value read from each input row: row.<column>
 

@@ -1,7 +1,7 @@
 """What generation adds around the decoder: per-row limits, stop strings, finish reasons, step figures, states.
 
 Model: a Forge batch is a set of prompts that one worker generates to completion with Forge's
-continuous-batching decoder (`forge.runtime.decode`). Around it: per-row ``max_new_tokens`` and
+continuous-batching decoder (`forge.runtime.decoder.engine`). Around it: per-row ``max_new_tokens`` and
 stop strings (the text is cut before the first stop string; the tokens keep the one that
 completed it, as `generate`'s stop strings do), a finish reason, the step sizes the decoder ran (a
 histogram: the ledger checks no step went over the budget), and the activations of the generated

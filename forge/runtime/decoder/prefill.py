@@ -2,7 +2,7 @@
 
 Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before
 prompt ``g``), so each is contiguous and ends at the block's last column, as a decoding slot
-wants it (`forge.runtime.kv_slots`). Where prompts start with a prefix whose KV is known
+wants it (`forge.runtime.decoder.kv_slots`). Where prompts start with a prefix whose KV is known
 (computed once, `PrefixStore`), the block's first ``C`` columns are that KV instead of a forward
 pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens there, and its remaining
 tokens are computed. ``C`` is the most every prompt allows, min over g of ``pads[g] + P_g``: a
@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from forge.runtime.hf_compat import input_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
+PrefixKey = tuple[str | None, tuple[int, ...]]  # what a prefix's KV is stored under: a steering tag, its tokens
 
 
 def forward(model: Any, ids, mask, positions, cache: Cache):
@@ -47,12 +48,25 @@ def forward(model: Any, ids, mask, positions, cache: Cache):
 _TAKES: dict[type, tuple[bool, bool, str]] = {}
 
 
+def steered(hooks: Any, slots: Any, model: Any, ids, mask, positions, cache: Cache):
+    """`forward` with the interventions' hooks told where each slot sits (`slots`)."""
+    hooks.begin(slots, False)
+    try:
+        return forward(model, ids, mask, positions, cache)
+    finally:
+        hooks.end()
+
+
 class Prefill:
     """Prompts prefilled together; `prefixes[g]`: the KV (``[1, heads, P, dim]`` per layer) of prompt
-    g's first tokens, or None."""
+    g's first tokens, or None. `steer`: the interventions' hooks (a `forge.runtime.hooks.HookSet`) and
+    each prompt's (prefix length, prompt length), to say where its tokens sit (its tokens past its
+    prompt are generated ones, recomputed); their lengths None: the prompts are shared prefixes."""
 
-    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None]):
+    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
+                 steer: tuple[Any, list[tuple[int, int]] | None] | None = None):  # fmt: skip
         self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
+        self.steer = steer
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]
@@ -92,11 +106,25 @@ class Prefill:
         """Compute the next columns, at most `budget` tokens of prompts; returns the tokens computed."""
         w = max(1, budget // len(self.lens))
         a, b = self.done_to, min(self.width, self.done_to + w)
-        logits = forward(self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
+        args = (self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
+        logits = forward(*args) if self.steer is None else steered(self.steer[0], self._slots(a, b), *args)
         self.done_to = b
         if self.finished:
             self.last_logits = logits
         return int(self.mask[:, a:b].sum())
+
+    def _slots(self, a: int, b: int) -> Any:
+        """Where the tokens of columns [a, b) sit in their sequences (`forge.runtime.hooks.Slots`)."""
+        from forge.runtime.hooks import Slots
+
+        assert self.steer is not None
+        position = self.positions[:, a:b].cpu()
+        lens = self.steer[1]
+        if lens is None:  # shared prefixes: every token a prefix token
+            return Slots(position, position + 1, torch.full_like(position, -1), self.mask[:, a:b].cpu().bool())
+        prefix = torch.tensor([p for p, _ in lens])[:, None].expand_as(position)
+        prompt = torch.tensor([n for _, n in lens])[:, None].expand_as(position)
+        return Slots(position, prefix, prompt, self.mask[:, a:b].cpu().bool())
 
     def layer_kv(self) -> KV:
         """Every prompt's keys and values so far, ``[prompts, heads, columns, dim]`` per layer."""
@@ -140,13 +168,15 @@ class BlockPrefill:
     """A block of prompts prefilled in parts (`split`): the prompts of a part compute about as many
     columns each, so few pads and recomputed prefix tokens go through the model."""
 
-    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None]):
+    def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
+                 steer: tuple[Any, list[tuple[int, int]]] | None = None):  # fmt: skip
         known = [0 if kv is None else kv[0][0].shape[2] for kv in prefixes]
         rests = [len(t) - min(k, len(t) - 1) for t, k in zip(prompts, known)]
-        self.parts = [
-            (rows, Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, [prefixes[g] for g in rows]))
-            for rows in split(rests)
-        ]
+        self.parts = []
+        for rows in split(rests):
+            part = None if steer is None else (steer[0], [steer[1][g] for g in rows])
+            fill = Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, [prefixes[g] for g in rows], part)
+            self.parts.append((rows, fill))
         self.width = max(map(len, prompts))
         self.slots_run = 0  # rows x columns computed: the work, its pads and recomputed prefix tokens included
         self.tokens_run = 0  # the prompt tokens among them
@@ -183,21 +213,21 @@ class PrefixStore:
     def __init__(self, tokens: int, max_bytes: int | None = None):
         self.tokens = tokens
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.entries: OrderedDict[PrefixKey, KV] = OrderedDict()
         self.hits = 0
         self.bytes = 0  # what the stored keys and values hold
 
-    def get(self, prefix: tuple[int, ...]) -> KV | None:
+    def get(self, prefix: PrefixKey) -> KV | None:
         kv = self.entries.get(prefix)
         if kv is not None:
             self.entries.move_to_end(prefix)
             self.hits += 1
         return kv
 
-    def put(self, prefix: tuple[int, ...], kv: KV) -> None:
+    def put(self, prefix: PrefixKey, kv: KV) -> None:
         self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
         self.bytes = sum(self._size(e) for e in self.entries.values())
-        while len(self.entries) > 1 and (sum(len(p) for p in self.entries) > self.tokens or self._over_bytes()):
+        while len(self.entries) > 1 and (sum(len(p[1]) for p in self.entries) > self.tokens or self._over_bytes()):
             self.bytes -= self._size(self.entries.popitem(last=False)[1])
 
     def _over_bytes(self) -> bool:

@@ -2,8 +2,8 @@
 
 Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
 tokens: one decode token per running sequence (all in one forward pass over their slots,
-`forge.runtime.kv_slots`), then, within what is left, the next chunk of a block of waiting
-prompts being prefilled (`forge.runtime.prefill`, in parts of prompts that compute about as many
+`forge.runtime.decoder.kv_slots`), then, within what is left, the next chunk of a block of waiting
+prompts being prefilled (`forge.runtime.decoder.prefill`, in parts of prompts that compute about as many
 columns each). A prompt block is formed when none is in progress: the next waiting prompts by
 their own length (past their prefix), as many as the step's room allows; the prefixes
 among them not stored yet are computed first, once each (one forward pass of their own), and
@@ -15,66 +15,25 @@ A sequence never waits on another's length or padding for its result: its slot's
 position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
 (tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
 model allows it, decode steps read each shared prefix's KV once for all its sequences
-(`forge.runtime.prefix_attention`): a sequence's slot then holds only its own tokens.
+(`forge.runtime.decoder.prefix_attention`): a sequence's slot then holds only its own tokens.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from forge.runtime import prefix_attention
+from forge.runtime.decoder import prefix_attention
+from forge.runtime.decoder.kv_slots import SlotKV
+from forge.runtime.decoder.prefill import BlockPrefill, Prefill, PrefixKey, PrefixStore, forward, steered
+from forge.runtime.decoder.sampling import Sampling
+from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 from forge.runtime.hf_compat import input_device
-from forge.runtime.kv_slots import SlotKV
-from forge.runtime.prefill import BlockPrefill, Prefill, PrefixStore, forward
-from forge.runtime.sampling import Sampling
 
-
-@dataclass
-class Sequence:
-    """One prompt being generated."""
-
-    index: int  # in the request
-    prompt: list[int]
-    prefix_len: int  # its first tokens shared with other prompts (0: none)
-    max_new_tokens: int
-    stop: tuple[str, ...]
-    rng: np.random.Generator | None
-    out: list[int] = field(default_factory=list)
-    slot: int = -1
-    finished: bool = False
-    prefix_kv: Any = None  # its prefix's KV, read by shared-prefix attention (None: its slot holds every token)
-    admitted: int = -1  # when it last took a slot (the latest admitted is preempted first)
-
-    def tokens(self) -> list[int]:
-        """What a prefill computes: the prompt, and after a preemption the tokens generated so far."""
-        return self.prompt + self.out
-
-
-@dataclass
-class DecodeFigures:
-    """What one `Decoder.generate` did."""
-
-    steps: list[int]  # tokens each step carried (decode + prefill)
-    prefix_hits: int  # prefixes a block found already stored
-    decode_tokens: int = 0  # tokens fed back to the model one per running sequence and step
-    preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
-    recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
-    kv_peak_bytes: int = 0  # the most keys and values held at once, as accounted: slots, copies, what is beside
-    prefix_stored_tokens: int = 0  # prefix tokens of sequences whose prefix the store held when called
-    prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked: work, not tokens)
-
-
-def least_kv_bytes(longest: int, column_bytes: float, layers: int) -> int:
-    """A KV budget (`Decoder(kv_bytes=)`) that runs one sequence of `longest` tokens: its prompt's
-    prefill cache and its slot, a buffer copy's one layer more included, beside stored prefixes'
-    quarter of the budget."""
-    return int(longest * column_bytes * (2 + 1 / layers) * 4 / 3) + 1
+__all__ = ["DecodeFigures", "Decoder", "Sequence", "least_kv_bytes"]
 
 
 class Decoder:
@@ -91,9 +50,16 @@ class Decoder:
         prefix_tokens: int = 65536,
         shared_attention: bool = True,
         kv_bytes: int | None = None,
+        max_running: int | None = None,
+        steer: tuple[Any, str | None] | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.budget = int(tokens_per_step)
+        self.max_running = self.budget if max_running is None else min(self.budget, int(max_running))
+        # the interventions' hooks (a forge.runtime.hooks.HookSet) and what tags the prefixes they change:
+        # a prefix's KV is stored under (tag, its tokens), so a steered one never serves an unsteered one
+        self.hooks: Any = steer[0] if steer is not None else None
+        self.tag: str | None = steer[1] if steer is not None else None
         self.eos, self.pad = eos, int(pad_token_id)
         self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         self.layers = int(model.config.get_text_config().num_hidden_layers)
@@ -102,17 +68,20 @@ class Decoder:
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
         self._stacked_bytes = 0
+        self._ended: list[Sequence] = []  # sequences that ended in the step being run
         self._computing_bytes = 0  # prefixes being computed: their cache (and its stored copy, before the block's)
         if self.shared_attention:
             prefix_attention.register()
             model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
 
-    def generate(self, seqs: list[Sequence]) -> DecodeFigures:
-        """Generate every sequence to its end (their `out` filled)."""
+    def generate(self, seqs: list[Sequence], on_finished: Any = None) -> DecodeFigures:
+        """Generate every sequence to its end (their `out` filled). `on_finished(seqs)`: called
+        after each step with the sequences that ended in it (their output final), if any."""
+        self._ended = []
         with torch.inference_mode():
-            return self._generate(seqs)
+            return self._generate(seqs, on_finished)
 
-    def _generate(self, seqs: list[Sequence]) -> DecodeFigures:
+    def _generate(self, seqs: list[Sequence], on_finished: Any) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt) - s.prefix_len))  # a block's: similar own lengths
         kv = SlotKV(self.layers, input_device(self.model))  # token ids, masks, positions: where ids go in
         if self.kv_bytes is None:
@@ -121,7 +90,7 @@ class Decoder:
             self._shape(kv)
         running: dict[int, Sequence] = {}
         prefix_fill: Prefill | None = None  # the block's prefixes not stored yet, computed first
-        keys: list[tuple[int, ...]] = []
+        keys: list[PrefixKey] = []
         block: list[Sequence] = []
         fill: BlockPrefill | None = None  # the block's prefill, once its prefixes are known
         figures = DecodeFigures([], 0)
@@ -134,8 +103,8 @@ class Decoder:
             tokens = self._decode(kv, running) if running else 0
             figures.decode_tokens += tokens
             room = self.budget - tokens
-            if not block and waiting and room > 0:
-                block, prefix_fill, keys, hit = self._schedule(waiting, self.budget - len(running), kv, running)
+            if not block and waiting and room > 0 and len(running) < self.max_running:
+                block, prefix_fill, keys, hit = self._schedule(waiting, self.max_running - len(running), kv, running)
                 figures.prefix_hits += hit
             if prefix_fill is not None and room >= len(keys):
                 used = prefix_fill.run(room)
@@ -146,7 +115,9 @@ class Decoder:
                     prefix_fill, self._computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
-                fill = BlockPrefill(self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes)
+                fill = BlockPrefill(
+                    self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes, self._steer(block)
+                )
             if fill is not None and not fill.finished:
                 tokens += fill.run(room)
             if fill is not None and fill.finished and self._admits(kv, running, block, fill):
@@ -155,12 +126,24 @@ class Decoder:
                 figures.prefill_pads += fill.slots_run - fill.tokens_run
                 block, fill = [], None
             figures.steps.append(tokens)
+            if self._ended:
+                ended, self._ended = self._ended, []
+                if on_finished is not None:
+                    on_finished(ended)
         figures.kv_peak_bytes = kv.peak_bytes
         return figures
 
-    @staticmethod
-    def _key(seq: Sequence) -> tuple[int, ...]:
-        return tuple(seq.prompt[: seq.prefix_len])
+    def _key(self, seq: Sequence) -> PrefixKey:
+        return self.prefix_key(seq.prompt, seq.prefix_len)
+
+    def prefix_key(self, tokens: Any, prefix_len: int) -> PrefixKey:
+        """What a prefix's KV is stored under: the interventions' tag (None: no steering reaches a
+        prefix token) and its tokens."""
+        return self.tag, tuple(int(t) for t in tokens[:prefix_len])
+
+    def _steer(self, seqs: list[Sequence]) -> tuple[Any, list[tuple[int, int]]] | None:
+        """For a prefill of these sequences: the hooks, and where each one's own and generated tokens start."""
+        return None if self.hooks is None else (self.hooks, [(s.prefix_len, len(s.prompt)) for s in seqs])
 
     def _schedule(self, waiting: deque, room: int, kv: SlotKV, running: dict[int, Sequence]):
         """The next block: at most `room` waiting prompts (each step then has a token for each), as
@@ -172,12 +155,13 @@ class Decoder:
         if self.kv_bytes is not None:
             take = self._fitting(waiting, take, kv, running)
         block = [waiting.popleft() for _ in range(take)]
-        keys = [k for k in dict.fromkeys(self._key(s) for s in block) if k]
+        keys = [k for k in dict.fromkeys(self._key(s) for s in block) if k[1]]
         missing = [k for k in keys if self.prefixes.get(k) is None]
         if not missing:
             return block, None, [], len(keys)
-        fill = Prefill(self.model, [list(k) for k in missing], self.layers, self.pad, [None] * len(missing))
-        self._computing_bytes = sum(map(len, missing)) * kv.column_bytes
+        steer = None if self.hooks is None else (self.hooks, None)  # prefix tokens only
+        fill = Prefill(self.model, [list(k[1]) for k in missing], self.layers, self.pad, [None] * len(missing), steer)
+        self._computing_bytes = sum(len(k[1]) for k in missing) * kv.column_bytes
         return block, fill, missing, len(keys) - len(missing)
 
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
@@ -251,12 +235,12 @@ class Decoder:
             kv.tidy(force=True)  # nor any slot
         widths = list(itertools.accumulate((len(waiting[k].tokens()) for k in range(take)), max))
         computing, new = [], 0  # bytes of the prefixes the first n would compute and store
-        seen: set[tuple[int, ...]] = set()
+        seen: set[PrefixKey] = set()
         for k in range(take):
             key = self._key(waiting[k])
-            if key and key not in seen and key not in self.prefixes.entries:
+            if key[1] and key not in seen and key not in self.prefixes.entries:
                 seen.add(key)
-                new += len(key) * kv.column_bytes
+                new += len(key[1]) * kv.column_bytes
             computing.append(new)
         for n in range(take, 0, -1):  # their cache and stored copy, then stored beside the block's cache
             new = computing[n - 1]
@@ -322,8 +306,11 @@ class Decoder:
         ids[slots, 0] = torch.tensor([running[s].out[-1] for s in slots], device=kv.device)
         if self.shared_attention:
             prefix_attention.SHARED.step = self._shared(running, kv.device)
+        args = (self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
         try:
-            logits = forward(self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
+            logits = (
+                forward(*args) if self.hooks is None else steered(self.hooks, step_slots(kv.positions, running), *args)
+            )
         finally:
             prefix_attention.SHARED.step = None
         kv.after_step()
@@ -378,4 +365,6 @@ class Decoder:
             text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
             done = any(s in text for s in seq.stop)
         seq.finished = done
+        if done:
+            self._ended.append(seq)
         return done

@@ -1,35 +1,7 @@
-"""The public function API: what a Forge function is written on (built-ins and plugins alike).
-
-A function reads rows, runs a model over them and writes one result row per item. Forge owns
-everything that is the same for every function of a model kind; the author writes four things:
-
-* ``fields``: the result fields (`Field`: name, dtype, per-value shape, ragged: a variable
-  number of values per item, such as one hidden state per token);
-* ``forward``: what the forward pass must give (`Forward`: hidden states at chosen layers,
-  values at any hook point, target log-probabilities, logits);
-* ``reduce(view)``: one item's `ItemView` -> ``{field: value}`` for that item; a field may be an
-  `Aggregate`, folded over the dataset (exactly once per item, across resumes) instead of stored;
-* optionally ``prompts(row)``: a `Row` -> the `Prompt`s it becomes (default: one, from its
-  ``text``, ``prefix`` and ``label``), ``options()``: what of its settings decides results, and
-  ``config_schema``: its settings, a dataclass extending `ModelFunctionConfig` (the one home of
-  their defaults), of which the function is built from an instance (``self.cfg``).
-
-Class hierarchy (shared code lives in an intermediate base, never in a sibling)::
-
-    forge.function.Function          the engine's seam (records, workers, sinks, fingerprints)
-      ModelFunction                  model spec, input, rows, token rule, fingerprint, results
-        CausalLMFunction             causal LMs: prefix cache, packing, target log-probs, memory
-        EncoderFunction              bidirectional encoders: whole texts, rows or packed rows
-
-Token rule (`forge.runtime.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
-special tokens, its text alone without them; a text without a prefix, alone with them. Targets
-(`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
-first from the prefix's last token); without a prefix, every token after the first.
-
-Accounting is the runtime's, never the author's (docs/functions.md). Interventions are config:
-the function config's ``intervene:`` list (`forge.runtime.interventions`).
-
-Every name this module exports is listed in ``__all__`` and held stable by tests/test_api.py.
+"""The base of every function over a Hugging Face model (`ModelFunction`) and its config keys
+(`ModelFunctionConfig`): model spec, input rows, token rule, tokenizing in chunks, fingerprint,
+result schema. The model kinds' bases build on it (`forge.api.causal`); authors import them all
+from `forge.api`.
 """
 
 from __future__ import annotations
@@ -46,35 +18,14 @@ from forge.io.aggregate import Aggregate
 from forge.io.inputs import Column, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
-from forge.runtime.cost_models import check_layers
 from forge.runtime.forward import Forward
 from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
 from forge.runtime.modelspec import HFModel, ModelSpec, open_input
 from forge.runtime.prompts import Prompt, Tokens, sample_output
 from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.runtime.views import ItemView
-from forge.vocab.geometry import Device, Item
+from forge.vocab.geometry import Item
 from forge.vocab.records import Rejected, Skipped
-
-__all__ = [
-    "Aggregate",
-    "CausalLMFunction",
-    "Column",
-    "EncoderFunction",
-    "Field",
-    "ForgeError",
-    "Forward",
-    "InputSpec",
-    "Item",
-    "ItemView",
-    "ModelFunction",
-    "ModelFunctionConfig",
-    "ModelSpec",
-    "Prompt",
-    "Rejected",
-    "Row",
-    "Tokens",
-]
 
 TOKENIZE_CHUNK = 256  # prompts tokenized per tokenizer call
 TEXT_COLUMNS = {"text": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
@@ -102,6 +53,7 @@ class ModelFunction(Function):
     folder: str | None = None  # the run directory's subfolder for results (None: the function's name)
     keep_labels: bool = False  # journal each item's label (key "labels")
     shard_bytes: int = SHARD_BYTES  # a shard is also cut once its rows hold this many bytes (per-token results)
+    generates: bool = False  # it feeds generated tokens back (intervene span: generated)
 
     def __init__(self, config: ModelFunctionConfig):
         self.cfg = config  # an instance of config_schema: the function's settings
@@ -277,123 +229,3 @@ class ModelFunction(Function):
 
         folded = [f.name for f in self.fields if isinstance(f, Aggregate)]
         return ReducingWorker(views, self.reduce, [f.name for f in self.fields], folded, dispatch and dispatch.close)
-
-
-class CausalLMFunction(ModelFunction):
-    """A function over a causal LM: prefixes split off, cached and packed where that is exact."""
-
-    def __init__(self, config: ModelFunctionConfig):
-        super().__init__(config)
-        from forge.runtime.capabilities import causal_lm_capabilities
-        from forge.runtime.hf_compat import num_layers
-        from forge.runtime.hooks import check_points
-
-        n = num_layers(self.config)
-        check_layers(self.forward.layers, n)
-        self.caps = causal_lm_capabilities(self.config, self.model, self.hf.source)
-        check_points(self.forward.capture, self.interventions.items, n, self.caps.attn, self.name, self.config)
-        self.interventions.check_widths(self.hidden_size, self.name)
-        self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
-        self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
-        self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
-
-    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
-        """Refuse, before any work, a layout that cannot equal a one-prompt forward pass."""
-        self.caps.check(split_prefix, packed)
-        self._mode = (split_prefix, packed, cache and split_prefix)
-
-    def path(self) -> str:
-        return self.caps.path(*self._mode)
-
-    def worker_modules(self) -> list[str]:
-        module = self.caps.model_module
-        own = ["forge.runtime.causal_lm", "forge.runtime.views", *([module] if module else [])]
-        return [*super().worker_modules(), *own]
-
-    # -- memory -------------------------------------------------------------------------
-    def extra_bytes_per_token(self) -> int:
-        """Device bytes the function holds per token beyond the forward pass (default: none)."""
-        return 0
-
-    def memory_pooling(self) -> str:
-        """What the measured forward pass keeps of each hidden state ("mean": every token, as float32)."""
-        return "mean" if self.forward.layers else "last"
-
-    def cost_model(self) -> CostModel:
-        """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
-        per token: float32 logits when targets are scored, and the function's own extras."""
-        from forge.runtime.cost_models import causal_lm_cost_model
-
-        return causal_lm_cost_model(self)
-
-    # -- running ------------------------------------------------------------------------
-    def open_worker(self, device: Device, cache_tokens: int):
-        from transformers import AutoModelForCausalLM
-
-        from forge.runtime.causal_lm import CausalLMRunner
-        from forge.runtime.dispatch import dispatch_for
-        from forge.runtime.views import CausalViews
-
-        dispatch = dispatch_for(self, device)  # a group: read cut onto its devices (else: on the CPU, cut, moved)
-        loader, attn = AutoModelForCausalLM, self.caps.attn
-        model = dispatch.load(self.hf, loader, attn) if dispatch else self.hf.load(loader, "cpu", attn)
-        runner = CausalLMRunner(
-            model,
-            device=None if dispatch else device.torch_device,
-            layers=list(self.forward.layers),
-            cache_tokens=cache_tokens,
-            pad_token_id=self.hf.pad_token_id,
-            caps=self.caps,
-            allow_no_layers=True,
-            stop_after_deepest=not self.forward.lm_head,  # the LM head reads the last layer's state
-            captures=list(self.forward.capture),
-            interventions=self.interventions,
-        )
-        return self._reducing_worker(CausalViews(runner, self.forward), dispatch)
-
-
-class EncoderFunction(ModelFunction):
-    """A function over a bidirectional encoder (BERT-style): whole texts, in rows or packed rows."""
-
-    columns = {"text": Column(required=True), "id": Column(kinds=("string", "integer"))}
-    causal = False
-
-    def __init__(self, config: ModelFunctionConfig):
-        super().__init__(config)
-        from forge.runtime.encoder import check_encoder, encoder_capabilities
-        from forge.runtime.hf_compat import num_layers
-
-        check_layers(self.forward.layers, num_layers(self.config))
-        check_encoder(self.config, self.forward, self.name, self.model.name, bool(self.interventions))
-        self.caps = encoder_capabilities(self.config, self.model.attn_implementation)
-        self._mode = (False, False)  # (packed, prefix cache) until check_mode says
-
-    def prompts(self, row: Row) -> list[Prompt] | str:
-        return [Prompt(row.data["text"], None, row.data.get("label"))]
-
-    def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
-        self.caps.check(packed, cache)
-        self._mode = (packed, cache)
-
-    def path(self) -> str:
-        return self.caps.path(self._mode[0])
-
-    def worker_modules(self) -> list[str]:
-        return [*super().worker_modules(), "forge.runtime.encoder", "forge.runtime.views"]
-
-    def cost_model(self) -> CostModel:
-        from forge.runtime.cost_models import encoder_cost_model
-
-        return encoder_cost_model(self)
-
-    def open_worker(self, device: Device, cache_tokens: int):
-        from transformers import AutoModel
-
-        from forge.runtime.dispatch import dispatch_for
-        from forge.runtime.encoder import EncoderViews
-
-        dispatch = dispatch_for(self, device)  # a device group: read straight onto its devices, by the plan's map
-        hf, attn = self.hf, self.caps.attn
-        model = dispatch.load(hf, AutoModel, attn) if dispatch else hf.load(AutoModel, device.torch_device, attn)
-        views = EncoderViews(model, self.caps, list(self.forward.layers), self.hf.pad_token_id)
-        return self._reducing_worker(views, dispatch)

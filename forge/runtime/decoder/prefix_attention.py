@@ -5,7 +5,7 @@ Model: in a decode step each sequence's one query attends over its prefix's keys
 own tokens' keys. The softmax over both is split exactly (the log-sum-exp merge): each part
 gives its maximum score ``m``, the sum of ``exp(score - m)`` and the weighted sum of values, and
 the two combine with ``exp(m_part - m)`` factors. The own part is the slots' KV
-(`forge.runtime.kv_slots`, the prefix's columns masked out there); the prefix part is one matmul
+(`forge.runtime.decoder.kv_slots`, the prefix's columns masked out there); the prefix part is one matmul
 per shared prefix over ``[heads, sequences, dim] x [heads, dim, prefix]``: a prefix's KV is read
 once per layer and step instead of once per sequence, which is most of a decode step's
 attention when prompts share few-shot prefixes.

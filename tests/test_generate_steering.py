@@ -1,0 +1,215 @@
+"""Steered generation: `intervene:` in generate equals one-prompt-at-a-time `generate` with the same
+forward hook, token for token, in every batching mode and in every family of the exactness matrix.
+
+The reference shares nothing with Forge's decoder but the model's files and the layer a hook point
+names: each row alone through `model.generate` (no padding), a plain forward hook on that decoder
+layer adding ``scale * vector`` to its output at the positions the span covers (it counts the
+positions itself: the prompt in the first pass, one token a pass after it).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_generate import FAMILY_NAMES, ROWS, N, Reference, _write, family, limits, run_model  # noqa: E402
+
+from forge.errors import ForgeError  # noqa: E402
+from forge.io.results import load  # noqa: E402
+from forge.testing import MODES, run_function  # noqa: E402
+
+LAYER, SCALE = 1, 4.0
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+def covered(span: str, pos: torch.Tensor, prefix_len: int, prompt_len: int) -> torch.Tensor:
+    """bool per position: where `span` adds the vector (generate's spans, over prompt and generated tokens)."""
+    if span == "all":
+        return torch.ones_like(pos, dtype=torch.bool)
+    if span == "prefix":
+        return pos < prefix_len
+    if span == "text":
+        return (pos >= prefix_len) & (pos < prompt_len)
+    if span == "last":
+        return pos == prompt_len - 1
+    if span == "generated":
+        return pos >= prompt_len
+    raise ValueError(span)
+
+
+def steered_greedy(model, ids: list[int], prefix_len: int, n: int, vector: torch.Tensor, span: str) -> list[int]:
+    """One prompt alone through `generate`, a forward hook on decoder layer LAYER steering its output."""
+    from forge.runtime.hf_compat import base_decoder, num_layers
+    from forge.runtime.hooks import decoder_layers
+
+    layer = decoder_layers(base_decoder(model), num_layers(model.config))[LAYER]
+    seen = [0]
+
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        pos = torch.arange(seen[0], seen[0] + h.shape[1])
+        seen[0] += h.shape[1]
+        m = covered(span, pos, prefix_len, len(ids)).to(h.dtype)[None, :, None]
+        h = h + SCALE * vector.to(h.dtype) * m
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
+    finally:
+        handle.remove()
+    return out[0, len(ids) :].tolist()
+
+
+def prefix_len(ref: Reference, row: dict) -> int:
+    return len(ref.tok(row["prefix"])["input_ids"]) if row.get("prefix") else 0
+
+
+def vector_file(root: Path, width: int) -> tuple[Path, torch.Tensor]:
+    rng = np.random.default_rng(5)
+    v = rng.normal(size=width).astype(np.float32)
+    path = root / f"steer-{width}.npy"
+    np.save(path, v)
+    return path, torch.from_numpy(v)
+
+
+def steer(path: Path, span: str) -> str:
+    return f"intervene=[{{at: resid_post.{LAYER}, op: add, vector: '{path}', scale: {SCALE}, span: {span}}}]"
+
+
+def check(ref: Reference, run_dir: Path, vector: torch.Tensor, span: str) -> int:
+    """Every row's tokens are the steered reference's; returns how many differ from the unsteered ones."""
+    res = load(run_dir)
+    by_id = {r["id"]: r for r in ROWS}
+    assert sorted(res.ids) == sorted(by_id)
+    changed = 0
+    for k, rid in enumerate(res.ids):
+        row = by_id[rid]
+        want = steered_greedy(ref.model, ref.prompt(row), prefix_len(ref, row), N, vector, span)
+        got = res.columns["generated_ids"][k].tolist()
+        assert got == want, (run_dir.name, rid, got, want)
+        changed += want != ref.new_tokens(row)
+    return changed
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("steer")
+    _write(root / "rows.jsonl", ROWS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def embedded(work) -> Reference:
+    """The embedded model (its weights made from its seed) and tokenizer, in one directory."""
+    import shutil
+
+    from forge.functions.assets import embedded_model_source, materialize_model
+
+    path = work / "embedded-model"
+    shutil.copytree(materialize_model(embedded_model_source()), path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(embedded_model_source() / f, path / f)
+    return Reference(path)
+
+
+SPANS = ["all", "text", "prefix", "generated", "last"]
+
+
+@pytest.mark.parametrize("span", SPANS)
+def test_steered_greedy_equals_one_prompt_at_a_time_with_the_same_hook(work, embedded, span):
+    path, vector = vector_file(work, int(embedded.model.config.hidden_size))
+    run = work / f"steer-{span}"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(), steer(path, span)])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert check(embedded, run, vector, span) > 0  # the steering changes some rows' text
+
+
+CASES = [(mode, span) for mode in MODES for span in ("all", "generated")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,span", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_steered_greedy_in_every_batching_mode(work, embedded, mode, span):
+    path, vector = vector_file(work, int(embedded.model.config.hidden_size))
+    run = work / f"steer-mode-{mode}-{span}"
+    room = ["devices.cpu_memory_gb=0.08"] if mode == "memory" else []
+    extra = ["max_running=3", "shard_size=2"] if mode == "item" else []  # waiting rows, parts committed
+    report = run_function(
+        "generate", work / "rows.jsonl", run, [*limits(), *MODES[mode], *room, *extra, steer(path, span)]
+    )
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert check(embedded, run, vector, span) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_steered_greedy_in_each_family(work, name):
+    ref = family(name, work)
+    width = int(ref.model.config.get_text_config().hidden_size)
+    path, vector = vector_file(work, width)
+    span = "all" if FAMILY_NAMES.index(name) % 2 == 0 else "generated"
+    run = work / f"steer-{name}"
+    report = run_model(run, ref.path, work / "rows.jsonl", steer(path, span))
+    assert report["items"]["completed"] == len(ROWS) and report["items"]["failed"] == 0, report.get("failures")
+    check(ref, run, vector, span)
+
+
+def test_a_steered_prefix_is_never_served_from_an_unsteered_ones_cache(embedded):
+    """One decoder's prefix store, filled by unsteered prompts, then read by a steered decoder: the
+    steered prefixes are computed anew (none found stored) and the tokens are the steered ones; and
+    back: an unsteered decoder never takes the steered prefixes."""
+    from forge.runtime.decoder.engine import Decoder, Sequence
+    from forge.runtime.hf_compat import base_decoder, num_layers
+    from forge.runtime.hooks import HookSet
+    from forge.runtime.interventions import load_interventions
+
+    model = copy.deepcopy(embedded.model)
+    rows = [r for r in ROWS if r.get("prefix")]
+    width = int(model.config.hidden_size)
+    vector = torch.from_numpy(np.random.default_rng(5).normal(size=width).astype(np.float32))
+
+    def seqs():
+        return [Sequence(k, embedded.prompt(r), prefix_len(embedded, r), N, (), None) for k, r in enumerate(rows)]
+
+    ivs = load_interventions([{"at": f"resid_post.{LAYER}", "vector": vector.tolist(), "scale": SCALE, "span": "all"}])
+    hooks = HookSet(model, base_decoder(model), num_layers(model.config), [], list(ivs.items))
+    plain = Decoder(model, embedded.tok, 256, {2}, 3)
+    hooks.close()  # the plain decoder runs the model without them
+    plain.generate(seqs())
+    assert plain.prefixes.entries
+    hooks = HookSet(model, base_decoder(model), num_layers(model.config), [], list(ivs.items))
+    steered = Decoder(model, embedded.tok, 256, {2}, 3, steer=(hooks, ivs.key))
+    steered.prefixes = plain.prefixes  # the same store
+    got = seqs()
+    figures = steered.generate(got)
+    assert figures.prefix_stored_tokens == 0 and figures.prefix_hits == 0
+    for seq, row in zip(got, rows):
+        assert seq.out == steered_greedy(
+            embedded.model, embedded.prompt(row), prefix_len(embedded, row), N, vector, "all"
+        )
+    hooks.close()
+    again = Decoder(model, embedded.tok, 256, {2}, 3)
+    again.prefixes = steered.prefixes
+    back = seqs()
+    figures = again.generate(back)
+    assert figures.prefix_stored_tokens == sum(s.prefix_len for s in back)  # the unsteered ones, kept
+    assert [s.out for s in back] == [embedded.new_tokens(r) for r in rows]
+
+
+def test_span_generated_is_for_generate_only_and_states_wait_for_their_own_steering(work):
+    texts = _write(work / "texts.jsonl", [{"id": "a", "text": "one two three"}])
+    zero = "intervene=[{at: mlp_out.1, op: zero, span: generated}]"
+    with pytest.raises(ForgeError, match="span 'generated' is for generate only"):
+        run_function("probe_gen", texts, work / "generated-span", [zero])
+    with pytest.raises(ForgeError, match="intervene with layers or capture is not supported yet"):
+        run_function("generate", work / "rows.jsonl", work / "steer-states", [*limits(), zero, "layers=[1]"])
+    assert not (work / "steer-states" / "report.json").exists()
