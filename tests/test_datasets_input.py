@@ -111,6 +111,16 @@ def test_a_dataset_in_the_local_hub_cache_is_read_offline(data, _datasets_cache)
         InputDataset({**spec, "split": "test"}, TEXT_COLUMNS)
 
 
+def test_a_column_may_feed_two_fields_and_a_mapped_field_shadows_a_column_of_its_name(tmp_path):
+    from forge.api import TEXT_COLUMNS
+    from forge.io.datasets_input import InputDataset
+
+    datasets.Dataset.from_list([{"text": "old", "s": "new", "n": 1}]).save_to_disk(str(tmp_path / "d"))
+    spec = {"dataset": str(tmp_path / "d"), "columns": {"text": "s", "prefix": "s"}}
+    (row,) = InputDataset(spec, TEXT_COLUMNS).rows()
+    assert row.data == {"text": "new", "prefix": "new", "n": 1}
+
+
 def test_streaming_reads_the_same_rows_and_counts_them(data):
     from forge.api import TEXT_COLUMNS
     from forge.io.datasets_input import InputDataset

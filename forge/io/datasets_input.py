@@ -357,7 +357,10 @@ def _renamed(batch, mapping: Mapping[str, str]):
 
 
 def _layout(names: list[str], mapping: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(Forge's name, source column) for each column a row has."""
-    by_source = {c: n for n, c in mapping.items()}
-    out = [(by_source.get(c, c), c) for c in names if c in by_source or c not in mapping]
+    """(Forge's name, source column) for each column a row has: a mapped column under each
+    field mapped to it, an unmapped one under its own name unless a mapped field takes it."""
+    out: list[tuple[str, str]] = []
+    for c in names:
+        fields = [n for n, source in mapping.items() if source == c]
+        out += [(n, c) for n in fields] if fields else [(c, c)] if c not in mapping else []
     return out
