@@ -4,7 +4,6 @@ and wait until it is ready, stop one or all (`forge.cli.server` is the server it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from forge.cli.server import DEFAULT_IDLE_MINUTES
 from forge.cli.wire import connect, private, recv_message, send_message, server_address, server_dir, server_key
+from forge.vocab.procs import pid_alive
 
 
 def ask(address: Path, op: str = "ping") -> dict | None:
@@ -64,7 +64,7 @@ def stop(every: bool = False, timeout_s: float = 30.0) -> list[dict]:
     stopped = [state for a in addresses if (state := ask(a, "stop")) is not None]
     deadline = time.monotonic() + timeout_s
     for state in stopped:
-        while _alive(state["pid"]) and time.monotonic() < deadline:
+        while pid_alive(state["pid"]) and time.monotonic() < deadline:
             time.sleep(0.05)
     return stopped
 
@@ -79,13 +79,3 @@ def status() -> list[tuple[Path, dict, bool]]:
         if state is not None:
             out.append((address, state, address.stem == mine))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from forge.runtime.hf_compat import input_device as input_device  # where a placed model's token ids go
+from forge.vocab.procs import pid_alive
 
 OFFLOAD_PREFIX = "forge-offload-"  # the worker's offload folder (disk offload), in the system's temp folder
 
@@ -49,21 +50,11 @@ def remove_stale_offload(temp_dir: str | None = None) -> list[str]:
         pid = entry.name[len(OFFLOAD_PREFIX) :].partition("-")[0]
         if not (entry.name.startswith(OFFLOAD_PREFIX) and pid.isdigit() and entry.is_dir(follow_symlinks=False)):
             continue
-        if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or _alive(int(pid)):
+        if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or pid_alive(int(pid)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def kept_map(model: torch.nn.Module, device_map: dict[str, str], main: str | None = None) -> dict[str, str]:
