@@ -164,7 +164,7 @@ def test_forge_eval_runs_lm_evals_command_line_with_model_forge(setup, tmp_path)
     model, tasks = setup
     done = subprocess.run(
         [sys.executable, "-m", "forge.eval", "--model", "forge", "--model_args",
-         f"model=hf,model.name={model},devices=cpu,batch_size=8", "--tasks", "forge_mc",
+         f"model=hf,model.name={model},devices=cpu", "--batch_size", "8", "--tasks", "forge_mc",
          "--include_path", str(tasks), "--limit", "3", "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

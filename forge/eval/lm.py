@@ -55,9 +55,13 @@ class ForgeLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> ForgeLM:
-        args = utils.simple_parse_args_string(arg_string)
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> ForgeLM:
+        """`--model_args` (as lm-eval parsed them) over lm-eval's own `--batch_size` and `--device`."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in IGNORED}
-        return cls(**args, **extra)
+        return cls(**{**extra, **arg_dict})
 
     # -- the three request kinds ------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
