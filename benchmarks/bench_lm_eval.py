@@ -8,7 +8,8 @@ Two local tasks (written to a temporary folder, no download): a multiple-choice 
 `sampler: first_n`: every question shares that context), and a `generate_until` task of
 `--prompts` prompts (`until: ["."]`, 16 tokens). The model is the embedded tiny Llama, saved as a
 Hugging Face folder both tools load. Every variant is one process, `python -m forge.eval ...`
-(`--model forge`) or `python -m lm_eval ...` (`--model hf --batch_size N`, and `auto`), timed
+(`--model forge`: batches in its own process, the session's default, or in a worker process with
+`runtime.executor=process`) or `python -m lm_eval ...` (`--model hf --batch_size N`, and `auto`), timed
 from its start to its exit, 2 torch threads each; rounds interleaved (`benchmarks/harness.py`),
 medians reported, with each hf variant's time over Forge's. The metrics of every variant are
 printed beside them (they must agree). No floor is measured here. Not a test.
@@ -81,7 +82,11 @@ def variants(model: Path, tasks: Path, out: Path, sizes: list[str]) -> dict:
     env = child_env(OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     forge_args = ["--model", "forge", "--model_args", f"model=hf,model.name={model},devices=cpu"]
     hf_args = ["--model", "hf", "--model_args", f"pretrained={model},dtype=float32", "--device", "cpu"]
-    commands = {"forge": [sys.executable, "-m", "forge.eval", *forge_args, *common]}
+    commands = {
+        "forge": [sys.executable, "-m", "forge.eval", *forge_args, *common],  # in its process: the session's default
+        "forge runtime.executor=process": [sys.executable, "-m", "forge.eval", *forge_args[:3],
+                                           f"{forge_args[3]},runtime.executor=process", *common],
+    }  # fmt: skip
     for size in sizes:
         commands[f"hf batch_size={size}"] = [sys.executable, "-m", "lm_eval", *hf_args, "--batch_size", size, *common]
 
