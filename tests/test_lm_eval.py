@@ -164,7 +164,7 @@ def test_forge_eval_runs_lm_evals_command_line_with_model_forge(setup, tmp_path)
     model, tasks = setup
     done = subprocess.run(
         [sys.executable, "-m", "forge.eval", "--model", "forge", "--model_args",
-         f"model=hf,model.name={model},devices=cpu,batch_size=8", "--tasks", "forge_mc",
+         f"model=hf,model.name={model},devices=cpu", "--batch_size", "8", "--tasks", "forge_mc",
          "--include_path", str(tasks), "--limit", "3", "--output_path", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -172,3 +172,16 @@ def test_forge_eval_runs_lm_evals_command_line_with_model_forge(setup, tmp_path)
     assert "forge_mc" in done.stdout and "acc" in done.stdout
     assert "the token budget" in done.stderr  # batch_size=8 is ignored, in one line
     assert list((tmp_path / "out").rglob("results_*.json"))
+
+
+def test_an_evaluation_with_an_output_dir_resumes_what_it_committed(tmp_path):
+    from lm_eval.api.instance import Instance
+
+    from forge.eval.lm import ForgeLM
+
+    requests = [Instance("loglikelihood", {}, ("The sky is", f" {word}"), n) for n, word in enumerate(("blue", "red"))]
+    first = ForgeLM(output_dir=str(tmp_path)).loglikelihood(requests)
+    again = ForgeLM(output_dir=str(tmp_path)).loglikelihood(requests)
+    assert again == first
+    report = json.loads((tmp_path / "loglikelihood" / "report.json").read_text())
+    assert report["items"]["resumed"] == 2  # nothing computed twice

@@ -74,7 +74,7 @@ def build_function(cfg: dict[str, Any]):
     return function
 
 
-def build_spec(cfg: DictConfig, run_dir: Path | None) -> RunSpec:
+def build_spec(cfg: DictConfig, run_dir: Path | str | None) -> RunSpec:
     """A RunSpec from a composed config. Core classes never see the DictConfig."""
     plain = to_plain(cfg)
     budget, batching = plain["budget"], plain["batching"]

@@ -22,6 +22,7 @@ so an evaluation stopped part way resumes (`resume=true` is added when one is th
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,13 @@ class ForgeLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> ForgeLM:
-        args = utils.simple_parse_args_string(arg_string)
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> ForgeLM:
+        """`--model_args` (as lm-eval parsed them) over lm-eval's own `--batch_size` and `--device`."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in IGNORED}
-        return cls(**args, **extra)
+        return cls(**{**extra, **arg_dict})
 
     # -- the three request kinds ------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -95,9 +100,14 @@ class ForgeLM(LM):
     def run(self, function: str, rows: list[dict], kind: str, overrides: list[str] = ()):
         """One Forge run of `function` over `rows` in the model's session (its run directory under
         output_dir/<kind> when output_dir is set: a stopped one resumes)."""
-        out = None if self.output_dir is None else self.output_dir / kind
-        resume = ["resume=true"] if out is not None and (out / "run.json").exists() else []
-        return self.session.run(function, rows, overrides=[*overrides, *resume], output_dir=out)
+        if self.output_dir is None:
+            return self.session.run(function, rows, overrides=list(overrides))
+        out = self.output_dir / kind
+        resume = ["resume=true"] if (out / "run.json").exists() else []
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / f"{kind}.jsonl"  # beside the run: the same input.path when it resumes
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return self.session.run(function, path, overrides=[*overrides, *resume], output_dir=out)
 
     def _scores(self, rows: list[dict], kind: str) -> list[tuple[float, bool]]:
         if not rows:
