@@ -31,7 +31,9 @@ class TrackioTracker(Tracker):
         os.environ["TRACKIO_DIR"] = str(store)  # read at trackio's import: the first run's store
         import trackio
 
-        for module in [m for name, m in sys.modules.items() if name.startswith("trackio")]:
+        for name, module in sys.modules.copy().items():  # a copy: other trackers' threads import meanwhile
+            if not name.startswith("trackio"):
+                continue
             if isinstance(getattr(module, "TRACKIO_DIR", None), Path):  # a later run of this process: its own store
                 module.TRACKIO_DIR = store
 
