@@ -220,8 +220,8 @@ BAD_CONFIG = {
     "batching.window=-5": "error: config batching.window=-5: must be a positive integer",
     "devices.limits.max_rows=0": "error: config devices.limits.max_rows=0: must be a positive integer",
     "+foo=1": "error: config: unknown key 'foo' at the root; valid keys: function, budget, too_long, output_dir, "
-    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, model, input, shard_size, intervene, "
-    "layers, capture, pooling, "
+    "batching, devices, runtime, resume, check_disk, fail_fast, plugins, trackers, model, input, shard_size, "
+    "intervene, layers, capture, pooling, "
     "storage_dtype, prefix_states, shard_mb",
 }
 
