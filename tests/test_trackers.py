@@ -108,6 +108,7 @@ def test_no_network_connection_is_attempted_and_the_guard_would_see_one(tracked,
     folder, done = tracked
     assert not (folder / "net.log").exists(), (folder / "net.log").read_text()
     assert "warning" not in done.stderr
+    assert "trackers" in done.stdout and "logged" in done.stdout  # the summary's row
     env = guarded_env(tmp_path)  # the guard is live: a connection is refused and written down
     probe = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError: pass"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=60)
