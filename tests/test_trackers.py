@@ -286,3 +286,13 @@ def test_the_guides_tracker_files_are_the_repositorys_byte_for_byte():
     }
     for path, _, block in marked:
         assert block == (TESTS.parent / path).read_text(), f"docs/trackers.md shows {path} as it is not"
+
+
+@pytest.mark.slow
+def test_a_run_directory_at_a_url_is_one_warning_per_tracker_and_the_run_goes_on(lease_url, capsys):
+    pm = make_plugin_manager(extra=(Registry(),))
+    report = run_forge(lease_url, *small_run(4), "+trackers.recorder.project=x", pm=pm)
+    assert report["status"] == "finished" and report["items"]["completed"] == 4
+    assert "trackers" not in report.plugins
+    err = capsys.readouterr().err
+    assert err.count("forge: warning: tracker recorder: the run directory memory://") == 1
