@@ -6,13 +6,16 @@ TensorBoard, MLflow, W&B and trackio on (all offline, their files in the run dir
 Each variant is a fresh `forge run` process (the embedded model, `probe_gen`, the default token
 batching), timed from its spawn to its exit, so the trackers' imports and start-up count; the
 report's own `wall_s` (the run, without the process's imports) and useful tokens per second are
-shown beside. Ratios are of medians over the interleaved rounds, the run without trackers the
-baseline. Needs the trackers extra (`pip install -e '.[trackers]'`). Not a test.
+shown beside, with the CPU seconds of the command's processes (what contention on a busy machine
+does not change) and how long the run's end waited for the trackers' last writes. Ratios are of
+medians over the interleaved rounds, the run without trackers the baseline, and each round's
+own ratio of process wall times. Needs the trackers extra (`pip install -e '.[trackers]'`). Not a test.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -24,13 +27,21 @@ ALL = "tensorboard, mlflow, wandb, trackio"
 TRACKERS = {NONE: [], ALL: ["trackers=[tensorboard,mlflow,wandb,trackio]"]}
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_once(args: list[str], out: Path) -> dict[str, float]:
+    cpu = _children_cpu_s()
     child = harness.timed([sys.executable, "-m", "forge.cli.entry", "run", *args, f"output_dir={out}"])
+    cpu = _children_cpu_s() - cpu  # the command's processes that were waited for: CPU seconds, contention aside
     report = json.loads((out / "report.json").read_text())
     bad = {k: v for k, v in (report.get("trackers") or {}).items() if v != "logged"}
     if bad or report["status"] != "finished":
         raise SystemExit(f"trackers: a run did not finish with every tracker logged: {report['status']} {bad}")
-    return {"wall_s": child.wall_s, "run_wall_s": report["wall_s"], "tok_s": report["useful_tokens_per_s"]}
+    figures = {"wall_s": child.wall_s, "run_wall_s": report["wall_s"], "tok_s": report["useful_tokens_per_s"]}
+    return {**figures, "cpu_s": cpu, "end_s": report.get("trackers_end_s") or 0.0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,13 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     rep = harness.Report(a)
     rows = []
     for name in trials.names:
-        wall, run_wall = trials.median(name), trials.median(name, "run_wall_s")
-        ratio = wall / trials.median(NONE)
-        run_ratio = run_wall / trials.median(NONE, "run_wall_s")
-        tok_s = trials.median(name, "tok_s")
-        rows.append([name, f"{wall:.2f}", f"{ratio:.3f}", f"{run_wall:.2f}", f"{run_ratio:.3f}", f"{tok_s:,.0f}"])
+        cells = [name]
+        for key in ("wall_s", "run_wall_s", "cpu_s"):
+            mine = trials.median(name, key)
+            cells += [f"{mine:.2f}", f"{mine / trials.median(NONE, key):.3f}"]
+        rows.append([*cells, f"{trials.median(name, 'end_s'):.3f}", f"{trials.median(name, 'tok_s'):,.0f}"])
     header = [f"trackers ({a.rows} rows, {a.rounds} rounds, medians)", "process s", "x none", "run s", "x none"]
-    rep.table([*header, "useful tok/s"], rows)
+    rep.table([*header, "CPU s", "x none", "end wait s", "useful tok/s"], rows)
+    ratios = [trials.samples[ALL][r]["wall_s"] / trials.samples[NONE][r]["wall_s"] for r in range(a.rounds)]
+    rep.text("", f"process wall, all four / none, round by round: {', '.join(f'{x:.3f}' for x in ratios)}")
     rep.trials(trials)
     rep.save()
 

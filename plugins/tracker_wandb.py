@@ -5,7 +5,8 @@
 The config goes in as the run's config (dotted keys); each batch's figures are logged with
 `tokens/completed` as their x-axis (`define_metric`), so a resumed run's points continue its
 line; the totals and the status go into the run's summary (`final/...`, `status`). System
-metrics and console capture are off: the run's figures are Forge's own.
+metrics, console capture and the scans of installed packages, git and code are off: the run's
+figures are Forge's own (and the scans cost the run CPU time).
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ class WandbTracker(Tracker):
 
         s = run.settings
         mode = s.mode or os.environ.get("WANDB_MODE") or "offline"
-        settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_machine_info=True, silent=True)
+        settings = wandb.Settings(  # Forge's figures only: no system metrics, console, pip freeze, git or code scans
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            x_disable_machine_info=True,
+            x_disable_meta=True,
+            x_save_requirements=False,
+            disable_git=True,
+            disable_code=True,
+            disable_job_creation=True,
+        )
         self.run = wandb.init(
             project=s.project,
             entity=s.entity,

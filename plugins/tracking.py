@@ -48,6 +48,7 @@ class _Feed:
         self.notes: dict[str, str] = {}  # tracker -> "logged", or its warning
         self.ids = _read_ids(folder) if (run.config or {}).get("resume") else {}
         self.lock = threading.Lock()  # over `ids` and ids.json
+        self.starting = threading.Lock()
         self.started = time.perf_counter()
         self.step = 0  # tokens completed (resumed included): the x-axis
         self.session_tokens = 0
@@ -112,7 +113,8 @@ class _Feed:
     # -- a tracker's thread: start, log, finish
 
     def _work(self, run, name: str, ref: tuple, params: dict) -> None:
-        tracker = self._start(run, name, ref, params)
+        with self.starting:  # one start at a time: two threads importing one package can see it half made
+            tracker = self._start(run, name, ref, params)
         while True:
             kind, step, payload = self.queues[name].get()
             if tracker is not None:

@@ -27,6 +27,8 @@ def test_ls_lists_functions_modes_with_plugins_and_devices(cli):
     assert result.exit_code == 0, result.output
     for word in ("probe_gen", "item", "token", "memory", "batching (forge.batching", "cpu", "8192"):
         assert word in result.output
+    for name in ("tensorboard", "mlflow", "wandb", "trackio"):  # the trackers: nothing else names them
+        assert name in result.output
 
 
 def test_plan_json(cli):

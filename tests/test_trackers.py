@@ -108,6 +108,7 @@ def test_no_network_connection_is_attempted_and_the_guard_would_see_one(tracked,
     folder, done = tracked
     assert not (folder / "net.log").exists(), (folder / "net.log").read_text()
     assert "warning" not in done.stderr
+    assert "trackers" in done.stdout and "logged" in done.stdout  # the summary's row
     env = guarded_env(tmp_path)  # the guard is live: a connection is refused and written down
     probe = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError: pass"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=60)
@@ -285,3 +286,13 @@ def test_the_guides_tracker_files_are_the_repositorys_byte_for_byte():
     }
     for path, _, block in marked:
         assert block == (TESTS.parent / path).read_text(), f"docs/trackers.md shows {path} as it is not"
+
+
+@pytest.mark.slow
+def test_a_run_directory_at_a_url_is_one_warning_per_tracker_and_the_run_goes_on(lease_url, capsys):
+    pm = make_plugin_manager(extra=(Registry(),))
+    report = run_forge(lease_url, *small_run(4), "+trackers.recorder.project=x", pm=pm)
+    assert report["status"] == "finished" and report["items"]["completed"] == 4
+    assert "trackers" not in report.plugins
+    err = capsys.readouterr().err
+    assert err.count("forge: warning: tracker recorder: the run directory memory://") == 1

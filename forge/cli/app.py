@@ -322,28 +322,30 @@ def ls(
     ctx: typer.Context,
     config_dir: Path | None = typer.Option(None, "--config-dir", help="Extra config directory searched first."),
 ) -> None:
-    """List functions and batching modes (with the plugin providing each, and whether a config
-    selects it) and the devices found."""
+    """List functions, batching modes and trackers (with the plugin providing each, and whether a
+    config selects it) and the devices found."""
     from forge.cli.build import to_plain
     from forge.config.devices import resolve_devices
-    from forge.pluginmanager import batching_modes, functions, make_plugin_manager
+    from forge.pluginmanager import batching_modes, functions, make_plugin_manager, trackers
 
     try:
         cfg = to_plain(compose(ctx.args, config_dir))
         devices = resolve_devices(cfg.get("devices") or {})
         pm = make_plugin_manager()
         listed = (("functions", "function", functions(pm)), ("batching modes", "batching", batching_modes(pm)))
+        listed += (("trackers", "trackers", trackers(pm)),)
         configs = {group: set(group_options(group, config_dir)) for _, group, _ in listed}
     except ForgeError as exc:
         _fail(exc)
     for title, group, offered in listed:
         table = Table(title=title)
-        for col in (group if group == "function" else "mode", "plugin", "config"):
+        for col in ({"function": "function", "batching": "mode"}.get(group, "tracker"), "plugin", "config"):
             table.add_column(col)
         for name in sorted(set(offered) | configs[group]):
             ref, plugin = offered.get(name, (None, None))
             where = "-" if ref is None else f"{plugin} ({_ref_name(ref)})"
-            table.add_row(name, where, f"{group}={name}" if name in configs[group] else "- (no config)")
+            pick = f"trackers=\\[{name}]" if group == "trackers" else f"{group}={name}"  # \\[: not rich markup
+            table.add_row(name, where, pick if name in configs[group] else "- (no config)")
         console.print(table)
     table = Table(title="devices")
     for col in ("name", "torch device", "max_batch_tokens", "max_rows", "max_seq_len", "pad_multiple", "memory"):

@@ -138,6 +138,12 @@ def _ran_rows(table: Table, report: Mapping[str, Any]) -> None:
         "outputs",
         str(out.get("results") or out.get("activations") or out.get("table") or out.get("embeddings") or "-"),
     )
+    trackers = report.get("trackers") or {}  # trackers=[...]: which logged (a failed one's warning is above)
+    if trackers:
+        logged = [name for name, note in trackers.items() if note == "logged"]
+        failed = [name for name in trackers if name not in logged]
+        words = f"{', '.join(logged) or 'none'} logged"
+        table.add_row("trackers", words + (f"; {', '.join(failed)} did not (the warning above)" if failed else ""))
     acc = out.get("accuracy")
     if acc and acc.get("questions"):
         from forge.functions.score import accuracy_line  # the score function's result keys

@@ -58,9 +58,7 @@ class WandbSettings(TrackerSettings):
 class TrackioSettings(TrackerSettings):
     """trackers=trackio: a trackio run in its local SQLite store (needs `pip install 'forge-tokens[trackio]'`)."""
 
-    # the local store's folder; null: <run dir>/trackers/trackio (TRACKIO_DIR when that is set).
-    # trackio reads it once per process: a second run in the same process logs where the first did
-    dir: str | None = None
+    dir: str | None = None  # the local store's folder; null: <run dir>/trackers/trackio (TRACKIO_DIR when set)
 
 
 #: the built-in trackers' settings, by name
