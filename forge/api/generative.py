@@ -141,7 +141,7 @@ class GenerativeFunction(CausalLMFunction):
             memory = max(1, memory - step * per_token)
         held = step * self.batch_steps
         limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
-        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory)
+        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory, step_tokens=step)
 
     def step_bytes(self, device) -> int:
         """What the KV model leaves out, for a device group's stages to keep room for: the activations

@@ -137,6 +137,9 @@ class Device:
     group: tuple[Member, ...] = ()  # a device group's members, in stage order; empty: a single device
     offload: str | None = None  # a group's offload target where its members cannot hold the model: cpu | disk | None
     link_gb_per_s: float = 16.0  # a group: bandwidth between stages (and to CPU offload), GB/s, for the step cost
+    #: tokens per step of an engine that runs a batch in steps of its own (generate's decoder: a batch
+    #: holds several steps' tokens, `limits.max_batch_tokens`); None: a batch is one forward pass
+    step_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,7 +165,7 @@ def open_generate_worker(fn: Any, device: Any) -> GenerateWorker:
     model = dispatch.load(fn.hf, loader, attn) if dispatch else fn.hf.load(loader, device.torch_device, attn)
     ids = model.generation_config.eos_token_id if fn.eos else None
     eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    budget = device.limits.max_batch_tokens // fn.batch_steps  # the step's, under batch_limits
+    budget = device.step_tokens or device.limits.max_batch_tokens // fn.batch_steps  # the step budget (typed)
     kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
     if fn.kv_model is not None and device.memory_bytes:
         kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
