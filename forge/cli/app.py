@@ -358,10 +358,7 @@ def ls(
         table.add_row(
             d.name,
             " + ".join(m.torch_device for m in d.group) or d.torch_device,
-            str(lim.max_batch_tokens),
-            str(lim.max_rows),
-            str(lim.max_seq_len),
-            str(lim.pad_multiple),
+            *map(str, (lim.max_batch_tokens, lim.max_rows, lim.max_seq_len, lim.pad_multiple)),
             mem,
         )
     console.print(table)
