@@ -16,13 +16,15 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
 import queue
 import re
+import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,6 +37,7 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
+CHILD = "import sys; from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
 
 
 def _metric_name(text: str) -> str:
@@ -53,16 +56,21 @@ class _Feed:
         self.items = 0
         self.sums: defaultdict[str, int] = defaultdict(int)  # padding, padded_slots, prefix, reused
         self.devices: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [tokens, busy s]
-        # a process of their own: their imports and writes take no GIL from the run's threads
-        context = multiprocessing.get_context("spawn")
-        self.conn, theirs = context.Pipe()
-        config = {k: v for k, v in (run.config or {}).items() if k != "hydra"}
-        self.process = context.Process(
-            target=_serve, args=(theirs, config, str(run.run_dir), str(folder), selected), name="forge-trackers"
+        # a process of their own, a fresh interpreter that imports only this module (not the command's
+        # main module, as a spawned multiprocessing child would): their imports and writes take no GIL
+        # from the run's threads. Two pipes, pickled messages; at its end it answers with the notes
+        theirs_in, to_them = os.pipe()  # (read end, write end)
+        from_them, theirs_out = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a plugin's classes import there
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out)], pass_fds=(theirs_in, theirs_out), env=env
         )
-        self.process.daemon = True  # a run that dies in start-up does not wait for it
-        self.process.start()
-        theirs.close()
+        os.close(theirs_in)
+        os.close(theirs_out)
+        self.conn = Connection(to_them, readable=False)
+        self.answer = Connection(from_them, writable=False)
+        config = {k: v for k, v in (run.config or {}).items() if k != "hydra"}
+        self._send((config, str(run.run_dir), str(folder), selected))
 
     # -- the hooks' side: count and queue
 
@@ -105,18 +113,23 @@ class _Feed:
         step = int((report.get("tokens") or {}).get("completed", self.step))
         self._send(("end", step, (totals, str(report.get("status", "finished")))))
         try:
-            if self.conn.poll(END_WAIT_S):
-                notes = self.conn.recv()
-                self.process.join(5.0)
+            if self.answer.poll(END_WAIT_S):
+                notes = self.answer.recv()
+                self.process.wait(5.0)
                 return notes
             what = f"still writing after {END_WAIT_S:.0f} s; left to finish"
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, subprocess.TimeoutExpired) as exc:
             what = f"its process ended early ({_line(exc) if str(exc) else 'no answer'})"
         return {name: _warn(name, what) for name in self.names}
 
 
-def _serve(conn, config: dict, run_dir: str, folder: str, selected: dict) -> None:
-    """The trackers' process: a thread per tracker, fed what the driver sends, until its end."""
+def serve(fd_in: int, fd_out: int) -> None:
+    """The trackers' process (`CHILD`): a thread per tracker, fed what the driver sends, until its end."""
+    conn, answer = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
+    try:
+        config, run_dir, folder, selected = conn.recv()
+    except (EOFError, OSError):
+        return
     writers = _Writers(config, run_dir, Path(folder), selected)
     while True:
         try:
@@ -128,7 +141,7 @@ def _serve(conn, config: dict, run_dir: str, folder: str, selected: dict) -> Non
         if kind == "end":
             notes = writers.wait()
             if step is not None:
-                conn.send(notes)
+                answer.send(notes)
             return
 
 
