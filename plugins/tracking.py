@@ -1,9 +1,10 @@
 """Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
 
 The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
-process, where the ledger counts. The hooks only count and queue (a dict per batch); a thread
-per tracker imports its library, starts it, logs and finishes it, so a tracker's start-up and
-writes overlap the run instead of holding batches up. Per batch it logs, at a
+process, where the ledger counts. The hooks only count and send a dict per batch down a pipe to
+the trackers' own process (`serve`), where a thread per tracker imports its library, starts it,
+logs and finishes it, so a tracker's start-up and writes overlap the run instead of holding
+batches up or taking the GIL from the run's threads. Per batch it logs, at a
 step counted in tokens completed (items an earlier session committed included): tokens, items,
 tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
 it logs report.json's totals and status (after the ledger added them: `trylast`).
