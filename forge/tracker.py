@@ -2,9 +2,10 @@
 
 A tracker logs one run's figures where a team charts them (TensorBoard, MLflow, Weights &
 Biases, trackio, or a tracker of your own). Forge's built-in tracking plugin
-(`forge.builtin.tracking`) drives every tracker the config selects from the accounting hooks,
-in the driver process, where the ledger counts, and on a thread of its own, so a slow tracker
-never holds a batch up:
+(`forge.builtin.tracking`) counts in the driver process's accounting hooks, where the ledger
+counts, and drives every tracker the config selects in a process of their own, each on a thread
+of its own, so a slow tracker never holds a batch up (the class is imported there: it must be
+importable by its module's name):
 
 1. `start(run)` once (the library's import belongs here, not at module import): open the
    tracker's run, or continue the one `run.resume_id` names, log `run.params`; return the id to

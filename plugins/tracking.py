@@ -1,9 +1,10 @@
 """Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
 
 The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
-process, where the ledger counts. The hooks only count and queue (a dict per batch); a thread
-per tracker imports its library, starts it, logs and finishes it, so a tracker's start-up and
-writes overlap the run instead of holding batches up. Per batch it logs, at a
+process, where the ledger counts. The hooks only count and send a dict per batch down a pipe to
+the trackers' own process (`serve`), where a thread per tracker imports its library, starts it,
+logs and finishes it, so a tracker's start-up and writes overlap the run instead of holding
+batches up or taking the GIL from the run's threads. Per batch it logs, at a
 step counted in tokens completed (items an earlier session committed included): tokens, items,
 tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
 it logs report.json's totals and status (after the ledger added them: `trylast`).
@@ -16,13 +17,17 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 
 from forge.hookspecs import hookimpl
 from forge.io.location import local_path
@@ -33,6 +38,7 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
+CHILD = "import sys; from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
 
 
 def _metric_name(text: str) -> str:
@@ -41,30 +47,31 @@ def _metric_name(text: str) -> str:
 
 
 class _Feed:
-    """The trackers' threads (one each) and what the hooks count for them."""
+    """What the hooks count, in the driver, and the trackers' process they send it to."""
 
     def __init__(self, run, folder: Path, selected: dict):
-        self.folder = folder
-        self.notes: dict[str, str] = {}  # tracker -> "logged", or its warning
-        self.ids = _read_ids(folder) if (run.config or {}).get("resume") else {}
-        self.lock = threading.Lock()  # over `ids` and ids.json
-        self.starting = threading.Lock()
+        self.names = list(selected)
         self.started = time.perf_counter()
         self.step = 0  # tokens completed (resumed included): the x-axis
         self.session_tokens = 0
         self.items = 0
         self.sums: defaultdict[str, int] = defaultdict(int)  # padding, padded_slots, prefix, reused
         self.devices: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [tokens, busy s]
-        params = flat_params({k: v for k, v in (run.config or {}).items() if k != "hydra"})
-        self.queues: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in selected}
-        self.threads = [  # daemons: a run that dies in start-up does not wait for them
-            threading.Thread(
-                target=self._work, args=(run, name, ref, params), name=f"forge-tracker-{name}", daemon=True
-            )
-            for name, ref in selected.items()
-        ]
-        for thread in self.threads:
-            thread.start()
+        # a process of their own, a fresh interpreter that imports only this module (not the command's
+        # main module, as a spawned multiprocessing child would): their imports and writes take no GIL
+        # from the run's threads. Two pipes, pickled messages; at its end it answers with the notes
+        theirs_in, to_them = os.pipe()  # (read end, write end)
+        from_them, theirs_out = os.pipe()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a plugin's classes import there
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out)], pass_fds=(theirs_in, theirs_out), env=env
+        )
+        os.close(theirs_in)
+        os.close(theirs_out)
+        self.conn = Connection(to_them, readable=False)
+        self.answer = Connection(from_them, writable=False)
+        config = {k: v for k, v in (run.config or {}).items() if k != "hydra"}
+        self._send((config, str(run.run_dir), str(folder), selected))
 
     # -- the hooks' side: count and queue
 
@@ -94,14 +101,71 @@ class _Feed:
             f"device/{_metric_name(device.name)}/tokens": dev[0],
             f"device/{_metric_name(device.name)}/busy_s": dev[1],
         }
-        for q in self.queues.values():
-            q.put(("log", self.step, figures))
+        self._send(("log", self.step, figures))
+
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # the trackers' process is gone: end() says so
+            pass
 
     def end(self, report: dict) -> dict[str, str]:
         totals = _totals(report)
         step = int((report.get("tokens") or {}).get("completed", self.step))
-        for q in self.queues.values():
-            q.put(("end", step, (totals, str(report.get("status", "finished")))))
+        self._send(("end", step, (totals, str(report.get("status", "finished")))))
+        try:
+            if self.answer.poll(END_WAIT_S):
+                notes = self.answer.recv()
+                self.process.wait(5.0)
+                return notes
+            what = f"still writing after {END_WAIT_S:.0f} s; left to finish"
+        except (EOFError, OSError, subprocess.TimeoutExpired) as exc:
+            what = f"its process ended early ({_line(exc) if str(exc) else 'no answer'})"
+        return {name: _warn(name, what) for name in self.names}
+
+
+def serve(fd_in: int, fd_out: int) -> None:
+    """The trackers' process (`CHILD`): a thread per tracker, fed what the driver sends, until its end."""
+    conn, answer = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
+    try:
+        config, run_dir, folder, selected = conn.recv()
+    except (EOFError, OSError):
+        return
+    writers = _Writers(config, run_dir, Path(folder), selected)
+    while True:
+        try:
+            kind, step, payload = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            kind, step, payload = "end", None, None
+        for q in writers.queues.values():
+            q.put((kind, step, payload))
+        if kind == "end":
+            notes = writers.wait()
+            if step is not None:
+                answer.send(notes)
+            return
+
+
+class _Writers:
+    """In the trackers' process: each tracker on a thread of its own, so a slow one holds up no other."""
+
+    def __init__(self, config: dict, run_dir: str, folder: Path, selected: dict):
+        self.folder = folder
+        self.notes: dict[str, str] = {}  # tracker -> "logged", or its warning
+        self.ids = _read_ids(folder) if config.get("resume") else {}
+        self.lock = threading.Lock()  # over `ids` and ids.json
+        self.starting = threading.Lock()
+        run = SimpleNamespace(config=config, run_dir=run_dir)
+        params = flat_params(config)
+        self.queues: dict[str, queue.SimpleQueue] = {name: queue.SimpleQueue() for name in selected}
+        self.threads = [
+            threading.Thread(target=self._work, args=(run, name, ref, params), name=f"forge-tracker-{name}")
+            for name, ref in selected.items()
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def wait(self) -> dict[str, str]:
         deadline = time.monotonic() + END_WAIT_S
         for thread in self.threads:  # they finish side by side
             thread.join(max(deadline - time.monotonic(), 0.0))
@@ -121,7 +185,7 @@ class _Feed:
                 try:
                     if kind == "log":
                         tracker.log(step, payload)
-                    else:
+                    elif payload is not None:  # None: the driver is gone, nothing to finish with
                         tracker.finish(step, *payload)
                 except Exception as exc:  # noqa: BLE001  (a tracker's failure never stops the run)
                     self.notes[name] = _warn(name, f"failed ({_line(exc)})")

@@ -159,19 +159,24 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path):
 
 
 class Recorder(Tracker):
-    """A whole third-party tracker: it keeps what it is given."""
-
-    seen: list = []
+    """A whole third-party tracker: it keeps what it is given, as JSON lines in its folder (it runs
+    in the trackers' own process)."""
 
     def start(self, run):
-        Recorder.seen = [("start", run.name, run.params["function.name"], run.settings.project, run.resume_id)]
+        self.out = open(run.folder / "seen.jsonl", "a")
+        self._keep(["start", run.name, run.params["function.name"], run.settings.project, run.resume_id])
         return "rec-1"
 
     def log(self, step, figures):
-        Recorder.seen.append(("log", step, figures["tokens/completed"]))
+        self._keep(["log", step, figures["tokens/completed"]])
 
     def finish(self, step, totals, status):
-        Recorder.seen.append(("finish", step, totals["items/completed"], totals["tokens/padding"], status))
+        self._keep(["finish", step, totals["items/completed"], totals["tokens/padding"], status])
+        self.out.close()
+
+    def _keep(self, record):
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
 
 
 class Quiet(Tracker):
@@ -204,12 +209,13 @@ class Registry:
 
 
 @pytest.mark.slow
-def test_a_third_party_tracker_logs_and_failing_ones_are_one_warning_each(tmp_path, capsys):
+def test_a_third_party_tracker_logs_and_failing_ones_are_one_warning_each(tmp_path, capfd):
     pm = make_plugin_manager(extra=(Registry(),))
     trackers = ["+trackers.recorder.project=mine", "+trackers.missing.project=x", "+trackers.broken.project=y"]
     report = run_forge(tmp_path / "run", *small_run(12), *trackers, pm=pm)
     assert report["status"] == "finished" and report["items"]["completed"] == 12
-    seen = Recorder.seen
+    lines = (tmp_path / "run" / "trackers" / "recorder" / "seen.jsonl").read_text().splitlines()
+    seen = [tuple(json.loads(line)) for line in lines]
     assert seen[0] == ("start", "recorder", "probe_gen", "mine", None)
     steps = [s[1] for s in seen if s[0] == "log"]
     assert steps and steps == sorted(steps) and steps[-1] == report["tokens"]["completed"]
@@ -224,7 +230,7 @@ def test_a_third_party_tracker_logs_and_failing_ones_are_one_warning_each(tmp_pa
     assert notes["recorder"] == "logged"
     assert "not installed" in notes["missing"] and "pip install 'forge-tokens[nothing]'" in notes["missing"]
     assert "failed (RuntimeError: the tracker's server went away)" in notes["broken"]
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # the trackers' process writes its warnings to the same stderr
     assert err.count("forge: warning: tracker missing:") == 1 and err.count("forge: warning: tracker broken:") == 1
     assert json.loads((tmp_path / "run" / "trackers" / "ids.json").read_text())["recorder"] == "rec-1"
 
