@@ -28,7 +28,15 @@ import torch
 
 from forge.runtime.decoder import prefix_attention
 from forge.runtime.decoder.kv_slots import SlotKV
-from forge.runtime.decoder.prefill import BlockPrefill, Prefill, PrefixKey, PrefixStore, forward, steered
+from forge.runtime.decoder.prefill import (
+    PREFIX_TOKENS,
+    BlockPrefill,
+    Prefill,
+    PrefixKey,
+    PrefixStore,
+    forward,
+    steered,
+)
 from forge.runtime.decoder.sampling import Sampling
 from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 from forge.runtime.hf_compat import input_device
@@ -47,7 +55,7 @@ class Decoder:
         eos: set[int],
         pad_token_id: int,
         sampling: Sampling | None = None,
-        prefix_tokens: int = 65536,
+        prefix_tokens: int = PREFIX_TOKENS,
         shared_attention: bool = True,
         kv_bytes: int | None = None,
         max_running: int | None = None,
@@ -110,8 +118,9 @@ class Decoder:
                 used = prefix_fill.run(room)
                 tokens, room = tokens + used, room - used
                 if prefix_fill.finished:
+                    held = {self._key(s) for s in block}  # the block's prompts start after them
                     for g, key in enumerate(keys):
-                        self.prefixes.put(key, prefix_fill.kv(g))
+                        self.prefixes.put(key, prefix_fill.kv(g), keep=held)
                     prefix_fill, self._computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
