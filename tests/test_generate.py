@@ -667,6 +667,81 @@ def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
     assert "eager" in eligible(model(transformers.LlamaConfig(**small)))  # not the sdpa it stands in for
 
 
+def _sequences(ref: Reference, rows: list[dict], n: int = N) -> list:
+    from forge.runtime.decoder.engine import Sequence
+
+    out = []
+    for k, row in enumerate(rows):
+        p = len(ref.tok(row["prefix"])["input_ids"]) if row.get("prefix") else 0
+        out.append(Sequence(k, ref.prompt(row), p, n, (), None))
+    return out
+
+
+def test_a_small_prefix_store_is_bounded_and_gives_the_same_tokens(embedded):
+    """The decoder's stored prefixes (`PrefixStore`) stay within `prefix_tokens` (a worker's: the run's
+    batching.cache_tokens): with one prompt a block, a bound that holds one prefix keeps one at a time,
+    where an unbounded store keeps all three; the tokens are the greedy ones of one prompt at a time
+    either way, batch after batch."""
+    from forge.runtime.decoder.engine import Decoder
+
+    lens = sorted(len(embedded.tok(p)["input_ids"]) for p in {r["prefix"] for r in ROWS if r.get("prefix")})
+    small = lens[-1]  # the longest prefix; no two together
+    assert lens[0] + lens[1] > small
+    held = {}
+    for bound in (small, 1 << 20):
+        decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, prefix_tokens=bound, max_running=1)
+        put, most = decoder.prefixes.put, []
+
+        def counting(key, kv, keep=(), put=put, store=decoder.prefixes, most=most):
+            put(key, kv, keep)
+            most.append((len(store.entries), sum(len(k[1]) for k in store.entries)))
+
+        decoder.prefixes.put = counting
+        for half in (ROWS[::2], ROWS[1::2]):  # two batches: the second finds what the first stored
+            seqs = _sequences(embedded, half)
+            decoder.generate(seqs)
+            assert [s.out for s in seqs] == [embedded.new_tokens(r) for r in half], bound
+        held[bound] = max(n for n, _ in most)
+        assert all(tokens <= bound for _, tokens in most), (bound, most)
+    assert held == {small: 1, 1 << 20: 3}
+
+
+def test_a_prefix_store_keeps_the_running_blocks_prefixes_over_its_bound():
+    """A block's prefixes are not put out by each other (its prompts start after them), whatever the
+    bound; the next put that keeps none of them does."""
+    from forge.runtime.decoder.prefill import PrefixStore
+
+    def kv(n):
+        return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
+
+    a, b, c = (None, (1, 2, 3)), (None, (4, 5, 6)), (None, (7, 8))
+    store = PrefixStore(4)
+    store.put(a, kv(3))
+    store.put(b, kv(3), keep={a, b})
+    assert list(store.entries) == [a, b]  # over the bound: both kept
+    store.put(c, kv(2))
+    assert list(store.entries) == [c] and store.bytes == 2 * 2 * 2 * 4 * 4
+
+
+@pytest.mark.slow
+def test_the_runs_cache_tokens_bounds_each_workers_prefix_store(work, embedded, monkeypatch):
+    """batching.cache_tokens reaches the generate worker's decoder as its prefix store's bound (the
+    packer does not split generate's batches by prefix, so the scheduler's own cache model is off)."""
+    from forge.runtime.decoder import worker
+
+    bounds = []
+
+    class Recording(worker.Decoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bounds.append(self.prefixes.tokens)
+
+    monkeypatch.setattr(worker, "Decoder", Recording)
+    run_function("generate", work / "rows.jsonl", work / "cache-tokens", [*limits(), "batching.cache_tokens=40"])
+    assert bounds == [40]
+    embedded.check(work / "cache-tokens", ROWS)
+
+
 # -- the KV budget: admission within it, preemption and recompute past it ------------------------
 
 

@@ -192,7 +192,7 @@ class GenerativeFunction(CausalLMFunction):
     def open_worker(self, device, cache_tokens: int):
         from forge.runtime.decoder.worker import open_generate_worker
 
-        return open_generate_worker(self, device)
+        return open_generate_worker(self, device, cache_tokens)
 
     def open_sink(self, store):
         from forge.runtime.decoder.worker import GenerateSink

@@ -176,7 +176,10 @@ def selected_trackers(config: dict[str, Any], pm: pluggy.PluginManager) -> dict[
 
 
 def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) -> Executor:
-    """The executor `runtime.executor` names, from the ones plugins register (forge_executors)."""
+    """The executor `runtime.executor` names, from the ones plugins register (forge_executors). Its
+    workers' prefix caches hold `cache_tokens` (the scheduler's), but a function that lays out its own
+    batches (prefix_groups false: generate's decoder) keeps its prefixes itself, within the run's
+    batching.cache_tokens."""
     offered = executors(pm)
     name = spec.runtime.executor
     if name not in offered:
@@ -186,6 +189,8 @@ def make_executor(spec: RunSpec, cache_tokens: int, pm: pluggy.PluginManager) ->
         )
     ref, plugin = offered[name]
     factory = load_object(ref, f"executor {name} (plugin {plugin})")
+    if not spec.function.prefix_groups:
+        cache_tokens = spec.cache_tokens
     return factory(spec.function, cache_tokens, spec.runtime, plugins=spec.plugins, hook=pm.hook)
 
 

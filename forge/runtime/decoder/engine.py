@@ -16,19 +16,29 @@ position ids are its own, so greedy decoding equals one-prompt-at-a-time `genera
 (tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
 model allows it, decode steps read each shared prefix's KV once for all its sequences
 (`forge.runtime.decoder.prefix_attention`): a sequence's slot then holds only its own tokens.
+Under a KV budget, what a block takes, whether it is admitted and who is preempted is asked of
+`forge.runtime.decoder.admission.KVBudget`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from typing import Any
 
 import torch
 
 from forge.runtime.decoder import prefix_attention
+from forge.runtime.decoder.admission import KVBudget, renumber
 from forge.runtime.decoder.kv_slots import SlotKV
-from forge.runtime.decoder.prefill import BlockPrefill, Prefill, PrefixKey, PrefixStore, forward, steered
+from forge.runtime.decoder.prefill import (
+    PREFIX_TOKENS,
+    BlockPrefill,
+    Prefill,
+    PrefixKey,
+    PrefixStore,
+    forward,
+    steered,
+)
 from forge.runtime.decoder.sampling import Sampling
 from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 from forge.runtime.hf_compat import input_device
@@ -47,7 +57,7 @@ class Decoder:
         eos: set[int],
         pad_token_id: int,
         sampling: Sampling | None = None,
-        prefix_tokens: int = 65536,
+        prefix_tokens: int = PREFIX_TOKENS,
         shared_attention: bool = True,
         kv_bytes: int | None = None,
         max_running: int | None = None,
@@ -67,9 +77,8 @@ class Decoder:
         self.kv_bytes = kv_bytes  # what keys and values may hold at once: slots, prefills, prefixes (None: no limit)
         self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
-        self._stacked_bytes = 0
         self._ended: list[Sequence] = []  # sequences that ended in the step being run
-        self._computing_bytes = 0  # prefixes being computed: their cache (and its stored copy, before the block's)
+        self.admission = KVBudget(kv_bytes, self.prefixes, self._key, self._drop_stacked)  # admission, preemption
         if self.shared_attention:
             prefix_attention.register()
             model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
@@ -97,7 +106,7 @@ class Decoder:
         figures.prefix_stored_tokens = sum(s.prefix_len for s in seqs if self._key(s) in self.prefixes.entries)
         while waiting or block or running:
             if running and self.kv_bytes is not None:
-                for seq in self._make_room(kv, running, waiting, self._other_bytes(kv, block, fill)):
+                for seq in self.admission.make_room(kv, running, waiting, self.admission.other_bytes(kv, block, fill)):
                     figures.preempted += 1
                     figures.recomputed_tokens += len(seq.out)
             tokens = self._decode(kv, running) if running else 0
@@ -110,9 +119,10 @@ class Decoder:
                 used = prefix_fill.run(room)
                 tokens, room = tokens + used, room - used
                 if prefix_fill.finished:
+                    held = {self._key(s) for s in block}  # the block's prompts start after them
                     for g, key in enumerate(keys):
-                        self.prefixes.put(key, prefix_fill.kv(g))
-                    prefix_fill, self._computing_bytes = None, 0
+                        self.prefixes.put(key, prefix_fill.kv(g), keep=held)
+                    prefix_fill, self.admission.computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
                 fill = BlockPrefill(
@@ -120,7 +130,7 @@ class Decoder:
                 )
             if fill is not None and not fill.finished:
                 tokens += fill.run(room)
-            if fill is not None and fill.finished and self._admits(kv, running, block, fill):
+            if fill is not None and fill.finished and self.admission.admits(kv, running, block, fill):
                 for rows, part in fill.parts:
                     self._admit(kv, running, part, [block[g] for g in rows], len(figures.steps), block, fill)
                 figures.prefill_pads += fill.slots_run - fill.tokens_run
@@ -153,7 +163,7 @@ class Decoder:
         Returns (block, the prefixes' prefill or None, their keys, prefixes found stored)."""
         take = min(len(waiting), room)
         if self.kv_bytes is not None:
-            take = self._fitting(waiting, take, kv, running)
+            take = self.admission.fitting(waiting, take, kv, running)
         block = [waiting.popleft() for _ in range(take)]
         keys = [k for k in dict.fromkeys(self._key(s) for s in block) if k[1]]
         missing = [k for k in keys if self.prefixes.get(k) is None]
@@ -161,7 +171,7 @@ class Decoder:
             return block, None, [], len(keys)
         steer = None if self.hooks is None else (self.hooks, None)  # prefix tokens only
         fill = Prefill(self.model, [list(k[1]) for k in missing], self.layers, self.pad, [None] * len(missing), steer)
-        self._computing_bytes = sum(len(k[1]) for k in missing) * kv.column_bytes
+        self.admission.computing_bytes = sum(len(k[1]) for k in missing) * kv.column_bytes
         return block, fill, missing, len(keys) - len(missing)
 
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
@@ -191,12 +201,10 @@ class Decoder:
             rows, mask = [(k[:, :, -own:], v[:, :, -own:]) for k, v in rows], mask[:, -own:]
         positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
         if self.kv_bytes is not None:
-            self._bound(kv, self._other_bytes(kv, whole, whole_fill))
+            self.admission.bound(kv, self.admission.other_bytes(kv, whole, whole_fill))
         for g, slot in zip(go, kv.place(rows, mask, positions)):
             block[g].slot, block[g].admitted = slot, step
             running[slot] = block[g]
-
-    # -- the KV budget (kv_bytes): admission within it, preemption when the running ones outgrow it --
 
     def _shape(self, kv: SlotKV) -> None:
         """The slots' column bytes before the first block, from one token's keys and values."""
@@ -204,99 +212,8 @@ class Decoder:
         probe.run(1)
         kv.shape_like(probe.layer_kv())
 
-    def _other_bytes(self, kv: SlotKV, block: list[Sequence], fill: BlockPrefill | None) -> int:
-        """KV held beside the slots: stored, stacked and computing prefixes, the block being prefilled (its
-        cache; and when some of its rows ended at their first token, the others gathered for the slots)."""
-        held = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
-        if block:
-            width = max(len(s.tokens()) for s in block)
-            columns = fill.held_columns() if fill is not None else len(block) * width
-            gathered = sum(not s.finished for s in block) if any(s.finished for s in block) else 0
-            # prefixes being computed: their cache and stored copy now, stored beside the block's cache next
-            new = self._computing_bytes
-            held += new + max(new, (columns + gathered * width) * kv.column_bytes)
-        return held
-
-    def _bound(self, kv: SlotKV, beside: int) -> int:
-        """The slots' byte limit: the KV budget less what is held `beside` them; returned."""
-        assert self.kv_bytes is not None
-        kv.limit, kv.beside = self.kv_bytes - beside, beside
-        kv.peak_bytes = max(kv.peak_bytes, beside + kv.held_bytes())
-        return kv.limit
-
-    def _fitting(self, waiting: deque, take: int, kv: SlotKV, running: dict[int, Sequence]) -> int:
-        """How many of the next `take` waiting prompts a block can hold within the KV budget; at least
-        one when nothing runs (and an error when even that one does not fit)."""
-        assert self.kv_bytes is not None
-        base = self.prefixes.bytes + (self._stacked_bytes if self._stacked is not None else 0)
-        if not running:
-            self._stacked, base = None, self.prefixes.bytes  # no step reads them now
-            self._bound(kv, base)
-            kv.tidy(force=True)  # nor any slot
-        widths = list(itertools.accumulate((len(waiting[k].tokens()) for k in range(take)), max))
-        computing, new = [], 0  # bytes of the prefixes the first n would compute and store
-        seen: set[PrefixKey] = set()
-        for k in range(take):
-            key = self._key(waiting[k])
-            if key[1] and key not in seen and key not in self.prefixes.entries:
-                seen.add(key)
-                new += len(key[1]) * kv.column_bytes
-            computing.append(new)
-        for n in range(take, 0, -1):  # their cache and stored copy, then stored beside the block's cache
-            new = computing[n - 1]
-            limit = self.kv_bytes - base - new - max(new, n * widths[n - 1] * kv.column_bytes)
-            if limit > 0 and kv.place_fits(n, widths[n - 1], limit):
-                return n
-        if running:
-            return 0  # the running ones first: they free their slots as they end
-        raise RuntimeError(
-            f"generate: the KV budget of {self.kv_bytes / 2**20:.1f} MiB does not hold one sequence of "
-            f"{widths[0]} tokens ({kv.column_bytes} bytes a token); raise the device's memory_gb"
-        )
-
-    def _admits(self, kv: SlotKV, running: dict[int, Sequence], block: list[Sequence], fill: BlockPrefill) -> bool:
-        """Whether a prefilled block's slots fit the KV budget now (else it waits for running ones to end)."""
-        if self.kv_bytes is None:
-            return True
-        limit = self._bound(kv, self._other_bytes(kv, block, fill))
-        if not running:  # what it holds is free: dropped, the block fits as `_fitting` found
-            kv.tidy(force=True)
-            return True
-        return kv.place_fits(len(block), fill.width, limit)
-
-    def _make_room(self, kv: SlotKV, running: dict[int, Sequence], waiting: deque, other: int) -> list[Sequence]:
-        """Room for the next step's column within the KV budget: free slots and dead columns dropped,
-        then the latest admitted sequences preempted (put back first in line, their tokens so far
-        recomputed when a block takes them again). Returns those preempted."""
-        limit = self._bound(kv, other)
-        preempted: list[Sequence] = []
-        while not kv.grow_fits(limit):
-            if kv.free or kv.capacity > kv.columns + 1:
-                self._renumber(running, kv.tidy(force=True))
-                if kv.grow_fits(limit):
-                    break
-            if len(running) <= 1:
-                raise RuntimeError(
-                    f"generate: the KV budget of {(self.kv_bytes or 0) / 2**20:.1f} MiB does not hold one sequence "
-                    f"of {kv.columns + 1} columns; raise the device's memory_gb"
-                )
-            victim = max(running.values(), key=lambda seq: seq.admitted)
-            kv.release(victim.slot)
-            del running[victim.slot]
-            victim.slot, victim.prefix_kv = -1, None
-            waiting.appendleft(victim)
-            preempted.append(victim)
-        return preempted
-
-    @staticmethod
-    def _renumber(running: dict[int, Sequence], moved: dict[int, int] | None) -> None:
-        if moved is None:
-            return
-        for seq in running.values():
-            seq.slot = moved[seq.slot]
-        renumbered = {seq.slot: seq for seq in running.values()}
-        running.clear()
-        running.update(renumbered)
+    def _drop_stacked(self) -> None:
+        self._stacked = None
 
     def _decode(self, kv: SlotKV, running: dict[int, Sequence]) -> int:
         """One decode step of every running sequence; returns its tokens."""
@@ -319,7 +236,7 @@ class Decoder:
             if self._take(seq, token):
                 kv.release(slot)
                 del running[slot]
-        self._renumber(running, kv.tidy())
+        renumber(running, kv.tidy())
         return len(slots)
 
     def _shared(self, running: dict[int, Sequence], device: Any) -> prefix_attention.Step | None:
@@ -336,7 +253,7 @@ class Decoder:
         if self._stacked is None or self._stacked[0] != key:
             read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
             self._stacked = (key, *prefix_attention.stack(read), read)
-            self._stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self._stacked[1])
+            self.admission.stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self._stacked[1])
         rows: list[int] = []
         group: list[int] = []
         place: list[int] = []

@@ -16,6 +16,7 @@ token's logits and `kv(g)` its keys and values, for a slot.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -206,9 +207,14 @@ class BlockPrefill:
         return sum(len(rows) * part.width for rows, part in self.parts)
 
 
+#: the stored prefixes' bound, in prefix tokens, when the run's mode has no prefix cache (batching.cache_tokens)
+PREFIX_TOKENS = 65536
+
+
 class PrefixStore:
     """KV of shared prefixes, computed once per worker and kept (least recently used out) up to
-    `tokens`, and up to `max_bytes` of keys and values when given."""
+    `tokens`, and up to `max_bytes` of keys and values when given; the prefixes of the block being
+    run (`put`'s `keep`) stay whatever the bounds, its prompts start after them."""
 
     def __init__(self, tokens: int, max_bytes: int | None = None):
         self.tokens = tokens
@@ -224,11 +230,16 @@ class PrefixStore:
             self.hits += 1
         return kv
 
-    def put(self, prefix: PrefixKey, kv: KV) -> None:
+    def put(self, prefix: PrefixKey, kv: KV, keep: Collection[PrefixKey] = ()) -> None:
+        """Store `prefix`'s KV; the least recently used others out while over a bound, but not
+        `prefix` nor those in `keep`."""
         self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
         self.bytes = sum(self._size(e) for e in self.entries.values())
-        while len(self.entries) > 1 and (sum(len(p[1]) for p in self.entries) > self.tokens or self._over_bytes()):
-            self.bytes -= self._size(self.entries.popitem(last=False)[1])
+        while sum(len(p[1]) for p in self.entries) > self.tokens or self._over_bytes():
+            out = next((p for p in self.entries if p != prefix and p not in keep), None)
+            if out is None:
+                break
+            self.bytes -= self._size(self.entries.pop(out))
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.bytes > self.max_bytes

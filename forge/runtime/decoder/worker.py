@@ -150,13 +150,16 @@ def row_limits(item: Any) -> RowLimits:
     return limits
 
 
-def open_generate_worker(fn: Any, device: Any) -> GenerateWorker:
+def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWorker:
     """A generative function's worker on `device` (`forge.api.GenerativeFunction.open_worker`): its
     model loaded (a device group: onto its members by the plan's map), the decoder under the step
-    budget and the KV budget (batching=memory), steered by the function's interventions, and a
-    forward runner for the generated tokens' states when it asks for them."""
+    budget and the KV budget (batching=memory), its stored prefixes bounded by `cache_tokens` (the
+    run's batching.cache_tokens; 0, a mode without a prefix cache: PREFIX_TOKENS), steered by
+    the function's interventions, and a forward runner for the generated tokens' states when it asks
+    for them."""
     from transformers import AutoModelForCausalLM
 
+    from forge.runtime.decoder.prefill import PREFIX_TOKENS
     from forge.runtime.decoder.sampling import Sampling
     from forge.runtime.dispatch import dispatch_for
 
@@ -177,8 +180,9 @@ def open_generate_worker(fn: Any, device: Any) -> GenerateWorker:
         hooks = HookSet(model, base_decoder(model), num_layers(fn.config), [], list(fn.interventions.items))
         steer = (hooks, fn.interventions.key)
     decoder = Decoder(
-        model, fn.tokenizer, budget, eos, fn.hf.pad_token_id, Sampling(*fn.sampling), kv_bytes=kv_bytes,
-        max_running=int(fn.cfg.max_running), steer=steer,
+        model, fn.tokenizer, budget, eos, fn.hf.pad_token_id, Sampling(*fn.sampling),
+        prefix_tokens=cache_tokens or PREFIX_TOKENS, kv_bytes=kv_bytes, max_running=int(fn.cfg.max_running),
+        steer=steer,
     )  # fmt: skip
     runner = None
     if fn.states:
