@@ -97,22 +97,3 @@ __all__ = [
     "SamplingConfig",
     "Tokens",
 ]
-#: what a function's own code may use beside the bases (config checks, readers, sinks); not on `forge`
-HELPERS = [
-    "HFModel",
-    "MISSING",
-    "MayBeEmpty",
-    "PairEncoder",
-    "ResultSink",
-    "RoutedSink",
-    "TEXT_COLUMNS",
-    "capabilities",
-    "load_results",
-    "non_negative",
-    "one_of",
-    "positive",
-    "read_info",
-    "share",
-    "short_id",
-    "text_config",
-]
