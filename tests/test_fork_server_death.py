@@ -364,8 +364,8 @@ def test_a_run_survives_its_fork_server_killed_twice(tmp_path):
 @pytest.mark.slow
 def test_a_run_survives_its_fork_server_killed_at_random_moments(tmp_path):
     rng = random.Random(11)
-    seen = _trials(tmp_path, 11, [rng.choice(KINDS) for _ in range(10)])
-    assert sum(bool(s["killed"]) for s in seen) >= 8, seen  # (a run may end before its kill)
+    seen = _trials(tmp_path, 11, [rng.choice(KINDS) for _ in range(5)])  # 5 of ~10 s each: the suite's budget
+    assert sum(bool(s["killed"]) for s in seen) >= 4, seen  # (a run may end before its kill)
 
 
 @pytest.mark.slow
