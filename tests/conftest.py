@@ -42,6 +42,19 @@ SMALL = [
 ]
 
 
+def embedded_model_dir(path: Path) -> Path:
+    """The embedded model (its weights made from its seed) and its tokenizer, copied into one
+    directory at `path`, as a local Hugging Face model a reference `transformers` run loads."""
+    import shutil
+
+    from forge.functions.assets import embedded_model_source, materialize_model
+
+    shutil.copytree(materialize_model(embedded_model_source()), path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(embedded_model_source() / f, path / f)
+    return path
+
+
 def small_run(n: int, *extra: str) -> list[str]:
     """Overrides for a run of `n` embedded rows in many small batches (1,024 tokens a step, a
     window of 16 items, layers 1 and 4), plus `extra`: what the tests of faults, Ray, output

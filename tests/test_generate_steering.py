@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import embedded_model_dir
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -110,15 +112,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def embedded(work) -> Reference:
     """The embedded model (its weights made from its seed) and tokenizer, in one directory."""
-    import shutil
-
-    from forge.functions.assets import embedded_model_source, materialize_model
-
-    path = work / "embedded-model"
-    shutil.copytree(materialize_model(embedded_model_source()), path)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(embedded_model_source() / f, path / f)
-    return Reference(path)
+    return Reference(embedded_model_dir(work / "embedded-model"))
 
 
 SPANS = ["all", "text", "prefix", "generated", "last"]
