@@ -68,6 +68,31 @@ def test_a_session_loads_the_weights_once_and_a_cut_model_is_whole_again_for_the
 
 
 @pytest.mark.slow
+def test_a_call_reusing_the_last_composition_equals_a_fresh_one_and_a_yaml_edit_composes_again(tmp_path):
+    """The second call differs only in its rows and run directory: the session reuses the first
+    call's composed config (forge/inproc/composer.py) with the call's own input.path and
+    output_dir, and its results equal a fresh run's. A config_dir YAML edited between calls is
+    read again."""
+    conf = tmp_path / "conf" / "function"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - probe_gen\n  - _self_\npooling: last\n")
+    with forge.Session(config_dir=tmp_path / "conf") as session:
+        session.run("mine", ROWS[:6], overrides=["layers=[2]"])
+        kept = next(iter(session._composer._kept))
+        second = session.run("mine", ROWS[6:], overrides=["layers=[2]"], output_dir=tmp_path / "second")
+        assert next(iter(session._composer._kept)) is kept  # served from the kept composition
+        assert second.run_dir == str(tmp_path / "second") and second.ids == [str(r["id"]) for r in ROWS[6:]]
+        (conf / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - probe_gen\n  - _self_\npooling: mean\n")
+        third = session.run("mine", ROWS[6:], overrides=["layers=[2]"])
+        assert next(iter(session._composer._kept)) != kept
+    fresh = forge.run("probe_gen", ROWS[6:], overrides=["layers=[2]", "pooling=last"])
+    assert torch.equal(second.tensors["layer_2"], fresh.tensors["layer_2"])
+    mean = forge.run("probe_gen", ROWS[6:], overrides=["layers=[2]", "pooling=mean"])
+    assert torch.equal(third.tensors["layer_2"], mean.tensors["layer_2"])
+    assert not torch.equal(third.tensors["layer_2"], second.tensors["layer_2"])
+
+
+@pytest.mark.slow
 def test_a_bad_override_raises_the_line_the_command_line_prints():
     from typer.testing import CliRunner
 

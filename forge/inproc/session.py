@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -33,12 +32,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from forge.cli.compose import compose
 from forge.errors import ForgeError
+from forge.inproc.composer import Composer, override_key, spelled
 from forge.inproc.functions import function_plugin
 from forge.inproc.result import Result
 from forge.runtime.model_cache import ModelCache, keep_models
-
-_PLAIN = re.compile(r"[\w./:@~+-]+")  # a value Hydra's override grammar reads as written
 
 
 class Session:
@@ -51,6 +50,7 @@ class Session:
         self._dir = tempfile.mkdtemp(prefix="forge-session-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._calls = 0
+        self._composer = Composer(compose, self.config_dir)  # the call's config, kept for the next
 
     def __enter__(self) -> Session:
         return self
@@ -84,14 +84,12 @@ class Session:
         name, plugin = function_plugin(function)
         self._calls += 1
         call = self._calls
-        args = [*self.overrides, f"function={name}"]
-        if rows is not None:
-            args.append(f"input.path={_value(self._input(rows, call))}")
+        args = [*self.overrides, f"function={name}", *_overrides(overrides, "overrides")]
         out = str(output_dir) if output_dir is not None else f"{self._dir}/run-{call}"
-        args += [f"output_dir={_value(out)}", *_overrides(overrides, "overrides")]
-        if not any(_key(a) in ("runtime", "runtime.executor") for a in args):
+        per_call = {"output_dir": out} | ({} if rows is None else {"input.path": self._input(rows, call)})
+        if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
             args.insert(0, "runtime.executor=inprocess")  # the models stay in this process, kept
-        return _execute(args, self.config_dir, out, started, self.models, plugin)
+        return _execute(args, per_call, self._composer, out, started, self.models, plugin)
 
     def _input(self, rows: Any, call: int) -> str:
         if isinstance(rows, (str, os.PathLike)):
@@ -127,18 +125,20 @@ def run(
         return session.run(function, rows, overrides=overrides, output_dir=output_dir)
 
 
-def _execute(args: list[str], config_dir: Path | None, out: str, started: float, models: ModelCache, plugin) -> Result:
+def _execute(
+    args: list[str], per_call: dict[str, str], composer: Composer, out: str, started: float, models: ModelCache, plugin
+) -> Result:
     from omegaconf import OmegaConf
 
     from forge.cli.build import build_spec
-    from forge.cli.compose import check_devices, compose
+    from forge.cli.compose import check_devices
     from forge.driver.engine import execute
     from forge.io.location import check_output_dir, local_path
     from forge.io.store import check_run_dir
     from forge.pluginmanager import extra_plugins, make_plugin_manager
 
     with extra_plugins(*([plugin] if plugin is not None else [])), keep_models(models):
-        cfg = compose(args, config_dir)
+        cfg = composer(args, per_call, plugin)
         composed = time.time()
         run_dir = local_path(out) or out
         spec = build_spec(cfg, run_dir)  # the config validated (`to_plain`) as `forge run` validates it
@@ -147,7 +147,7 @@ def _execute(args: list[str], config_dir: Path | None, out: str, started: float,
         check_run_dir(out, bool(spec.config.get("resume")))
         files = {
             ".hydra/config.yaml": OmegaConf.to_yaml(cfg).encode(),
-            ".hydra/overrides.yaml": "".join(f"- {json.dumps(a)}\n" for a in args).encode(),
+            ".hydra/overrides.yaml": "".join(f"- {json.dumps(a)}\n" for a in [*args, *spelled(per_call)]).encode(),
         }
         spec = replace(spec, files=files, started_at=started, composed_at=composed)
         with _cpu_threads(spec):
@@ -184,17 +184,6 @@ def _overrides(overrides: Sequence[str], what: str) -> list[str]:
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ForgeError(f'{what}: a list of the command line\'s overrides, e.g. ["layers=[1,3]", "batching=memory"]')
     return list(overrides)
-
-
-def _key(override: str) -> str:
-    return override.partition("=")[0].lstrip("+~")
-
-
-def _value(text: str) -> str:
-    """`text` as one value of Hydra's override grammar: as it is, or quoted."""
-    if _PLAIN.fullmatch(text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _plain(value: Any) -> Any:

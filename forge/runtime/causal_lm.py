@@ -137,16 +137,7 @@ class CausalLMRunner:
         """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""
         if self.encoder_decoder or getattr(self.config, "is_causal", True) is False:
             return False
-        vocab = int(getattr(text_config(self.config), "vocab_size", 8) or 8)
-        a, b, c, d = (i % vocab for i in (1, 2, 3, 4))
-        ids = torch.tensor([[a, b, c], [a, b, d]], device=self.device)
-        try:
-            with torch.inference_mode():
-                out = self.base(input_ids=ids, use_cache=False)
-        except Exception:
-            return False
-        h = out.last_hidden_state[:, :2].float()
-        return bool(torch.allclose(h[0], h[1], rtol=1e-3, atol=1e-4))
+        return hf_compat.probes_causal(self.base, self.config, self.device)
 
     # -- running
 

@@ -4,6 +4,7 @@ a model (placed over several devices by `forge.runtime.dispatch`, or on one) com
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -136,3 +137,24 @@ def prebuild_load_tables() -> bool:
         return False
     get_checkpoint_conversion_mapping("llama")  # any family's lookup builds the whole table
     return True
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> the probe's answer
+
+
+def probes_causal(base: Any, config: Any, device: Any) -> bool:
+    """Whether changing a later token leaves earlier states alone (a 3-token probe forward), once
+    per model object: a model kept across runs (forge.Session, forge server) is probed once."""
+    if base in _PROBED:
+        return _PROBED[base]
+    vocab = int(getattr(text_config(config), "vocab_size", 8) or 8)
+    a, b, c, d = (i % vocab for i in (1, 2, 3, 4))
+    ids = torch.tensor([[a, b, c], [a, b, d]], device=device)
+    try:
+        with torch.inference_mode():
+            out = base(input_ids=ids, use_cache=False)
+    except Exception:
+        return False  # not remembered: a failure may be the moment's (memory), not the model's
+    h = out.last_hidden_state[:, :2].float()
+    _PROBED[base] = bool(torch.allclose(h[0], h[1], rtol=1e-3, atol=1e-4))
+    return _PROBED[base]
