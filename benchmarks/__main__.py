@@ -38,6 +38,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
     "faults": {
         "faults": ("benchmarks.fault_scenarios", ""),
         "soak": ("benchmarks.soak", ""),
+        "kill-halfway": ("benchmarks.bench_kill_halfway", ""),
     },
     "helpers, not benchmarks": {
         "realistic": ("benchmarks.peers.realistic", ""),
