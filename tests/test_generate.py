@@ -796,8 +796,8 @@ def test_memory_mode_sizes_batches_by_their_kv_and_the_decoder_keeps_within_it(w
 
 @pytest.mark.slow
 def test_a_device_groups_worker_generates_the_same_tokens(work, embedded):
-    """A model read by a device group's plan (forge.runtime.placement) through accelerate's dispatch
-    (forge.runtime.dispatch: hooks on every block, token ids on the embeddings' device), with layers
+    """A model read by a device group's plan (forge.runtime.placement.device_map) through accelerate's dispatch
+    (forge.runtime.placement.dispatch: hooks on every block, token ids on the embeddings' device), with layers
     offloaded to disk: the plan keeps room on the card for a step and one row's KV beside the layers
     it holds, the decoder's keys and values stay within what is left, the tokens are those of one
     prompt at a time, and no offload folder is left when the run ends."""

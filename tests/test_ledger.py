@@ -93,7 +93,7 @@ def test_budget_max_tokens_skips_the_rest(tmp_path):
 
 
 def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):
-    from forge.runtime.causal_lm import CausalLMRunner
+    from forge.runtime.forward.causal_lm import CausalLMRunner
 
     real = CausalLMRunner.forward_tokens  # what every function's worker runs a batch through
 

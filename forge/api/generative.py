@@ -158,7 +158,7 @@ class GenerativeFunction(CausalLMFunction):
     def least_kv_bytes(self, longest: int) -> int:
         """The KV budget the decoder needs for one sequence of `longest` tokens (0: no KV model yet)."""
         from forge.runtime.decoder.sequence import least_kv_bytes
-        from forge.runtime.hf_compat import num_layers, text_config
+        from forge.runtime.model.hf_compat import num_layers, text_config
 
         if self.kv_model is None:
             return 0
@@ -176,7 +176,7 @@ class GenerativeFunction(CausalLMFunction):
         batch, are taken off each device's budget (`batch_device`). Workers then hold their keys and
         values within the budget less the weights, preempting a sequence before going over."""
         from forge.batching.cost import CostModel
-        from forge.runtime.cost_models import causal_lm_cost_model
+        from forge.runtime.cost.models import causal_lm_cost_model
 
         forward = causal_lm_cost_model(self)
         self.kv_model = CostModel(

@@ -125,8 +125,8 @@ def _replace_limits(device, limits):
 
 
 def place_groups(devices: list, function) -> tuple[list, dict]:
-    """Each device group placed for the function's model (`forge.runtime.placement`) and turned
-    into the one consumer the packer sees (`forge.runtime.group_device`); single devices as they are."""
+    """Each device group placed for the function's model (`forge.runtime.placement.device_map`) and turned
+    into the one consumer the packer sees (`forge.runtime.placement.group_device`); single devices as they are."""
     if not any(d.group for d in devices):
         return devices, {}
     if not hasattr(function, "config") or not hasattr(function, "forward"):
@@ -134,8 +134,8 @@ def place_groups(devices: list, function) -> tuple[list, dict]:
             f"devices: a device group holds a model function's model; function {function.name} has none "
             "to place: use single devices"
         )
-    from forge.runtime.group_device import group_consumer
-    from forge.runtime.placement import placement_for
+    from forge.runtime.placement.device_map import placement_for
+    from forge.runtime.placement.group_device import group_consumer
 
     out, placements = [], {}
     for d in devices:

@@ -126,7 +126,7 @@ class Member:
 class Device:
     """A consumer of batches: a name, what backs it, and its limits. A device group (`group`
     non-empty) is one consumer whose model is split in contiguous stages over its members
-    (`forge.runtime.placement`); its limits and memory_bytes are those of its tightest stage."""
+    (`forge.runtime.placement.device_map`); its limits and memory_bytes are those of its tightest stage."""
 
     name: str  # unique, e.g. "cuda:0" or "cpu"
     limits: Limits

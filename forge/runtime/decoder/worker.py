@@ -161,7 +161,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
 
     from forge.runtime.decoder.prefill import PREFIX_TOKENS
     from forge.runtime.decoder.sampling import Sampling
-    from forge.runtime.dispatch import dispatch_for
+    from forge.runtime.placement.dispatch import dispatch_for
 
     dispatch = dispatch_for(fn, device)
     loader, attn = AutoModelForCausalLM, fn.caps.attn
@@ -174,8 +174,8 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
     steer = None
     if fn.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
-        from forge.runtime.hf_compat import base_decoder, num_layers
-        from forge.runtime.hooks import HookSet
+        from forge.runtime.hooks.points import HookSet
+        from forge.runtime.model.hf_compat import base_decoder, num_layers
 
         hooks = HookSet(model, base_decoder(model), num_layers(fn.config), [], list(fn.interventions.items))
         steer = (hooks, fn.interventions.key)
@@ -186,7 +186,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
     )  # fmt: skip
     runner = None
     if fn.states:
-        from forge.runtime.causal_lm import CausalLMRunner
+        from forge.runtime.forward.causal_lm import CausalLMRunner
 
         layers, captures = list(fn.forward.layers), list(fn.forward.capture)
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
