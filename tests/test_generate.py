@@ -393,6 +393,11 @@ def test_no_step_over_the_budget(base):
     assert gen["prefill_tokens_computed"] + gen["prefill_tokens_shared"] == gen["prompt_tokens"]
     tokens = report["tokens"]  # an item's geometry: its prompt plus its max_new_tokens
     assert tokens["received"] == gen["prompt_tokens"] + N * len(ROWS) and report["balanced"]
+    # the ledger holds every decoder step to the step budget it got from the config (forge.vocab.geometry.StepBudget)
+    steps = report["steps"]["cpu"]
+    assert steps["tokens_per_step_budget"] == SMALL_BUDGET and steps["engine_steps"], steps
+    assert steps["steps"] == gen["steps"] and steps["largest_step_tokens"] == gen["largest_step_tokens"], steps
+    assert steps["over_budget"] == 0
 
 
 def test_histogram_and_stop_cut_helpers():

@@ -24,7 +24,7 @@ from forge.config.checks import non_negative, positive, share
 from forge.errors import ForgeError
 from forge.io.inputs import Row
 from forge.runtime.decoder.finish import RowLimits
-from forge.vocab.geometry import Item
+from forge.vocab.geometry import Item, StepBudget
 
 __all__ = ["GenerativeConfig", "GenerativeFunction", "RowLimits", "SamplingConfig"]
 
@@ -131,7 +131,7 @@ class GenerativeFunction(CausalLMFunction):
         batches at small length differences."""
         from forge.runtime.decoder.fit import decoder_refusal
 
-        step, longest = device.limits.max_batch_tokens, device.limits.max_seq_len
+        step, longest = device.steps().tokens, device.limits.max_seq_len
         memory = device.memory_bytes  # what the KV model may fill: the budget less one step's activations
         if memory and decoder_refusal(self.config, self.caps.model_module) is None:  # else refused before work
             per_token = self.step_activation_bytes(1, longest)
@@ -141,7 +141,8 @@ class GenerativeFunction(CausalLMFunction):
             memory = max(1, memory - step * per_token)
         held = step * self.batch_steps
         limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
-        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory, step_tokens=step)
+        budget = StepBudget(step, engine=True)  # the decoder keeps each step within it; the ledger checks
+        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory, step_budget=budget)
 
     def step_bytes(self, device) -> int:
         """What the KV model leaves out, for a device group's stages to keep room for: the activations

@@ -85,7 +85,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | str | None) -> RunSpec:
     capped = []
     for d in devices:
         try:
-            capped.append(function.batch_device(_replace_limits(d, d.limits.capped(tokens_per_step))))
+            capped.append(function.batch_device(d.with_step_budget(tokens_per_step)))
         except ForgeError:
             raise ForgeError(
                 f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
@@ -116,12 +116,6 @@ def build_runtime(runtime: dict[str, Any]) -> Runtime:
     """The runtime group's settings (validated plain values) as its schema's dataclass: the
     typed spec the engine, the loop and the executor read."""
     return RUNTIMES.get(runtime["executor"], Runtime)(**runtime)
-
-
-def _replace_limits(device, limits):
-    from dataclasses import replace
-
-    return replace(device, limits=limits)
 
 
 def place_groups(devices: list, function) -> tuple[list, dict]:

@@ -107,12 +107,12 @@ class GenerateWorker:
         left = sum(items[k].prefix_len for k in rest)  # the prefix tokens of the items returned here
         computed = min(total, max(0, figures.prefill_computed - own))
         if batch.split_prefix:
-            return GenerationColumns(columns, min(left, computed), False, None, figures)
+            return GenerationColumns(columns, min(left, computed), False, None, figures, steps=run.steps)
         hit = min(total - computed, figures.prefix_stored_tokens)  # the rest: computed once for several
         shared = total - computed - hit - sent[1]
         hit = min(left, max(0, hit - sent[0]))
         shared = min(left - hit, max(0, shared))
-        return GenerationColumns(columns, 0, False, (hit, shared), figures)
+        return GenerationColumns(columns, 0, False, (hit, shared), figures, steps=run.steps)
 
     def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
         """The result fields of these items (their sequences ended)."""
@@ -168,7 +168,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
     model = dispatch.load(fn.hf, loader, attn) if dispatch else fn.hf.load(loader, device.torch_device, attn)
     ids = model.generation_config.eos_token_id if fn.eos else None
     eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    budget = device.step_tokens or device.limits.max_batch_tokens // fn.batch_steps  # the step budget (typed)
+    budget = device.steps().tokens  # the step budget (forge.vocab.geometry.StepBudget, from batch_device)
     kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
     if fn.kv_model is not None and device.memory_bytes:
         kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
