@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,32,auto")
     a = ap.parse_args()
     need("lm_eval", extra="eval")
-    from forge.runtime.embedded import materialize_model
+    from forge.runtime.model.embedded import materialize_model
 
     folder = Path(tempfile.mkdtemp(prefix="bench-lm-eval-"))
     model = materialize_model(ROOT / "functions" / "assets" / "tiny-llama", folder / "cache")

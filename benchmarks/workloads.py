@@ -139,7 +139,7 @@ def texts(n: int, seed: int = 0) -> list[str]:
 
 def probe_split(tok, row: dict) -> tuple[list[int], list[int]]:
     """(prefix tokens, own tokens) of a `probe_gen` row by Forge's token rule
-    (forge/runtime/token_rule.py): the prefix alone with the special tokens, the text after it
+    (forge/runtime/tokens/token_rule.py): the prefix alone with the special tokens, the text after it
     without them; a text without a prefix with them."""
     prefix = list(tok(row["prefix"])["input_ids"]) if row.get("prefix") else []
     return prefix, list(tok(row["text"], add_special_tokens=not prefix)["input_ids"])

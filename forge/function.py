@@ -140,7 +140,7 @@ class Function(ABC):
     def step_bytes(self, device: Device) -> int:
         """Bytes one of its steps holds on `device` that `cost_model()` leaves out (0 for a forward
         pass, which it prices whole; generate's: one engine step's activations, which its KV model
-        does not count): a device group's every stage keeps room for them (forge.runtime.placement)."""
+        does not count): a device group's every stage keeps room for them (forge.runtime.placement.device_map)."""
         return 0
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:

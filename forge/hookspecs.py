@@ -190,7 +190,9 @@ def forge_batch_completed(run: RunContext, batch: Batch, device: Device, stats: 
     :param run: the `RunContext`.
     :param batch: the `forge.Batch`.
     :param device: the `forge.Device` that ran it.
-    :param stats: `forge.vocab.records.BatchStats`: seconds, prefix tokens computed and served from cache.
+    :param stats: `forge.vocab.records.BatchStats`: seconds, prefix tokens computed and served from cache,
+        and the token slots of each forward step it ran (`stats.steps`), which the ledger holds to the
+        device's step budget (`device.steps()`, a `forge.vocab.geometry.StepBudget`).
     """
 
 

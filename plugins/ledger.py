@@ -4,6 +4,8 @@
     tokens: received = completed + failed + skipped + truncated + unfinished
             routed   = run_completed + failed_in_batches + retried + discarded
 
+    steps:  every forward step a device ran <= its step budget (budget.tokens_per_step)
+
 `skipped` counts items (too long, over `budget.max_tokens`) and input records (a repeated id
 dropped by `input.duplicate_ids`) that do not run; failed and skipped ones are listed with
 their ids and reasons in failures.jsonl and skipped.jsonl. `completed` counts committed
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from forge.hookspecs import hookimpl
 from forge.vocab.column_batch import ItemColumns
+from forge.vocab.geometry import StepBudget
 
 NAME = "ledger"
 MAX_FAILURES_IN_REPORT = 20
@@ -45,6 +48,30 @@ TOKEN_KEYS = (
 
 
 @dataclass
+class StepBook:
+    """One device's steps against its step budget: how many ran, the largest, and any over it."""
+
+    budget: StepBudget
+    steps: int = 0
+    largest: int = 0
+    over: list = field(default_factory=list)  # token slots of each step over the budget (none in a sound run)
+
+    def ran(self, steps: tuple[int, ...]) -> None:
+        self.steps += len(steps)
+        self.largest = max(self.largest, *steps, 0)
+        self.over.extend(self.budget.over(steps))
+
+    def as_dict(self) -> dict:
+        return {
+            "tokens_per_step_budget": self.budget.tokens,
+            "engine_steps": self.budget.engine,  # the function's engine ran its own steps (else one pass a batch)
+            "steps": self.steps,
+            "largest_step_tokens": self.largest,
+            "over_budget": len(self.over),
+        }
+
+
+@dataclass
 class Ledger:
     items: dict = field(default_factory=lambda: dict.fromkeys(ITEM_KEYS, 0))
     tokens: dict = field(default_factory=lambda: dict.fromkeys(TOKEN_KEYS, 0))
@@ -53,6 +80,7 @@ class Ledger:
     skipped: dict = field(default_factory=dict)  # reason (kind, for input records) -> items
     skips: list = field(default_factory=list)  # (id, line or None, reason) per skipped item or record
     retry_reasons: Counter = field(default_factory=Counter)  # reason -> failed attempts retried
+    steps: dict = field(default_factory=dict)  # device name -> its StepBook
 
     def check(self) -> list[str]:
         """Every way the books do not balance, in words; empty when balanced."""
@@ -75,6 +103,12 @@ class Ledger:
                 f"tokens: routed {t['routed']} != completed this session {ran} + failed in batches "
                 f"{self.failed_in_batches} + retried {t['retried']} + discarded {t['discarded']}"
             )
+        for name, book in self.steps.items():
+            if book.over:
+                problems.append(
+                    f"steps: device {name} ran {len(book.over)} step(s) over its budget of {book.budget.tokens} "
+                    f"tokens (budget.tokens_per_step), the largest {max(book.over)}"
+                )
         return problems
 
 
@@ -172,6 +206,10 @@ def forge_batch_completed(run, batch, device, stats):
     led.tokens["prefix"] += batch.prefix_tokens
     led.tokens["cache_hit"] += stats.cache_hit_tokens
     led.tokens["prefix_shared"] += stats.shared_tokens
+    book = led.steps.get(device.name)
+    if book is None:
+        book = led.steps[device.name] = StepBook(device.steps())
+    book.ran(stats.steps)
 
 
 @hookimpl
@@ -228,6 +266,7 @@ def forge_run_end(run, report):
     # prefix tokens not run again: served by the cache, or run once in a tree row for several items
     reused = t["cache_hit"] + t["prefix_shared"]
     report["prefix_reuse_rate"] = round(reused / t["prefix"], 6) if t["prefix"] else None
+    report["steps"] = {name: book.as_dict() for name, book in led.steps.items()}
     report["balanced"] = not problems
     report["imbalance"] = problems
     report["failures"] = led.failures[:MAX_FAILURES_IN_REPORT]

@@ -39,6 +39,32 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+#: the rooms of the models floor (`forge/runtime/`), one per concern, bottom first: a runtime module
+#: imports its own room and the rooms before it, never one after (no module sits in the package itself)
+RUNTIME_ROOMS = ("model", "tokens", "hooks", "forward", "cost", "placement", "decoder")
+
+
+def room_of(module: str) -> int | None:
+    """The index of `module`'s room in RUNTIME_ROOMS (None: not a runtime module, or in none)."""
+    parts = module.split(".")
+    if parts[:2] != ["forge", "runtime"] or len(parts) < 3:
+        return None
+    return RUNTIME_ROOMS.index(parts[2]) if parts[2] in RUNTIME_ROOMS else None
+
+
+def runtime_rooms(edges: dict[str, set[str]]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(runtime modules in no room, (source, target) arrows from a room to a later one): both empty."""
+    loose = sorted(m for m in edges if m.startswith("forge.runtime.") and m.count(".") >= 2 and room_of(m) is None)
+    against = []
+    for source, targets in sorted(edges.items()):
+        a = room_of(source)
+        for target in sorted(targets):
+            b = room_of(target)
+            if a is not None and b is not None and b > a:
+                against.append((source, target))
+    return loose, against
+
+
 #: what a built-in function (a module of `functions/`) may import of Forge: the author API, as a
 #: plugin's function does (and `forge` itself, left out of the map); its embedded assets are data
 FUNCTION_IMPORTS = ("forge.api", "forge.errors", "forge.functions")
@@ -187,6 +213,12 @@ def main() -> None:
         print(f"upward: {source} ({FLOORS[floor_of(source)][0]}) -> {target} ({FLOORS[floor_of(target)][0]})")
     for module in unplaced(edges):
         print("on no floor:", module)
+    loose, against = runtime_rooms(edges)
+    print("runtime rooms, bottom first:", " < ".join(RUNTIME_ROOMS))
+    for module in loose:
+        print("runtime module in no room:", module)
+    for source, target in against:
+        print(f"runtime arrow to a later room: {source} -> {target}")
     sizes = sorted(((len(p.read_text().splitlines()), m) for m, p in modules().items()), reverse=True)[:5]
     print("largest:", ", ".join(f"{m} {n}" for n, m in sizes))
 

@@ -13,8 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.runtime.causal_lm import CausalLMRunner, reference_pooled  # noqa: E402
-from forge.runtime.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
+from forge.runtime.forward.causal_lm import CausalLMRunner  # noqa: E402
+from forge.runtime.forward.prefix_cache import PrefixCache, PrefixEntry  # noqa: E402
+from forge.runtime.forward.reference import reference_pooled  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

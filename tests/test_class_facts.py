@@ -1,5 +1,5 @@
 """The facts Forge reads from a model class are kept between runs, so `forge run`'s own process
-need not import modeling code to check what it can run exactly (forge.runtime.class_facts)."""
+need not import modeling code to check what it can run exactly (forge.runtime.model.class_facts)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import transformers
 
-from forge.runtime.capabilities import capabilities
-from forge.runtime.class_facts import ClassFacts, cache_path, class_facts, facts_of
-from forge.runtime.encoder import encoder_capabilities
+from forge.runtime.forward.encoder import encoder_capabilities
+from forge.runtime.model.capabilities import capabilities
+from forge.runtime.model.class_facts import ClassFacts, cache_path, class_facts, facts_of
 
 LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 
@@ -57,7 +57,7 @@ def test_a_later_run_checks_capabilities_without_importing_modeling_code(cache):
     code = textwrap.dedent(
         f"""
         import sys, transformers
-        from forge.runtime.capabilities import capabilities
+        from forge.runtime.model.capabilities import capabilities
         caps = capabilities(transformers.LlamaConfig(**{LLAMA!r}))
         assert (caps.model_class, caps.model_module, caps.attn) == (
             "LlamaForCausalLM", "transformers.models.llama.modeling_llama", "sdpa"), caps

@@ -169,7 +169,7 @@ def test_plan_plot_draws_item_beside_token(cli, tmp_path):
 
 
 def test_calibration_batches_and_fit():
-    from forge.runtime.calibrate import calibration_batches, fit
+    from forge.runtime.cost.calibrate import calibration_batches, fit
     from forge.vocab.geometry import Device, Item, Limits
 
     items = [Item(str(i), 20 + i % 3) for i in range(200)]

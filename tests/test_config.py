@@ -301,7 +301,7 @@ def test_no_yaml_restates_a_schema_default():
     from forge.config.nodes import defaults_of
     from forge.config.schema import CoreConfig, Devices
     from forge.pluginmanager import function_class, make_plugin_manager
-    from forge.runtime.modelspec import ModelSpec
+    from forge.runtime.model.spec import ModelSpec
 
     pm = make_plugin_manager()
     root = Path(__file__).resolve().parent.parent

@@ -67,7 +67,7 @@ def test_an_offload_folder_a_killed_worker_left_is_removed_at_the_next_start(tmp
     import subprocess
     import sys
 
-    from forge.runtime.dispatch import OFFLOAD_PREFIX, remove_stale_offload
+    from forge.runtime.placement.dispatch import OFFLOAD_PREFIX, remove_stale_offload
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"{OFFLOAD_PREFIX}{int(dead.stdout)}-abc123"

@@ -91,7 +91,7 @@ def tiny_bert(tmp_path_factory):
 
 def _references(fn, model, poolings, normalize):
     """{pooling: {id: vector}} from one plain forward pass per text (no batch, no padding, no mask)."""
-    from forge.runtime.encoder import pool_and_normalize
+    from forge.runtime.forward.encoder import pool_and_normalize
 
     out = {p: {} for p in poolings}
     for item in fn.records():
@@ -228,7 +228,7 @@ def test_packed_encoder_rows_restart_positions(tiny_bert):
     positions on from the first (no restart) would change it, so this test would catch that."""
     from transformers import BertModel
 
-    from forge.runtime.encoder import EncoderRunner, encoder_capabilities, reference_embedding
+    from forge.runtime.forward.encoder import EncoderRunner, encoder_capabilities, reference_embedding
     from forge.vocab.geometry import Batch, Item
 
     model = BertModel.from_pretrained(tiny_bert).eval()
@@ -248,7 +248,7 @@ def test_packed_encoder_rows_restart_positions(tiny_bert):
 
 
 def test_refusals_before_any_work(tmp_path, tiny_bert, texts_file):
-    from forge.runtime.encoder import encoder_capabilities
+    from forge.runtime.forward.encoder import encoder_capabilities
 
     base = ["function=embed", "model=hf", f"model.name={tiny_bert}", f"input.path={texts_file}"]
     with pytest.raises(

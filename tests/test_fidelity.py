@@ -208,7 +208,7 @@ def family(name: str, data, dtype: str = "float32"):
         path = _FAMILY_CACHE[(name, "float32")][0] if (name, "float32") in _FAMILY_CACHE else _build(name, root)
         from forge.api import InputSpec, ModelSpec
         from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-        from forge.runtime.reference import pool, reference_hidden
+        from forge.runtime.forward.reference import pool, reference_hidden
 
         fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(rows)), layers=LAYERS))
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -339,7 +339,7 @@ FALLS_BACK = {"falcon", "stablelm", "deepseek_v3"}
 def _run_shared(monkeypatch, tmp_path, path, rows, pooling, *extra) -> tuple[dict, list[bool]]:
     """token-cache with the shared-prefix attention asked at every shape: (report, per ask
     whether it ran)."""
-    from forge.runtime import shared_prefix
+    from forge.runtime.forward import shared_prefix
 
     ran = []
     forward = shared_prefix.forward
@@ -462,7 +462,7 @@ def test_not_causal_refused_before_work(tmp_path, data):
 
 @pytest.mark.parametrize("name", ["gpt2", "bloom", "gemma2", "gemma3", "mistral-window", "opt"])
 def test_capabilities_from_config_alone(name):
-    from forge.runtime.capabilities import capabilities
+    from forge.runtime.model.capabilities import capabilities
 
     cls_name, kwargs = FAMILIES[name]
     caps = capabilities(getattr(transformers, cls_name)(**{**BASE, **kwargs}))
@@ -504,7 +504,7 @@ RECURRENT = {
 
 @pytest.mark.parametrize("name", list(RECURRENT))
 def test_recurrent_and_hybrid_layers_refuse_every_shared_or_packed_layout(name):
-    from forge.runtime.capabilities import capabilities
+    from forge.runtime.model.capabilities import capabilities
 
     cls_name, kwargs, kind = RECURRENT[name]
     caps = capabilities(getattr(transformers, cls_name)(**{**BASE, **kwargs}))
@@ -521,7 +521,7 @@ def test_recurrent_and_hybrid_layers_refuse_every_shared_or_packed_layout(name):
 @pytest.mark.parametrize("mode", ["item", "token-nocache"])
 @pytest.mark.parametrize("name", ["mamba", "jamba"])
 def test_recurrent_and_hybrid_families_run_whole_prompts_exactly(tmp_path, data, name, mode):
-    from forge.runtime.reference import pool, reference_hidden
+    from forge.runtime.forward.reference import pool, reference_hidden
 
     cls_name, kwargs, _ = RECURRENT[name]
     path, model = _save(getattr(transformers, cls_name)(**{**BASE, **kwargs}), tmp_path / name)
@@ -672,7 +672,7 @@ def test_layers_past_the_deepest_asked_for_are_cut_exactly_in_every_family(name)
     """A 4-layer model of each family cut to its first 2 layers (`hf_compat.keep_first_layers`,
     what `probe_gen` asks for with layers up to 1): hidden states 0 and 1 are bit for bit those
     of the whole model, and state 2 is the cut model's last (its final norm)."""
-    from forge.runtime.hf_compat import keep_first_layers
+    from forge.runtime.model.hf_compat import keep_first_layers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(name, num_layers=4))
@@ -687,8 +687,8 @@ def test_layers_past_the_deepest_asked_for_are_cut_exactly_in_every_family(name)
         assert torch.equal(whole[i], cut[i]), (name, i)
     assert not keep_first_layers(base, 2, 2)  # nothing to cut
     # batching=memory prices the model that runs: the same parameters as the cut one
-    from forge.runtime.cost_models import config_as_run
-    from forge.runtime.memory_fit import fake_model, state_bytes
+    from forge.runtime.cost.memory_fit import fake_model, state_bytes
+    from forge.runtime.cost.models import config_as_run
 
     as_run = config_as_run(_config(name, num_layers=4), (1,))
     assert as_run.num_hidden_layers == 2 and state_bytes(fake_model(as_run)[1]) == state_bytes(model), name
@@ -701,7 +701,7 @@ def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, 
     as ever), and every vector equals the whole model's one-prompt-at-a-time forward pass."""
     from forge.api import InputSpec, ModelSpec
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime.reference import pool, reference_hidden
+    from forge.runtime.forward.reference import pool, reference_hidden
 
     root, rows = data
     path = root / f"{name}-4" if (root / f"{name}-4").exists() else _build(name, root, num_layers=4)
@@ -712,7 +712,7 @@ def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, 
     refs = {}
     for it in fn.records():
         refs[it.id] = {L: pool(h, it.prefix_len, "last") for L, h in reference_hidden(model, it.tokens, LAYERS).items()}
-    from forge.runtime.causal_lm import CausalLMRunner
+    from forge.runtime.forward.causal_lm import CausalLMRunner
 
     ran, init = [], CausalLMRunner.__init__
     monkeypatch.setattr(

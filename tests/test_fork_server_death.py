@@ -233,7 +233,7 @@ KINDS = ("start-up", "waited on", "running", "running, then the worker")
 
 
 def _expected_ids() -> list[str]:
-    from forge.runtime.embedded import embedded_dataset_path
+    from forge.runtime.model.embedded import embedded_dataset_path
 
     lines = embedded_dataset_path().read_text().splitlines()[:N]
     return [json.loads(line)["id"] for line in lines]

@@ -393,6 +393,11 @@ def test_no_step_over_the_budget(base):
     assert gen["prefill_tokens_computed"] + gen["prefill_tokens_shared"] == gen["prompt_tokens"]
     tokens = report["tokens"]  # an item's geometry: its prompt plus its max_new_tokens
     assert tokens["received"] == gen["prompt_tokens"] + N * len(ROWS) and report["balanced"]
+    # the ledger holds every decoder step to the step budget it got from the config (forge.vocab.geometry.StepBudget)
+    steps = report["steps"]["cpu"]
+    assert steps["tokens_per_step_budget"] == SMALL_BUDGET and steps["engine_steps"], steps
+    assert steps["steps"] == gen["steps"] and steps["largest_step_tokens"] == gen["largest_step_tokens"], steps
+    assert steps["over_budget"] == 0
 
 
 def test_histogram_and_stop_cut_helpers():
@@ -796,8 +801,8 @@ def test_memory_mode_sizes_batches_by_their_kv_and_the_decoder_keeps_within_it(w
 
 @pytest.mark.slow
 def test_a_device_groups_worker_generates_the_same_tokens(work, embedded):
-    """A model read by a device group's plan (forge.runtime.placement) through accelerate's dispatch
-    (forge.runtime.dispatch: hooks on every block, token ids on the embeddings' device), with layers
+    """A model read by a device group's plan (forge.runtime.placement.device_map) through accelerate's dispatch
+    (forge.runtime.placement.dispatch: hooks on every block, token ids on the embeddings' device), with layers
     offloaded to disk: the plan keeps room on the card for a step and one row's KV beside the layers
     it holds, the decoder's keys and values stay within what is left, the tokens are those of one
     prompt at a time, and no offload folder is left when the run ends."""

@@ -47,8 +47,8 @@ def covered(span: str, pos: torch.Tensor, prefix_len: int, prompt_len: int) -> t
 
 def steered_greedy(model, ids: list[int], prefix_len: int, n: int, vector: torch.Tensor, span: str) -> list[int]:
     """One prompt alone through `generate`, a forward hook on decoder layer LAYER steering its output."""
-    from forge.runtime.hf_compat import base_decoder, num_layers
-    from forge.runtime.hooks import decoder_layers
+    from forge.runtime.hooks.points import decoder_layers
+    from forge.runtime.model.hf_compat import base_decoder, num_layers
 
     layer = decoder_layers(base_decoder(model), num_layers(model.config))[LAYER]
     seen = [0]
@@ -162,9 +162,9 @@ def test_a_steered_prefix_is_never_served_from_an_unsteered_ones_cache(embedded)
     steered prefixes are computed anew (none found stored) and the tokens are the steered ones; and
     back: an unsteered decoder never takes the steered prefixes."""
     from forge.runtime.decoder.engine import Decoder, Sequence
-    from forge.runtime.hf_compat import base_decoder, num_layers
-    from forge.runtime.hooks import HookSet
-    from forge.runtime.interventions import load_interventions
+    from forge.runtime.hooks.interventions import load_interventions
+    from forge.runtime.hooks.points import HookSet
+    from forge.runtime.model.hf_compat import base_decoder, num_layers
 
     model = copy.deepcopy(embedded.model)
     rows = [r for r in ROWS if r.get("prefix")]

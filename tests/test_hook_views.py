@@ -15,10 +15,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
-from forge.runtime.forward import Forward  # noqa: E402
-from forge.runtime.interventions import load_interventions  # noqa: E402
-from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
+from forge.runtime.forward.causal_lm import CausalLMRunner  # noqa: E402
+from forge.runtime.forward.request import Forward  # noqa: E402
+from forge.runtime.forward.views import CausalViews  # noqa: E402
+from forge.runtime.hooks.interventions import load_interventions  # noqa: E402
+from forge.runtime.tokens.prompts import ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -189,7 +190,7 @@ def test_an_intervention_is_the_same_in_every_layout(model, span):
 
 def test_an_attention_pattern_needs_eager_attention():
     from forge.errors import ForgeError
-    from forge.runtime.hooks import check_points
+    from forge.runtime.hooks.points import check_points
 
     with pytest.raises(ForgeError, match="attn_implementation=eager"):
         check_points(["attn_pattern.0"], [], 2, "sdpa", "f")

@@ -33,6 +33,20 @@ def test_the_built_in_functions_import_forge_api_alone():
     assert import_map.past_the_api(made_up) == [("forge.functions.x", "forge.runtime.decoder.engine")]
 
 
+def test_the_runtime_rooms_import_one_way_and_hold_every_runtime_module():
+    """`forge/runtime/` is one subpackage per concern; each imports only itself and the rooms before it."""
+    assert import_map.runtime_rooms(import_map.graph()) == ([], [])
+    made_up = {
+        "forge.runtime.model.spec": {"forge.runtime.forward.views"},
+        "forge.runtime.stray": set(),
+        "forge.runtime.decoder.engine": {"forge.runtime.model.hf_compat"},
+    }
+    assert import_map.runtime_rooms(made_up) == (
+        ["forge.runtime.stray"],
+        [("forge.runtime.model.spec", "forge.runtime.forward.views")],
+    )
+
+
 def test_generate_is_at_most_150_code_lines():
     from linecount import code_lines
 

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from forge.errors import ForgeError  # noqa: E402
 from forge.io.results import load  # noqa: E402
-from forge.runtime.interventions import load_interventions  # noqa: E402
+from forge.runtime.hooks.interventions import load_interventions  # noqa: E402
 from forge.testing import MODES, ONE_AT_A_TIME, SMALL_LIMITS, run_function  # noqa: E402
 
 TOL = 1e-4
@@ -46,7 +46,7 @@ BASE = dict(
     initializer_range=0.2,
 )
 # every mode of forge.testing, the one-item reference run, and rows attending to one copy of a
-# cached prefix's keys (forge.runtime.shared_prefix, asked at every shape: see `shared_prefix`)
+# cached prefix's keys (forge.runtime.forward.shared_prefix, asked at every shape: see `shared_prefix`)
 ALL_MODES = {"one-at-a-time": ONE_AT_A_TIME, **MODES, "token-shared": MODES["token-cache"]}
 STEER = {"at": "resid_post.1", "op": "add", "vector": "FILE", "scale": 4.0, "span": "all"}
 
@@ -271,7 +271,7 @@ def _close(got: dict[str, float], want: dict[str, float]) -> float:
 @pytest.fixture
 def shared_prefix(monkeypatch):
     """Rows after a cached prefix attend to one copy of its keys at every shape; yields whether it ran."""
-    from forge.runtime import shared_prefix as sp
+    from forge.runtime.forward import shared_prefix as sp
 
     ran: list[bool] = []
     forward = sp.forward
@@ -392,8 +392,8 @@ def test_one_device_cache_serves_a_steered_item_only_its_steered_prefix(setup):
     own steered prefix, equal to the reference both times. Served the unsteered entry (what a key
     without the interventions would do), the results are those of another computation."""
     from forge.functions.score import Score
-    from forge.runtime.causal_lm import CausalLMRunner
-    from forge.runtime.views import CausalViews
+    from forge.runtime.forward.causal_lm import CausalLMRunner
+    from forge.runtime.forward.views import CausalViews
 
     fn, steered_items = _items(setup, intervene=[STEER])
     _, plain_items = _items(setup)

@@ -41,6 +41,56 @@ def test_clean_run_balances(tmp_path):
     assert t["cache_hit"] <= t["prefix"]
 
 
+def test_every_step_is_held_to_the_step_budget_and_one_over_it_unbalances_the_books():
+    """The ledger records each device's step budget and the steps it ran (`BatchStats.steps`): a
+    batch of one forward pass is one step of its padded rows; a step over the budget is an error."""
+    from forge.builtin import ledger
+    from forge.vocab.geometry import Batch, Device, Item, Limits, StepBudget
+    from forge.vocab.records import RunContext, batch_stats
+
+    limits = Limits(max_batch_tokens=64, max_rows=8, max_seq_len=32)
+    device = Device("cpu", limits).with_step_budget(48)
+    assert device.limits.max_batch_tokens == 48 and device.steps() == StepBudget(48)
+    engine = Device("gpu", limits, step_budget=StepBudget(16, engine=True))
+    batch = Batch([[Item(f"i{k}", 10)] for k in range(4)], padded_len=12)
+    run = RunContext("surprisal", "token", [device, engine], None)
+    ledger.forge_run_start(run)
+    for dev, stats in [
+        (device, batch_stats(batch, 0.1, 0)),  # one pass: 4 rows x 12 slots
+        (engine, batch_stats(batch, 0.1, 0, None, [16, 9, 4])),  # an engine's own steps
+    ]:
+        ledger.forge_items_received(run, batch.items)
+        ledger.forge_batch_routed(run, batch, dev)
+        ledger.forge_batch_completed(run, batch, dev, stats)
+    report: dict = {}
+    ledger.forge_run_end(run, report)
+    assert report["balanced"], report["imbalance"]
+    assert report["steps"] == {
+        "cpu": {"tokens_per_step_budget": 48, "engine_steps": False, "steps": 1, "largest_step_tokens": 48,
+                "over_budget": 0},
+        "gpu": {"tokens_per_step_budget": 16, "engine_steps": True, "steps": 3, "largest_step_tokens": 16,
+                "over_budget": 0},
+    }  # fmt: skip
+
+    ledger.forge_items_received(run, batch.items)
+    ledger.forge_batch_routed(run, batch, engine)
+    ledger.forge_batch_completed(run, batch, engine, batch_stats(batch, 0.1, 0, None, [16, 17, 30]))
+    report = {}
+    ledger.forge_run_end(run, report)
+    assert not report["balanced"] and report["steps"]["gpu"]["over_budget"] == 2
+    assert report["imbalance"] == [
+        "steps: device gpu ran 2 step(s) over its budget of 16 tokens (budget.tokens_per_step), the largest 30"
+    ]
+
+
+def test_the_step_budget_is_a_positive_integer():
+    from forge.vocab.geometry import StepBudget
+
+    for bad in (0, -3, 1.5, True, None):
+        with pytest.raises(ForgeError, match="budget.tokens_per_step must be a positive integer"):
+            StepBudget(bad)
+
+
 def test_bad_rows_are_recorded_and_the_run_goes_on(tmp_path):
     rows = (
         GOOD[:10]
@@ -93,7 +143,7 @@ def test_budget_max_tokens_skips_the_rest(tmp_path):
 
 
 def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):
-    from forge.runtime.causal_lm import CausalLMRunner
+    from forge.runtime.forward.causal_lm import CausalLMRunner
 
     real = CausalLMRunner.forward_tokens  # what every function's worker runs a batch through
 

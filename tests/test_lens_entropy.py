@@ -154,7 +154,7 @@ def test_smoke_one_mode(function, rows_path, reference, tmp_path):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("function", list(CHECKS))
 def test_every_mode_equals_transformers_one_row_at_a_time(function, mode, rows_path, reference, tmp_path, monkeypatch):
-    from forge.runtime.modelspec import HFModel
+    from forge.runtime.model.spec import HFModel
 
     loads = []
     real_load = HFModel.load
@@ -188,7 +188,7 @@ def test_head_without_forward_head_fails_loudly(rows_path, tmp_path, monkeypatch
     """A function that calls view.head without Forward(head=True): every item fails, naming the fix."""
     from forge.api import Forward
     from forge.functions import logit_lens
-    from forge.runtime.views import ItemView
+    from forge.runtime.forward.views import ItemView
 
     view = ItemView("a", 0, [1, 2], 0, {}, {}, torch.zeros(0, dtype=torch.long), None, None)
     with pytest.raises(ValueError, match=r"view.head needs Forward\(head=True\)"):

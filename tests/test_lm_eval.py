@@ -54,7 +54,7 @@ def _words(k: int, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from forge.runtime.embedded import materialize_model
+    from forge.runtime.model.embedded import materialize_model
 
     tmp = tmp_path_factory.mktemp("lm-eval")
     model = tmp / "model"

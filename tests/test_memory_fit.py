@@ -7,8 +7,8 @@ import json
 import pytest
 
 from forge.batching.cost import CostModel
-from forge.runtime import memory_fit
-from forge.runtime.memory_fit import DEFAULT_MARGIN, FIT_SHAPES, FakeModel, Shape, Target, fit, fitted_cost_model
+from forge.runtime.cost import memory_fit
+from forge.runtime.cost.memory_fit import DEFAULT_MARGIN, FIT_SHAPES, FakeModel, Shape, Target, fit, fitted_cost_model
 
 # held out of the fit: rows x padded length x prefix (hit and miss)
 SWEEP = (
@@ -127,8 +127,8 @@ def test_a_probe_of_early_layers_is_costed_on_the_layers_its_workers_keep(monkey
     from forge.batching.memory import MemoryPacker
     from forge.errors import ForgeError
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime.causal_lm import CausalLMRunner
-    from forge.runtime.embedded import materialize_model
+    from forge.runtime.forward.causal_lm import CausalLMRunner
+    from forge.runtime.model.embedded import materialize_model
     from forge.vocab.geometry import Device, Limits
 
     def make(layers):

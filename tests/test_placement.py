@@ -1,5 +1,5 @@
 """Device groups: the inventory's group entries, the placement planned from the memory model
-(`forge.runtime.placement`), the group as one consumer, and accelerate's choice beside it."""
+(`forge.runtime.placement.device_map`), the group as one consumer, and accelerate's choice beside it."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from forge.batching.cost import CostModel
 from forge.config.devices import from_inventory, resolve_devices
 from forge.errors import ForgeError
-from forge.runtime.cost_models import LOGIT_COPIES
-from forge.runtime.stages import best_split, fill, offload_split
+from forge.runtime.cost.models import LOGIT_COPIES
+from forge.runtime.placement.stages import best_split, fill, offload_split
 from forge.vocab.geometry import Device, Limits, Member, StepTime
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def test_no_split_predicts_a_member_over_its_budget(sizes, budgets, fixed, reser
 
 @pytest.mark.slow
 def test_70b_read_at_layer_40_fits_two_40gb_cards_with_nothing_offloaded(config_70b):
-    from forge.runtime.placement import placement_for
+    from forge.runtime.placement.device_map import placement_for
 
     p = placement_for(function(config_70b), group(40))
     assert p.offload is None and p.offloaded_bytes == 0 and (p.layers_run, p.layers_total) == (41, 80)
@@ -178,7 +178,7 @@ def test_70b_read_at_layer_40_fits_two_40gb_cards_with_nothing_offloaded(config_
     assert p.accelerate.offloaded_bytes > 50 * GIB and p.accelerate.bytes_per_device["cuda:0"] > 36 * GIB
     assert "41 of 80 layers" in p.summary and "nothing offloaded" in p.summary and "\n" not in p.summary
     # the worker plans again on the device the packer saw (budget, limits, step time set): the same map
-    from forge.runtime.group_device import group_consumer
+    from forge.runtime.placement.group_device import group_consumer
 
     sim = {"seconds_per_step": 0.0375, "seconds_per_slot": 7.5e-4, "seconds_per_score": 1.9e-8}
     consumer = group_consumer(group(40, sim=sim), p, COST_70B_CUT41)
@@ -194,7 +194,7 @@ def test_70b_read_at_layer_40_fits_two_40gb_cards_with_nothing_offloaded(config_
 
 @pytest.mark.slow
 def test_the_whole_model_is_refused_in_one_line_unless_offload_is_allowed(config_70b):
-    from forge.runtime.placement import placement_for
+    from forge.runtime.placement.device_map import placement_for
 
     score = function(config_70b, layers=(80,), lm_head=True, cost=scoring_cost())
     with pytest.raises(ForgeError) as err:
@@ -226,8 +226,8 @@ def test_a_group_never_admits_a_batch_over_a_stage_budget(config_70b, budgets, d
     limits, leaves every member's weights plus its activations within that member's budget."""
     from accelerate.utils import compute_module_sizes
 
-    from forge.runtime.group_device import group_consumer
-    from forge.runtime.placement import activation_bound, meta_model, placement_for
+    from forge.runtime.placement.device_map import activation_bound, meta_model, placement_for
+    from forge.runtime.placement.group_device import group_consumer
 
     # the cut model's weights scale with its depth (a stand-in memory model, measured coefficients)
     cost = replace(COST_70B_CUT41, weight_bytes=int(COST_70B_CUT41.weight_bytes * (deepest + 1) / 41))
@@ -250,8 +250,8 @@ def test_a_group_never_admits_a_batch_over_a_stage_budget(config_70b, budgets, d
 
 
 def test_the_group_is_one_consumer_with_its_tightest_stage_and_a_pipelined_step_time():
-    from forge.runtime.group_device import group_consumer
-    from forge.runtime.placement import AccelerateChoice, Placement, Stage
+    from forge.runtime.placement.device_map import AccelerateChoice, Placement, Stage
+    from forge.runtime.placement.group_device import group_consumer
 
     a, b = StepTime(0.1, 2e-3, 5e-8), StepTime(0.05, 1e-3, 2.5e-8)
     device = Device("g", Limits(65536, 512, 4096, 8), group=(Member("x", 16 * GIB, a), Member("y", 32 * GIB, b)))

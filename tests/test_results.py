@@ -34,7 +34,7 @@ def reference():
     from forge.api import InputSpec, ModelSpec
     from forge.functions.assets import embedded_model_source, materialize_model
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime.reference import pool, reference_hidden
+    from forge.runtime.forward.reference import pool, reference_hidden
 
     fn = ProbeGen(
         ProbeGenConfig(

@@ -41,7 +41,7 @@ def setup(tmp_path_factory) -> Setup:
 @pytest.fixture
 def shared(request, monkeypatch):
     """token-shared: rows after a cached prefix attend to one copy of its keys at every shape."""
-    from forge.runtime import shared_prefix as sp
+    from forge.runtime.forward import shared_prefix as sp
 
     monkeypatch.setattr(sp, "worth_sharing", lambda *a: True)
 
@@ -113,8 +113,8 @@ def test_one_batch_of_rows_at_their_own_scales_equals_a_batch_per_constant_scale
     gives each item what the same batch at its constant scale gives it."""
     from forge.api import InputSpec, ModelSpec
     from forge.functions.score import Score, ScoreConfig
-    from forge.runtime.causal_lm import CausalLMRunner
-    from forge.runtime.views import CausalViews
+    from forge.runtime.forward.causal_lm import CausalLMRunner
+    from forge.runtime.forward.views import CausalViews
     from forge.vocab.geometry import Item
     from tests.test_interventions import _split_batch
 

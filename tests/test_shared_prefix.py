@@ -1,4 +1,4 @@
-"""Rows after a cached prefix attend to one copy of its keys (forge.runtime.shared_prefix): the
+"""Rows after a cached prefix attend to one copy of its keys (forge.runtime.forward.shared_prefix): the
 same numbers as attention over the keys concatenated per row, in chunks or not, with grouped
 heads, and only where the rule says it pays (the whole-model checks are in test_fidelity)."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from forge.runtime import shared_prefix as sp
+from forge.runtime.forward import shared_prefix as sp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

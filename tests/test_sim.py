@@ -263,7 +263,7 @@ def test_the_end_of_the_backlog_is_split_so_devices_finish_together(monkeypatch)
 def test_memory_fit_of_a_deep_model_extrapolates_from_two_shallow_depths_exactly():
     from transformers import LlamaConfig
 
-    from forge.runtime.memory_fit import FakeModel, Shape, Target, at_depth, measure_by_depth, scaling_depths
+    from forge.runtime.cost.memory_fit import FakeModel, Shape, Target, at_depth, measure_by_depth, scaling_depths
 
     config = LlamaConfig(
         vocab_size=256,

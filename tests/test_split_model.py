@@ -1,4 +1,4 @@
-"""A model split over devices by a device map (`forge.runtime.dispatch`) gives what the unsplit
+"""A model split over devices by a device map (`forge.runtime.placement.dispatch`) gives what the unsplit
 model gives, in every row layout Forge's batching modes produce, for hidden states (probe_gen's
 views), target log-probabilities (surprisal's) and per-item log-likelihoods (score's).
 
@@ -25,11 +25,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
-from forge.runtime.dispatch import OFFLOAD_PREFIX, Dispatch, input_device, kept_map, places_itself  # noqa: E402
-from forge.runtime.forward import Forward  # noqa: E402
-from forge.runtime.scoring import ScoreRunner  # noqa: E402
-from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
+from forge.runtime.forward.causal_lm import CausalLMRunner  # noqa: E402
+from forge.runtime.forward.request import Forward  # noqa: E402
+from forge.runtime.forward.scoring import ScoreRunner  # noqa: E402
+from forge.runtime.forward.views import CausalViews  # noqa: E402
+from forge.runtime.placement.dispatch import OFFLOAD_PREFIX, Dispatch, input_device, kept_map, places_itself  # noqa: E402
+from forge.runtime.tokens.prompts import ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 SAME = 1e-5  # split vs unsplit, the same layout
@@ -161,7 +162,7 @@ def saved(tmp_path_factory):
 
 def load(path, device_map: dict[str, str], offload: str, layers: int | None = None, main: str | None = None):
     """(the model saved at `path`, read by the worker's way onto the map's devices; its Dispatch)."""
-    from forge.runtime.modelspec import HFModel, ModelSpec
+    from forge.runtime.model.spec import HFModel, ModelSpec
 
     dispatch = Dispatch(device_map, offload, layers=layers, main=main)
     return dispatch.load(HFModel(ModelSpec(name=str(path))), transformers.AutoModelForCausalLM, None), dispatch
@@ -276,14 +277,14 @@ def test_a_group_devices_worker_reads_its_model_cut_onto_the_plans_devices_and_r
     monkeypatch,
 ):
     """`CausalLMFunction.open_worker` on a device with a group loads the model by the plan's map
-    (`forge.runtime.placement.placement_for`, here a stand-in: a cpu/disk map, the layers past the
+    (`forge.runtime.placement.device_map.placement_for`, here a stand-in: a cpu/disk map, the layers past the
     cut and the unread head "unused"): only the layers run are read, and results equal one device's."""
     import types
 
     from forge.api import InputSpec, ModelSpec
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime import placement as placement_module
-    from forge.runtime.embedded import embedded_dataset_path
+    from forge.runtime.model.embedded import embedded_dataset_path
+    from forge.runtime.placement import device_map as placement_module
 
     path = str(embedded_dataset_path())
     fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name="embedded:tiny-llama"), input=InputSpec(path=path), layers=[1]))
@@ -323,7 +324,7 @@ def test_a_group_devices_worker_reads_its_model_cut_onto_the_plans_devices_and_r
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_captures_and_interventions_on_a_split_model_equal_the_unsplit_ones(family):
-    from forge.runtime.interventions import load_interventions
+    from forge.runtime.hooks.interventions import load_interventions
 
     whole = tiny(family)
     split = copy.deepcopy(whole)
@@ -352,8 +353,8 @@ def test_captures_and_interventions_on_a_split_model_equal_the_unsplit_ones(fami
 def test_an_encoder_split_over_cpu_and_disk_equals_the_unsplit_one_in_rows_and_packed_rows(tmp_path, how):
     """embed's encoder (a BERT, whole texts): embeddings and layer 0 on "cpu", the rest on "disk";
     read onto them from its checkpoint (the worker's way) or placed from host memory."""
-    from forge.runtime.encoder import EncoderViews, encoder_capabilities
-    from forge.runtime.modelspec import HFModel, ModelSpec
+    from forge.runtime.forward.encoder import EncoderViews, encoder_capabilities
+    from forge.runtime.model.spec import HFModel, ModelSpec
 
     cfg = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64
@@ -390,7 +391,7 @@ def test_a_group_the_plan_places_with_disk_offload_runs_as_the_single_device_doe
     split.offload: disk; its worker's results equal a single device's, and the folder goes at close."""
     from forge.api import InputSpec, ModelSpec
     from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
-    from forge.runtime.embedded import embedded_dataset_path
+    from forge.runtime.model.embedded import embedded_dataset_path
     from forge.vocab.geometry import Device, Limits, Member
 
     fn = ProbeGen(

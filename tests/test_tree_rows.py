@@ -187,7 +187,7 @@ def test_the_rows_that_pay_cost_no_more_than_full_batches_of_the_longest(monkeyp
 
 def _spy(monkeypatch):
     """Records, per tree batch the runner lays out, how many prefix spans each row holds."""
-    import forge.runtime.causal_lm as cl
+    import forge.runtime.forward.causal_lm as cl
 
     seen = []
     real = cl.tree_layout

@@ -16,9 +16,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from forge.runtime.causal_lm import CausalLMRunner  # noqa: E402
-from forge.runtime.forward import Forward  # noqa: E402
-from forge.runtime.views import CausalViews, ItemMeta  # noqa: E402
+from forge.runtime.forward.causal_lm import CausalLMRunner  # noqa: E402
+from forge.runtime.forward.request import Forward  # noqa: E402
+from forge.runtime.forward.views import CausalViews  # noqa: E402
+from forge.runtime.tokens.prompts import ItemMeta  # noqa: E402
 from forge.vocab.geometry import Batch, Item  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

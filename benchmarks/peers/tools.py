@@ -28,7 +28,7 @@ def read_rows(path: str) -> list[dict]:
 
 
 def probe_tokens(tok, rows: list[dict]) -> list[list[int]]:
-    """Forge's token rule (forge/runtime/token_rule.py): the prefix alone with the special tokens, the
+    """Forge's token rule (forge/runtime/tokens/token_rule.py): the prefix alone with the special tokens, the
     text after it without them; a text without a prefix with them."""
     out = []
     for r in rows:

@@ -11,7 +11,7 @@ ids scanned, its rows counted), then takes the input's fingerprint and reads eve
 (rows read, checked and tokenized: `function.records()`), the work where the inputs differ;
 the model's forward pass is the same for every input and is not run. The function is built
 first, untimed (its tokenizer and model config: the same for every input); `open` is the input
-opened again on its own (`forge.runtime.modelspec.open_input`: checks, the id scan, the count). The variants:
+opened again on its own (`forge.runtime.model.spec.open_input`: checks, the id scan, the count). The variants:
 
 1. JSONL (`input.path`): the reference
 2. `save_to_disk` folder (`input.dataset=DIR`), memory-mapped
@@ -70,7 +70,7 @@ def child(overrides: list[str]) -> None:
     """One variant, in this process: the phases' seconds as the last line of JSON."""
     from forge.cli.build import build_spec
     from forge.cli.compose import compose
-    from forge.runtime.modelspec import open_input
+    from forge.runtime.model.spec import open_input
 
     function = build_spec(compose(["function=probe_gen", *overrides]), None).function  # the model's side: untimed
     clocks = [(time.perf_counter(), time.process_time())]

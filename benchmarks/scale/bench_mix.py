@@ -5,7 +5,7 @@
 Every figure is a plan (`forge.driver.simulate.plan_geometry`: the scheduler, run loop, simulated
 executor and ledger of `forge plan`) in virtual time, so it does not depend on this
 machine's speed. The model is `examples/models/llama-2-7b` in bfloat16 (layers [1, 2, 4],
-pooling last): its memory model is fitted from the config alone (`forge.runtime.memory_fit`,
+pooling last): its memory model is fitted from the config alone (`forge.runtime.cost.memory_fit`,
 cached after the first use). Tables:
 
 1. memory mode on the reference workload (`benchmarks/workloads.py`) and a large variant:
@@ -47,7 +47,7 @@ DEVICE_BYTES = {d.name: d.memory_bytes for d in mix()}
 def cost_7b():
     from transformers import AutoConfig
 
-    from forge.runtime.memory_fit import Target, fitted_cost_model
+    from forge.runtime.cost.memory_fit import Target, fitted_cost_model
 
     return fitted_cost_model(AutoConfig.from_pretrained(MODEL), Target(dtype="bfloat16", attn="sdpa", hidden_kept=3))
 

@@ -69,7 +69,7 @@ class RowBatchForward:
     def __init__(self):
         import torch
 
-        from forge.runtime.causal_lm import CausalLMRunner
+        from forge.runtime.forward.causal_lm import CausalLMRunner
 
         torch.set_num_threads(1)
         self.runner = CausalLMRunner(load_model("cpu"), layers=LAYERS, pooling="last", pad_token_id=3)

@@ -31,7 +31,7 @@ from forge.config.schema import Runtime
 from forge.driver.engine import RunSpec, execute
 from forge.function import Function
 from forge.pluginmanager import make_plugin_manager
-from forge.runtime.causal_lm import CausalLMRunner
+from forge.runtime.forward.causal_lm import CausalLMRunner
 from forge.vocab.geometry import Batch, Device, Item, Limits
 
 LIMITS = Limits(max_batch_tokens=8192, max_rows=256, max_seq_len=2048, pad_multiple=1)
@@ -58,7 +58,7 @@ STRATEGIES = [
     Strategy("token, prefix cache", "token", {}, cache_tokens=32768),
     Strategy("token packed rows <= 256, cache", "token", {"packing": "packed", "packed_row_tokens": 256}, 32768),
     Strategy("token packed rows (default length), cache", "token", {"packing": "packed"}, 32768),
-    # the cache path before forge.runtime.shared_prefix (in-process only: it is switched off here)
+    # the cache path before forge.runtime.forward.shared_prefix (in-process only: it is switched off here)
     Strategy("token, prefix cache, prefix keys copied per row", "token", {}, 32768, shared_prefix=False),
 ]
 
@@ -153,7 +153,7 @@ def run_strategy(s: Strategy, fn: BenchFunction, device: Device, tmp: Path, exec
             raise SystemExit(f"{s.name}: needs --executors inprocess (the switch is made in this process)")
         from unittest import mock
 
-        from forge.runtime import shared_prefix
+        from forge.runtime.forward import shared_prefix
 
         with mock.patch.object(shared_prefix, "worth_sharing", lambda *a: False):
             report = execute(spec, make_plugin_manager())

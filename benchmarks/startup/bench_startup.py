@@ -10,7 +10,7 @@ server` answers, its socket folder is a fresh one); the CLI module run directly,
 same call once typer has parsed the command (`python -m forge.cli.app`); that call made a no-op
 (the fork server starts once the config is composed, while the function is set up); both made
 no-ops (the fork server starts when the executor does); and as it ships on a cache that has not
-yet kept the model class's facts (`forge.runtime.class_facts`: the file is removed before each
+yet kept the model class's facts (`forge.runtime.model.class_facts`: the file is removed before each
 such run, so the command's own process imports the modeling code, as a first run does).
 It prints the report's phases (seconds from the command's start: `start_s`, `worker_start_s`,
 `worker_ready_s`, `first_batch_s`, `total_s`, and `worker_load_s`, the model load alone) and
@@ -53,7 +53,7 @@ def run_once(variant: str, args: list[str], out: Path, script: Path) -> dict[str
         "fork server at executor start": [sys.executable, str(script), "late"],
     }[variant]
     if variant == FRESH:
-        from forge.runtime.class_facts import cache_path
+        from forge.runtime.model.class_facts import cache_path
 
         cache_path().unlink(missing_ok=True)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(out.parent)}  # a folder where no forge server answers

@@ -30,13 +30,13 @@ Functions (the `functions/` folder and plugins alike) import from this module on
 `forge.errors`): tests/test_import_map.py holds the built-ins to it. Beside the bases it gives the
 config checks (`positive`, `one_of`, ...) and result readers a function's own code uses.
 
-Token rule (`forge.runtime.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
+Token rule (`forge.runtime.tokens.token_rule`): a prompt's prefix is tokenized alone with the tokenizer's
 special tokens, its text alone without them; a text without a prefix, alone with them. Targets
 (`Forward(targets=True)`): the text's tokens, each predicted from the tokens before it (the
 first from the prefix's last token); without a prefix, every token after the first.
 
 Accounting is the runtime's, never the author's (docs/functions.md). Interventions are config:
-the function config's ``intervene:`` list (`forge.runtime.interventions`).
+the function config's ``intervene:`` list (`forge.runtime.hooks.interventions`).
 
 Every name this module exports is listed in ``__all__`` and held stable by tests/test_api.py.
 """
@@ -66,10 +66,10 @@ from forge.errors import ForgeError
 from forge.io.aggregate import Aggregate
 from forge.io.inputs import Column, InputSpec, Row
 from forge.io.results import Field
-from forge.runtime.forward import Forward
-from forge.runtime.modelspec import HFModel as HFModel, ModelSpec
-from forge.runtime.prompts import Prompt, Tokens
-from forge.runtime.views import ItemView
+from forge.runtime.forward.request import Forward
+from forge.runtime.forward.views import ItemView
+from forge.runtime.model.spec import HFModel as HFModel, ModelSpec
+from forge.runtime.tokens.prompts import Prompt, Tokens
 from forge.vocab.geometry import Item
 from forge.vocab.records import Rejected
 

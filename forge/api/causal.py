@@ -7,8 +7,8 @@ from __future__ import annotations
 from forge.api.model import ModelFunction, ModelFunctionConfig
 from forge.batching.cost import CostModel
 from forge.io.inputs import Column, Row
-from forge.runtime.cost_models import check_layers
-from forge.runtime.prompts import Prompt
+from forge.runtime.cost.models import check_layers
+from forge.runtime.tokens.prompts import Prompt
 from forge.vocab.geometry import Device
 
 
@@ -17,9 +17,9 @@ class CausalLMFunction(ModelFunction):
 
     def __init__(self, config: ModelFunctionConfig):
         super().__init__(config)
-        from forge.runtime.capabilities import causal_lm_capabilities
-        from forge.runtime.hf_compat import num_layers
-        from forge.runtime.hooks import check_points
+        from forge.runtime.hooks.points import check_points
+        from forge.runtime.model.capabilities import causal_lm_capabilities
+        from forge.runtime.model.hf_compat import num_layers
 
         n = num_layers(self.config)
         check_layers(self.forward.layers, n)
@@ -28,7 +28,7 @@ class CausalLMFunction(ModelFunction):
         check_points(self.forward.capture, ivs, n, self.caps.attn, self.name, self.config, self.generates)
         self.interventions.check_widths(self.hidden_size, self.name)
         self.causal = self.caps.causal  # only a causal decoder may share a prefix's KV
-        self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.tree_rows)
+        self.tree_rows = self.causal  # its runner lays out tree rows (forge.runtime.forward.tree_rows)
         self._mode = (True, False, True)  # (split_prefix, packed, prefix cache) until check_mode says
 
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = True) -> None:
@@ -41,7 +41,7 @@ class CausalLMFunction(ModelFunction):
 
     def worker_modules(self) -> list[str]:
         module = self.caps.model_module
-        own = ["forge.runtime.causal_lm", "forge.runtime.views", *([module] if module else [])]
+        own = ["forge.runtime.forward.causal_lm", "forge.runtime.forward.views", *([module] if module else [])]
         return [*super().worker_modules(), *own]
 
     # -- memory -------------------------------------------------------------------------
@@ -56,7 +56,7 @@ class CausalLMFunction(ModelFunction):
     def cost_model(self) -> CostModel:
         """The forward pass measured on fake tensors (cached; from the shape if that fails), plus
         per token: float32 logits when targets are scored, and the function's own extras."""
-        from forge.runtime.cost_models import causal_lm_cost_model
+        from forge.runtime.cost.models import causal_lm_cost_model
 
         return causal_lm_cost_model(self)
 
@@ -64,9 +64,9 @@ class CausalLMFunction(ModelFunction):
     def open_worker(self, device: Device, cache_tokens: int):
         from transformers import AutoModelForCausalLM
 
-        from forge.runtime.causal_lm import CausalLMRunner
-        from forge.runtime.dispatch import dispatch_for
-        from forge.runtime.views import CausalViews
+        from forge.runtime.forward.causal_lm import CausalLMRunner
+        from forge.runtime.forward.views import CausalViews
+        from forge.runtime.placement.dispatch import dispatch_for
 
         dispatch = dispatch_for(self, device)  # a group: read cut onto its devices (else: on the CPU, cut, moved)
         loader, attn = AutoModelForCausalLM, self.caps.attn
@@ -94,8 +94,8 @@ class EncoderFunction(ModelFunction):
 
     def __init__(self, config: ModelFunctionConfig):
         super().__init__(config)
-        from forge.runtime.encoder import check_encoder, encoder_capabilities
-        from forge.runtime.hf_compat import num_layers
+        from forge.runtime.forward.encoder import check_encoder, encoder_capabilities
+        from forge.runtime.model.hf_compat import num_layers
 
         check_layers(self.forward.layers, num_layers(self.config))
         check_encoder(self.config, self.forward, self.name, self.model.name, bool(self.interventions))
@@ -113,18 +113,18 @@ class EncoderFunction(ModelFunction):
         return self.caps.path(self._mode[0])
 
     def worker_modules(self) -> list[str]:
-        return [*super().worker_modules(), "forge.runtime.encoder", "forge.runtime.views"]
+        return [*super().worker_modules(), "forge.runtime.forward.encoder", "forge.runtime.forward.views"]
 
     def cost_model(self) -> CostModel:
-        from forge.runtime.cost_models import encoder_cost_model
+        from forge.runtime.cost.models import encoder_cost_model
 
         return encoder_cost_model(self)
 
     def open_worker(self, device: Device, cache_tokens: int):
         from transformers import AutoModel
 
-        from forge.runtime.dispatch import dispatch_for
-        from forge.runtime.encoder import EncoderViews
+        from forge.runtime.forward.encoder import EncoderViews
+        from forge.runtime.placement.dispatch import dispatch_for
 
         dispatch = dispatch_for(self, device)  # a device group: read straight onto its devices, by the plan's map
         hf, attn = self.hf, self.caps.attn

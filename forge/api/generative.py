@@ -24,7 +24,7 @@ from forge.config.checks import non_negative, positive, share
 from forge.errors import ForgeError
 from forge.io.inputs import Row
 from forge.runtime.decoder.finish import RowLimits
-from forge.vocab.geometry import Item
+from forge.vocab.geometry import Item, StepBudget
 
 __all__ = ["GenerativeConfig", "GenerativeFunction", "RowLimits", "SamplingConfig"]
 
@@ -131,7 +131,7 @@ class GenerativeFunction(CausalLMFunction):
         batches at small length differences."""
         from forge.runtime.decoder.fit import decoder_refusal
 
-        step, longest = device.limits.max_batch_tokens, device.limits.max_seq_len
+        step, longest = device.steps().tokens, device.limits.max_seq_len
         memory = device.memory_bytes  # what the KV model may fill: the budget less one step's activations
         if memory and decoder_refusal(self.config, self.caps.model_module) is None:  # else refused before work
             per_token = self.step_activation_bytes(1, longest)
@@ -141,7 +141,8 @@ class GenerativeFunction(CausalLMFunction):
             memory = max(1, memory - step * per_token)
         held = step * self.batch_steps
         limits = replace(device.limits, max_batch_tokens=held, max_rows=step)
-        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory, step_tokens=step)
+        budget = StepBudget(step, engine=True)  # the decoder keeps each step within it; the ledger checks
+        return replace(device, limits=limits, batch_overhead_tokens=held, memory_bytes=memory, step_budget=budget)
 
     def step_bytes(self, device) -> int:
         """What the KV model leaves out, for a device group's stages to keep room for: the activations
@@ -158,7 +159,7 @@ class GenerativeFunction(CausalLMFunction):
     def least_kv_bytes(self, longest: int) -> int:
         """The KV budget the decoder needs for one sequence of `longest` tokens (0: no KV model yet)."""
         from forge.runtime.decoder.sequence import least_kv_bytes
-        from forge.runtime.hf_compat import num_layers, text_config
+        from forge.runtime.model.hf_compat import num_layers, text_config
 
         if self.kv_model is None:
             return 0
@@ -176,7 +177,7 @@ class GenerativeFunction(CausalLMFunction):
         batch, are taken off each device's budget (`batch_device`). Workers then hold their keys and
         values within the budget less the weights, preempting a sequence before going over."""
         from forge.batching.cost import CostModel
-        from forge.runtime.cost_models import causal_lm_cost_model
+        from forge.runtime.cost.models import causal_lm_cost_model
 
         forward = causal_lm_cost_model(self)
         self.kv_model = CostModel(

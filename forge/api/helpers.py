@@ -12,13 +12,13 @@ from forge.io.ids import short as short_id
 from forge.io.results import load as load_results, read_info
 from forge.io.rows import MayBeEmpty
 from forge.io.sinks import ResultSink, RoutedSink
-from forge.runtime.capabilities import capabilities
-from forge.runtime.token_rule import PairEncoder
+from forge.runtime.model.capabilities import capabilities
+from forge.runtime.tokens.token_rule import PairEncoder
 
 
 def text_config(config):
     """The text model's config of a (possibly multimodal) model config."""
-    from forge.runtime.hf_compat import text_config as of
+    from forge.runtime.model.hf_compat import text_config as of
 
     return of(config)
 

@@ -18,12 +18,12 @@ from forge.io.aggregate import Aggregate
 from forge.io.inputs import Column, InputSpec, Row
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
-from forge.runtime.forward import Forward
-from forge.runtime.interventions import InterventionConfig, Interventions, load_interventions
-from forge.runtime.modelspec import HFModel, ModelSpec, open_input
-from forge.runtime.prompts import Prompt, Tokens, sample_output
-from forge.runtime.token_rule import RULE as TOKEN_RULE, TokenRule
-from forge.runtime.views import ItemView
+from forge.runtime.forward.request import Forward
+from forge.runtime.forward.views import ItemView
+from forge.runtime.hooks.interventions import InterventionConfig, Interventions, load_interventions
+from forge.runtime.model.spec import HFModel, ModelSpec, open_input
+from forge.runtime.tokens.prompts import Prompt, Tokens, sample_output
+from forge.runtime.tokens.token_rule import RULE as TOKEN_RULE, TokenRule
 from forge.vocab.geometry import Item
 from forge.vocab.records import Rejected, Skipped
 
@@ -38,7 +38,7 @@ class ModelFunctionConfig:
     model: ModelSpec = field(default_factory=ModelSpec)  # which model, in which precision (model=<name> picks one)
     input: InputSpec = field(default_factory=InputSpec)  # the input rows and how they are read
     shard_size: int = positive(4096)  # rows per results shard
-    # interventions at hook points (forge.runtime.interventions): steering, zero or mean ablation, patching
+    # interventions at hook points (forge.runtime.hooks.interventions): steering, zero or mean ablation, patching
     intervene: list[InterventionConfig] = field(default_factory=list)
 
 
@@ -87,7 +87,7 @@ class ModelFunction(Function):
     @property
     def hidden_size(self) -> int:
         """Width of the model's hidden states (its text model's, for a multimodal config)."""
-        from forge.runtime.hf_compat import text_config
+        from forge.runtime.model.hf_compat import text_config
 
         return int(text_config(self.config).hidden_size)
 
@@ -130,15 +130,15 @@ class ModelFunction(Function):
         yield from self._items(pending)
 
     def _items(self, pending: list[tuple[Row, Prompt, int]]) -> Iterator[Item | Rejected]:
-        from forge.runtime.prompts import make_items, tokenized
-        from forge.runtime.row_steer import steer_for
+        from forge.runtime.hooks.row_steer import steer_for
+        from forge.runtime.tokens.prompts import make_items, tokenized
 
         made = tokenized(self.tokenize, [p for _, p, _ in pending])
         return make_items(pending, made, self.forward.targets, self.interventions.key, steer_for(self))
 
     def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
         """Each prompt's token ids by the token rule (or why it has none); batched over prompts."""
-        from forge.runtime.prompts import by_token_rule
+        from forge.runtime.tokens.prompts import by_token_rule
 
         return by_token_rule(self.token_rule, self.encode_texts, prompts, Tokens)
 
@@ -220,12 +220,12 @@ class ModelFunction(Function):
 
     def shape_cost_model(self) -> CostModel:
         """A first-principles memory estimate from the config's sizes (no measurement)."""
-        from forge.runtime.cost_models import shape_cost_model
+        from forge.runtime.cost.models import shape_cost_model
 
         return shape_cost_model(self.config, self.model.torch_dtype)
 
     def _reducing_worker(self, views, dispatch=None):
-        from forge.runtime.views import ReducingWorker
+        from forge.runtime.forward.views import ReducingWorker
 
         folded = [f.name for f in self.fields if isinstance(f, Aggregate)]
         return ReducingWorker(views, self.reduce, [f.name for f in self.fields], folded, dispatch and dispatch.close)

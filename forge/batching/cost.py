@@ -4,7 +4,7 @@ A step's memory is the resident weights plus, per row, what the forward pass hol
 padded tokens (hidden states kept for output, transient projections), its attention scores
 (padded_len x (prefix + padded_len)) and, behind a shared prefix, its KV cache (the expanded
 prefix and its own tokens), plus the prefix's own entry once. The `memory` mode's packer
-(`forge.batching.memory`) sizes batches with it; models measure it (`forge.runtime.memory_fit`).
+(`forge.batching.memory`) sizes batches with it; models measure it (`forge.runtime.cost.memory_fit`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ group joins the pool of merged groups instead, as one unit of ``prefix_len + row
 slots: its prefix once, then each of its items' suffixes. The pool cuts tree batches
 (`Batch.tree`): units go first fit decreasing into rows of `tree_row_len` slots, so one step
 carries many prefixes, each computed once, and masks keep every suffix to its own prefix
-and itself (`forge.runtime.masks`). A 4D mask makes attention compute every pair of a row,
+and itself (`forge.runtime.forward.masks`). A 4D mask makes attention compute every pair of a row,
 so a tree batch's rows are as long as its longest unit, and no shorter than max_rows rows
 need to fill the step (`tree_row_len`); shorter units share rows. A unit may be at most
 `tree_row_cap` long: `packed_row_tokens`, else `TREE_ROW_CAP`, within max_seq_len. The cap

@@ -258,7 +258,7 @@ def calibrate(
     from itertools import islice
 
     from forge.cli.build import build_spec
-    from forge.runtime.calibrate import calibrate as measure
+    from forge.runtime.cost.calibrate import calibrate as measure
     from forge.vocab.geometry import Item
 
     try:

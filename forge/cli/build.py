@@ -85,7 +85,7 @@ def build_spec(cfg: DictConfig, run_dir: Path | str | None) -> RunSpec:
     capped = []
     for d in devices:
         try:
-            capped.append(function.batch_device(_replace_limits(d, d.limits.capped(tokens_per_step))))
+            capped.append(function.batch_device(d.with_step_budget(tokens_per_step)))
         except ForgeError:
             raise ForgeError(
                 f"budget.tokens_per_step={tokens_per_step} is below device {d.name}'s max_seq_len="
@@ -118,15 +118,9 @@ def build_runtime(runtime: dict[str, Any]) -> Runtime:
     return RUNTIMES.get(runtime["executor"], Runtime)(**runtime)
 
 
-def _replace_limits(device, limits):
-    from dataclasses import replace
-
-    return replace(device, limits=limits)
-
-
 def place_groups(devices: list, function) -> tuple[list, dict]:
-    """Each device group placed for the function's model (`forge.runtime.placement`) and turned
-    into the one consumer the packer sees (`forge.runtime.group_device`); single devices as they are."""
+    """Each device group placed for the function's model (`forge.runtime.placement.device_map`) and turned
+    into the one consumer the packer sees (`forge.runtime.placement.group_device`); single devices as they are."""
     if not any(d.group for d in devices):
         return devices, {}
     if not hasattr(function, "config") or not hasattr(function, "forward"):
@@ -134,8 +128,8 @@ def place_groups(devices: list, function) -> tuple[list, dict]:
             f"devices: a device group holds a model function's model; function {function.name} has none "
             "to place: use single devices"
         )
-    from forge.runtime.group_device import group_consumer
-    from forge.runtime.placement import placement_for
+    from forge.runtime.placement.device_map import placement_for
+    from forge.runtime.placement.group_device import group_consumer
 
     out, placements = [], {}
     for d in devices:

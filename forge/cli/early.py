@@ -37,7 +37,7 @@ _WAITING: list[bool] = []
 _PENDING: list[str] = []
 
 #: what the worker needs besides torch and transformers, preloaded before the function is known
-RUNTIME_MODULES = ("forge.api", "forge.runtime.causal_lm", "forge.runtime.views")
+RUNTIME_MODULES = ("forge.api", "forge.runtime.forward.causal_lm", "forge.runtime.forward.views")
 
 
 def start_workers(args: list[str]) -> bool:

@@ -1,7 +1,7 @@
 """A device group's placement in `forge plan`: a table per group, and its panel in `--plot`.
 
 Per member: the decoder layers it holds, its weights, the room kept for a batch's activations
-(the measured memory model's, `forge.runtime.placement`), and its budget; then what
+(the measured memory model's, `forge.runtime.placement.device_map`), and its budget; then what
 `accelerate.infer_auto_device_map` would put on each device for the full model with the same
 budgets, and what either offloads.
 """

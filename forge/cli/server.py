@@ -63,8 +63,8 @@ PRELOAD = (
     "rich",
     "forge.api",
     "forge.driver.engine",
-    "forge.runtime.causal_lm",
-    "forge.runtime.views",
+    "forge.runtime.forward.causal_lm",
+    "forge.runtime.forward.views",
     "forge.executors.process",
 )
 DEFAULT_IDLE_MINUTES = 30.0  # `forge server start --idle-minutes`

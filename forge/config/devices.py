@@ -19,7 +19,7 @@ block, its step time in seconds `a + b x tokens + c x scores` (see `forge.vocab.
 Its `batch_overhead_tokens` defaults to a / b.
 
 A device group (`forge.config.groups`) is one entry whose `devices` hold one model together,
-split in contiguous stages by `forge.runtime.placement`; `memory_gb` and `sim` then take one
+split in contiguous stages by `forge.runtime.placement.device_map`; `memory_gb` and `sim` then take one
 value per member (or one for all), and `split: {offload: cpu|disk|null, link_gb_per_s: 16}`
 says whether layers no member holds may go to the CPU or disk (null, the default: refused):
 

@@ -15,7 +15,7 @@ model may be split:
 refused, with the reason), `link_gb_per_s` (bandwidth between stages and to CPU offload, for the
 plan's step cost; default 16). A devices config's top-level `split: auto` makes every device it
 discovers or lists one group instead. Which layers each member holds is decided per function by
-`forge.runtime.placement` when the run is built.
+`forge.runtime.placement.device_map` when the run is built.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def group_device(
         name=name,
         limits=limits,
         torch_device=members[0].torch_device,
-        memory_bytes=None,  # set from the placement: the tightest stage's room (forge.runtime.placement)
+        memory_bytes=None,  # set from the placement: the tightest stage's room (forge.runtime.placement.device_map)
         batch_overhead_tokens=overhead,  # None: the placed group's step time gives it (a / b)
         sim=first,  # stands for "simulated" until the placement sets the group's own step time
         group=members,

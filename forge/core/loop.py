@@ -305,9 +305,13 @@ class RunLoop:
         if kept is None:
             return
         output: BatchOutput = outcome.output  # what a worker returns (forge.function.Worker), or the simulator's
-        stats = batch_stats(
-            kept, outcome.seconds, output.prefix_computed_tokens, getattr(output, "engine_prefix", None)
-        )
+        # the steps it ran: an engine's own (a part's come with its batch's end; a plan's simulated
+        # engine runs none), or one pass of its rows (None)
+        steps = getattr(output, "steps", None)
+        if outcome.status == Status.PARTIAL or (steps is None and device.steps().engine):
+            steps = ()
+        prefix = getattr(output, "engine_prefix", None)
+        stats = batch_stats(kept, outcome.seconds, output.prefix_computed_tokens, prefix, steps)
         tally = self.tallies[device.name]
         tally.add(kept, stats, whole=outcome.status != Status.PARTIAL)  # a part: of a batch counted at its end
         if kept.split_prefix and kept.prefix_len and not output.cache_hit:

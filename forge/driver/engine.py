@@ -61,7 +61,9 @@ class RunSpec:
     started_at: float | None = None  # time.time() the command started (the CLI's process start); None: execute's
     composed_at: float | None = None  # time.time() the CLI had the composed config (before build_spec); None: unknown
     warm_start: bool = False  # a `forge server` ran the command: its imports were paid before it started
-    placements: dict[str, Any] = field(default_factory=dict)  # device group -> its `forge.runtime.placement.Placement`
+    placements: dict[str, Any] = field(
+        default_factory=dict
+    )  # device group -> its `forge.runtime.placement.device_map.Placement`
 
 
 def build_packer(spec: RunSpec, pm: pluggy.PluginManager) -> Packer:
@@ -215,7 +217,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
             "plan on simulated ones with `forge plan` and the same overrides"
         )
     if spec.runtime.executor in LOCAL_EXECUTORS:  # before the run directory is made or a model loads
-        from forge.runtime.device_check import check_present
+        from forge.runtime.placement.device_check import check_present
 
         check_present(spec.devices)
     started = time.perf_counter()

@@ -10,7 +10,7 @@ dicts are written to a JSONL file in the session's folder and read as `input.pat
 command would read them.
 
 A session runs its batches in this process (`runtime.executor=inprocess` unless the overrides
-pick another executor) and keeps every model its runs loaded (`forge.runtime.model_cache`), so
+pick another executor) and keeps every model its runs loaded (`forge.runtime.model.cache`), so
 its second call reads no weights. It starts no process; closing it lets the models go and
 removes its folder (the run directories of calls without `output_dir`). Ctrl-C during a call
 stops the run as it stops `forge run` (batches in flight finish, the report is written), then
@@ -37,7 +37,7 @@ from forge.errors import ForgeError
 from forge.inproc.composer import Composer, override_key, spelled
 from forge.inproc.functions import function_plugin
 from forge.inproc.result import Result
-from forge.runtime.model_cache import ModelCache, keep_models
+from forge.runtime.model.cache import ModelCache, keep_models
 
 
 class Session:

@@ -114,6 +114,26 @@ class StepTime:
 
 
 @dataclass(frozen=True, slots=True)
+class StepBudget:
+    """The step budget (`budget.tokens_per_step`): the most token slots one forward step on a device
+    carries. A function whose batch is one forward pass has its batches capped by it
+    (`Limits.capped`). An engine that runs a batch in steps of its own (`engine`: generate's decoder,
+    whose batch holds several steps' tokens of KV) keeps each step within it and reports the steps it
+    ran (`forge.vocab.records.ResultColumns.steps`). The ledger holds every step a device ran to it."""
+
+    tokens: int  # token slots one step carries at most
+    engine: bool = False  # the function's engine runs a batch in steps of its own (else one pass a batch)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
+            raise ForgeError(f"budget.tokens_per_step must be a positive integer, got {self.tokens!r}")
+
+    def over(self, steps: Sequence[int]) -> list[int]:
+        """The steps (their token slots) that carried more than the budget: none, in a sound run."""
+        return [s for s in steps if s > self.tokens]
+
+
+@dataclass(frozen=True, slots=True)
 class Member:
     """One device of a device group: where its stage's layers live, and its byte budget."""
 
@@ -126,7 +146,7 @@ class Member:
 class Device:
     """A consumer of batches: a name, what backs it, and its limits. A device group (`group`
     non-empty) is one consumer whose model is split in contiguous stages over its members
-    (`forge.runtime.placement`); its limits and memory_bytes are those of its tightest stage."""
+    (`forge.runtime.placement.device_map`); its limits and memory_bytes are those of its tightest stage."""
 
     name: str  # unique, e.g. "cuda:0" or "cpu"
     limits: Limits
@@ -137,9 +157,19 @@ class Device:
     group: tuple[Member, ...] = ()  # a device group's members, in stage order; empty: a single device
     offload: str | None = None  # a group's offload target where its members cannot hold the model: cpu | disk | None
     link_gb_per_s: float = 16.0  # a group: bandwidth between stages (and to CPU offload), GB/s, for the step cost
-    #: tokens per step of an engine that runs a batch in steps of its own (generate's decoder: a batch
-    #: holds several steps' tokens, `limits.max_batch_tokens`); None: a batch is one forward pass
-    step_tokens: int | None = None
+    #: the step budget on this device (`budget.tokens_per_step`, set when the run is built); None: a
+    #: device made by hand, whose batch is one forward pass within `limits.max_batch_tokens`
+    step_budget: StepBudget | None = None
+
+    def steps(self) -> StepBudget:
+        """Its step budget: `step_budget`, else a batch is one step of at most `limits.max_batch_tokens`."""
+        return self.step_budget or StepBudget(self.limits.max_batch_tokens)
+
+    def with_step_budget(self, tokens_per_step: int | None) -> Device:
+        """This device under `budget.tokens_per_step` (None: none beyond its limits): a batch, one step,
+        of at most that many token slots (`Limits.capped`), and the step budget that says so."""
+        limits = self.limits.capped(tokens_per_step)
+        return replace(self, limits=limits, step_budget=StepBudget(limits.max_batch_tokens))
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,9 @@ class BatchStats:
     cache_hit_tokens: int  # prefix tokens the items needed but did not run: the cache held them
     padded_slots: int  # row slots run plus prefix tokens run
     shared_tokens: int = 0  # prefix tokens the items needed that a tree row ran once for several of them
+    # token slots of each forward step it ran: its padded rows in one pass, or an engine's own steps
+    # (generate's decoder); () for a part of a batch committed while it runs (its steps come at its end)
+    steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,24 +134,30 @@ class FailureWindow:
 
 
 def batch_stats(
-    batch, seconds: float, prefix_computed_tokens: int, engine_prefix: tuple[int, int] | None = None
+    batch,
+    seconds: float,
+    prefix_computed_tokens: int,
+    engine_prefix: tuple[int, int] | None = None,
+    steps: Iterable[int] | None = None,
 ) -> BatchStats:
     """Stats of a batch from what its prefix cost. Rows that hold whole sequences run
     their own prefix, so nothing is served from cache, unless the function's engine shares
     prefixes itself (`engine_prefix`: the cache-hit and shared prefix tokens it did not run);
-    tree rows run each prefix group's prefix once in the row (shared, not cached)."""
+    tree rows run each prefix group's prefix once in the row (shared, not cached). `steps`: the
+    token slots of each step an engine of its own ran (None: one forward pass of the padded rows)."""
+    ran = (batch.padded_slots,) if steps is None else tuple(steps)
     if engine_prefix is not None and not (batch.tree or batch.split_prefix):
         hit, shared = engine_prefix
-        return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared)
+        return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared, ran)
     if batch.tree:
         computed = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans
-        return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed)
+        return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed, ran)
     if batch.split_prefix:
         hit = batch.prefix_tokens - prefix_computed_tokens
     else:
         prefix_computed_tokens, hit = batch.prefix_tokens, 0
     extra = prefix_computed_tokens if batch.split_prefix else 0
-    return BatchStats(seconds, prefix_computed_tokens, hit, batch.padded_slots + extra)
+    return BatchStats(seconds, prefix_computed_tokens, hit, batch.padded_slots + extra, 0, ran)
 
 
 @dataclass
@@ -161,3 +170,6 @@ class ResultColumns:
     # an engine sharing prefixes itself (generate's decoder) in whole-sequence rows: the prefix tokens
     # it did not run: (held by its cache from earlier batches, computed once for several items)
     engine_prefix: tuple[int, int] | None = None
+    # an engine that runs a batch in steps of its own (generate's decoder): the token slots of each step
+    # it ran for this output (None: the batch ran as one forward pass); the ledger holds them to the budget
+    steps: list[int] | None = field(default=None, kw_only=True)

@@ -1,7 +1,7 @@
 """Embedded default model and dataset for ``probe_gen`` (the data files of this folder); the
-code that finds them and makes the model's weights is `forge.runtime.embedded`, re-exported here."""
+code that finds them and makes the model's weights is `forge.runtime.model.embedded`, re-exported here."""
 
-from forge.runtime.embedded import (
+from forge.runtime.model.embedded import (
     ASSETS_DIR,
     default_cache_dir,
     embedded_dataset_path,

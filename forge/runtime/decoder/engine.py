@@ -41,7 +41,7 @@ from forge.runtime.decoder.prefill import (
 )
 from forge.runtime.decoder.sampling import Sampling
 from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
-from forge.runtime.hf_compat import input_device
+from forge.runtime.model.hf_compat import input_device
 
 __all__ = ["DecodeFigures", "Decoder", "Sequence", "least_kv_bytes"]
 

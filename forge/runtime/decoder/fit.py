@@ -49,7 +49,7 @@ def step_activation_bytes(config: Any, torch_dtype: str, tokens: int, max_seq_le
     """The most one engine step of `tokens` tokens holds beside weights and KV, from the model's
     shape (no measurement): every token's transients, its scores over at most max_seq_len keys,
     and a float32 row of logits for each (a decode step's rows)."""
-    from forge.runtime.cost_models import shape_cost_model
+    from forge.runtime.cost.models import shape_cost_model
 
     shape = shape_cost_model(config, torch_dtype)
     vocab = int(config.get_text_config().vocab_size)

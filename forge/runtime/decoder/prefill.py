@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from forge.runtime.hf_compat import input_device
+from forge.runtime.model.hf_compat import input_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
 PrefixKey = tuple[str | None, tuple[int, ...]]  # what a prefix's KV is stored under: a steering tag, its tokens
@@ -116,7 +116,7 @@ class Prefill:
 
     def _slots(self, a: int, b: int) -> Any:
         """Where the tokens of columns [a, b) sit in their sequences (`forge.runtime.hooks.Slots`)."""
-        from forge.runtime.hooks import Slots
+        from forge.runtime.hooks.points import Slots
 
         assert self.steer is not None
         position = self.positions[:, a:b].cpu()

@@ -59,7 +59,7 @@ def least_kv_bytes(longest: int, column_bytes: float, layers: int) -> int:
 def step_slots(positions: torch.Tensor, running: dict[int, Sequence]) -> Any:
     """Where a decode step's tokens sit in their sequences (`forge.runtime.hooks.Slots`): each running
     slot's token is at its position, past its prompt (a generated token)."""
-    from forge.runtime.hooks import Slots
+    from forge.runtime.hooks.points import Slots
 
     position = positions[:, None].cpu()
     prefix = torch.zeros_like(position)

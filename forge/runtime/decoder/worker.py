@@ -107,12 +107,12 @@ class GenerateWorker:
         left = sum(items[k].prefix_len for k in rest)  # the prefix tokens of the items returned here
         computed = min(total, max(0, figures.prefill_computed - own))
         if batch.split_prefix:
-            return GenerationColumns(columns, min(left, computed), False, None, figures)
+            return GenerationColumns(columns, min(left, computed), False, None, figures, steps=run.steps)
         hit = min(total - computed, figures.prefix_stored_tokens)  # the rest: computed once for several
         shared = total - computed - hit - sent[1]
         hit = min(left, max(0, hit - sent[0]))
         shared = min(left - hit, max(0, shared))
-        return GenerationColumns(columns, 0, False, (hit, shared), figures)
+        return GenerationColumns(columns, 0, False, (hit, shared), figures, steps=run.steps)
 
     def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
         """The result fields of these items (their sequences ended)."""
@@ -161,21 +161,21 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
 
     from forge.runtime.decoder.prefill import PREFIX_TOKENS
     from forge.runtime.decoder.sampling import Sampling
-    from forge.runtime.dispatch import dispatch_for
+    from forge.runtime.placement.dispatch import dispatch_for
 
     dispatch = dispatch_for(fn, device)
     loader, attn = AutoModelForCausalLM, fn.caps.attn
     model = dispatch.load(fn.hf, loader, attn) if dispatch else fn.hf.load(loader, device.torch_device, attn)
     ids = model.generation_config.eos_token_id if fn.eos else None
     eos = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    budget = device.step_tokens or device.limits.max_batch_tokens // fn.batch_steps  # the step budget (typed)
+    budget = device.steps().tokens  # the step budget (forge.vocab.geometry.StepBudget, from batch_device)
     kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
     if fn.kv_model is not None and device.memory_bytes:
         kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
     steer = None
     if fn.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
-        from forge.runtime.hf_compat import base_decoder, num_layers
-        from forge.runtime.hooks import HookSet
+        from forge.runtime.hooks.points import HookSet
+        from forge.runtime.model.hf_compat import base_decoder, num_layers
 
         hooks = HookSet(model, base_decoder(model), num_layers(fn.config), [], list(fn.interventions.items))
         steer = (hooks, fn.interventions.key)
@@ -186,7 +186,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
     )  # fmt: skip
     runner = None
     if fn.states:
-        from forge.runtime.causal_lm import CausalLMRunner
+        from forge.runtime.forward.causal_lm import CausalLMRunner
 
         layers, captures = list(fn.forward.layers), list(fn.forward.capture)
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
