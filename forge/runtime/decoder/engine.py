@@ -1,22 +1,26 @@
 """Continuous batching: a set of prompts decoded step by step under a tokens-per-step budget.
 
-Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
-tokens: one decode token per running sequence (all in one forward pass over their slots,
-`forge.runtime.decoder.kv_slots`), then, within what is left, the next chunk of a block of waiting
-prompts being prefilled (`forge.runtime.decoder.prefill`, in parts of prompts that compute about as many
-columns each). A prompt block is formed when none is in progress: the next waiting prompts by
-their own length (past their prefix), as many as the step's room allows; the prefixes
-among them not stored yet are computed first, once each (one forward pass of their own), and
-kept for the worker's later blocks and batches (`PrefixStore`). When its last chunk is done, each prompt
-gets its first token and, unless that ends it, a slot. A sequence leaves its slot the step it
-finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for the next block.
+Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step`` tokens:
+one decode token per running sequence (all in one forward pass over their rows,
+`forge.runtime.decoder.rows_kv`, or slots, `forge.runtime.decoder.kv_slots`), then, within what is
+left, the next chunk of a block of waiting prompts being prefilled (`forge.runtime.decoder.prefill`,
+in parts of prompts that compute about as many columns each). A prompt block is formed when none is
+in progress: the next waiting prompts by their own length (past their prefix), as many as the step's
+room allows; the prefixes among them not stored yet are computed first, once each (one forward pass
+of their own), and kept for the worker's later blocks and batches (`PrefixStore`). When its last
+chunk is done, each prompt gets its first token and, unless that ends it, a slot. A sequence leaves
+its slot the step it finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for
+the next block.
 
-A sequence never waits on another's length or padding for its result: its slot's mask and
-position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
-(tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
-model allows it, decode steps read each shared prefix's KV once for all its sequences
-(`forge.runtime.decoder.prefix_attention`): a sequence's slot then holds only its own tokens.
-Under a KV budget, what a block takes, whether it is admitted and who is preempted is asked of
+A sequence never waits on another's length or padding for its result: its columns and position ids
+are its own, so greedy decoding equals one-prompt-at-a-time `generate` (tests/test_generate.py);
+sampling draws from the sequence's own stream (`Sampling`). Where the model allows it
+(`prefix_attention.eligible`), Forge's attention computes every forward pass: a prompt after a
+stored prefix prefills only its own tokens, decode steps read each shared prefix's KV once for all
+its sequences, and each sequence has a left-aligned row of its own tokens that attention reads at
+its own length (`RowKV`: it grows without moving others). Other models keep right-aligned slots
+under a mask, the prefix seeded into each prompt's first columns (`SlotKV`). Under a KV budget, what
+a block takes, whether it is admitted and who is preempted is asked of
 `forge.runtime.decoder.admission.KVBudget`.
 """
 
@@ -199,9 +203,8 @@ class Decoder:
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
                whole: list[Sequence], whole_fill: BlockPrefill):  # fmt: skip
         """Each prompt of a part (`fill`, its prompts `block`) gets its first token, and a slot if it
-        goes on. With shared-prefix attention a prompt whose prefix is stored keeps only its own
-        tokens in its slot: the part's columns are cut to the most own tokens of a row (prompts end
-        at the part's last column). `whole`, `whole_fill`: the block and its prefill, held meanwhile."""
+        goes on, its whole prompt in the slot (right-aligned slots: models Forge's attention does not
+        compute). `whole`, `whole_fill`: the block and its prefill, held meanwhile."""
         assert fill.last_logits is not None  # a finished prefill
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
@@ -211,16 +214,6 @@ class Decoder:
         every = len(go) == len(block)
         rows = [(k, v) if every else (k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()
-        own = 0  # the most columns a row's own tokens take
-        for r, g in enumerate(go):
-            seq = block[g]
-            stored = self.prefixes.entries.get(self._key(seq)) if self.shared_attention and seq.prefix_len else None
-            if stored is not None and seq.prefix_len < len(seq.prompt):
-                seq.prefix_kv = stored
-                mask[r, fill.pads[g] : fill.pads[g] + seq.prefix_len] = 0
-            own = max(own, fill.lens[g] - (seq.prefix_len if seq.prefix_kv is not None else 0))
-        if own < fill.width:
-            rows, mask = [(k[:, :, -own:], v[:, :, -own:]) for k, v in rows], mask[:, -own:]
         positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
         if self.kv_bytes is not None:
             self.admission.bound(kv, self.admission.other_bytes(kv, whole, whole_fill))

@@ -1,22 +1,22 @@
-"""Shared-prefix attention for decode steps: a prefix's keys and values read once per step for
-all the sequences that share it, not once per sequence.
+"""Shared-prefix attention for the decoder: a prefix's keys and values read once per forward pass
+for all the sequences that share it, not once per sequence.
 
-Model: in a decode step each sequence's one query attends over its prefix's keys and then its
-own tokens' keys. The softmax over both is split exactly (the log-sum-exp merge): each part
-gives its maximum score ``m``, the sum of ``exp(score - m)`` and the weighted sum of values, and
-the two combine with ``exp(m_part - m)`` factors. The own part is the slots' KV
-(`forge.runtime.decoder.kv_slots`, the prefix's columns masked out there); the prefix part is one matmul
-per shared prefix over ``[heads, sequences, dim] x [heads, dim, prefix]``: a prefix's KV is read
-once per layer and step instead of once per sequence, which is most of a decode step's
-attention when prompts share few-shot prefixes.
+Model: in a decode step each sequence's one query (in a prefill after a stored prefix, each of its
+S queries) attends over its prefix's keys and then its own tokens' keys. The softmax over both is
+split exactly (the log-sum-exp merge): each part gives its maximum score ``m``, the sum of
+``exp(score - m)`` and the weighted sum of values, and the two combine with ``exp(m_part - m)``
+factors. The own part is the sequence's row (`forge.runtime.decoder.rows_kv`, read at its own
+length: `Step.own`) or, in a prefill, its own tokens under transformers' mask (causal when it gives
+none); the prefix part is one matmul per shared prefix over ``[heads, sequences x queries, dim] x
+[heads, dim, prefix]``: a prefix's KV is read once per layer and pass instead of once per sequence.
 
 Its sibling for forward passes, `forge.runtime.shared_prefix`, serves rows after one prefix with
-the same exactness conditions; this one serves decode steps, one query per sequence and many
-prefixes at once. It is registered in transformers' attention registry (`AttentionInterface`,
-with sdpa's mask format) as ``forge_decode_prefixes`` and outside a decode step (`SHARED.step` unset: prefill, a
-states forward) it is sdpa itself. A model takes it only where the split is exact for its
-attention (`eligible`): plain scaled dot-product over the keys, no logit soft-capping, no
-attention sinks, no sliding window, nothing added to the scores.
+the same exactness conditions. This one is registered in transformers' attention registry
+(`AttentionInterface`, with sdpa's mask format) as ``forge_decode_prefixes``; outside the decoder's
+passes (`SHARED.step` unset: a prefix's own prefill, a states forward) it is sdpa itself. A model
+takes it only where the split is exact for its attention (`eligible`): plain scaled dot-product
+over the keys, no logit soft-capping, no attention sinks, no sliding window, nothing added to the
+scores.
 """
 
 from __future__ import annotations
