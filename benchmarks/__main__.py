@@ -19,6 +19,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "embed": ("benchmarks.peers.bench_embed", "minilm"),
         "token-states": ("benchmarks.peers.bench_token_states", "bench-token-states"),
         "generate": ("benchmarks.peers.bench_generate", "bench"),
+        "generate-cold": ("benchmarks.peers.gen_cold", "bench"),
     },
     "scale and batching (benchmarks/scale/)": {
         "scale": ("benchmarks.scale.bench_scale", ""),

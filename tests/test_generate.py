@@ -645,12 +645,14 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
     try:
         decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3)
         assert decoder.shared_attention
-        decoder.generate(shared)
+        figures = decoder.generate(shared)
     finally:
         prefix_attention.stack = original
     assert [s.out for s in shared] == [s.out for s in plain] == [embedded.new_tokens(r) for r in ROWS]
     assert steps and max(steps) == 3  # the three prefixes, stacked when the set read changed
     assert sum(s.prefix_kv is not None for s in shared) == len(ROWS) - 1  # all but the row without one
+    # rows of their own tokens: what the decoder allocated for keys and values, close to what they needed
+    assert 0 < figures.kv_held_peak_bytes < figures.kv_peak_bytes <= 1.25 * figures.kv_held_peak_bytes, figures
 
 
 def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():

@@ -1,10 +1,10 @@
 """Forge `generate` against transformers and lm-eval generation, side by side in one process (issue 37).
 
-    python -m benchmarks generate [--limit 500] [--max-new-tokens 64] [--rounds 2] [--threads 2]
+    python -m benchmarks generate [--shape short|long] [--limit 500] [--max-new-tokens 64] [--rounds 2]
 
-The embedded prompts (the first `--limit` of 500, behind 40 few-shot prefixes) on the embedded
-model, greedy, `--max-new-tokens` each, float32 on the CPU. Every way gets Forge's token ids (the
-function's records(); lm-eval's tokenizer calls return them). Ways, on one loaded model:
+The embedded prompts of `--shape` (gen_shapes.py: short as they are, long with 300-400-token
+prefixes and ~50 own tokens; the first `--limit` of 500, behind 40 prefixes) on the embedded model,
+greedy, `--max-new-tokens` each, float32 on the CPU, Forge's token ids for every way. Ways, on one loaded model:
 1. transformers `model.generate`, one prompt at a time, no padding: the exactness reference;
 2. `model.generate` in left-padded batches of `--batch-size`, prompts sorted longest first (lm-eval's way);
 3. transformers `model.generate_batch` (continuous batching), its default configuration;
@@ -30,13 +30,14 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import floor, harness, workloads
+from benchmarks.peers import gen_shapes
+from benchmarks.peers.gen_cold import PeakRss
 
 ONE = "transformers generate, one at a time"
 PADDED = "generate, left-padded batches, sorted"
@@ -88,9 +89,11 @@ def load(a) -> Work:
 
     work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     lines = resolve_input("embedded:prompts").read_text().splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()][: a.limit]
+    rows = [json.loads(line) for line in lines if line.strip()]
+    spec = {"model": ModelSpec(name=a.model), "input": InputSpec(path=str(resolve_input("embedded:prompts")))}
+    rows = gen_shapes.rows(a.shape, rows, Generate(GenerateConfig(**spec)).tokenizer)[: a.limit]
     path = workloads.write_jsonl(work / "prompts.jsonl", rows)
-    spec = {"model": ModelSpec(name=a.model), "input": InputSpec(path=str(path))}
+    spec["input"] = InputSpec(path=str(path))
     fn = Generate(GenerateConfig(**spec, max_new_tokens=a.max_new_tokens))
     records = {str(r.id): r for r in fn.records()}
     assert len(records) == len(rows), (len(records), len(rows))
@@ -231,32 +234,6 @@ def warm_forge(w: Work) -> None:
     shutil.rmtree(warm, ignore_errors=True)
 
 
-class PeakRss:
-    """This process's peak resident memory while the block runs (sampled every 10 ms)."""
-
-    PAGE = os.sysconf("SC_PAGE_SIZE")
-
-    @classmethod
-    def now(cls) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * cls.PAGE
-
-    def __enter__(self):
-        self.start = self.peak = self.now()
-        self.done, self.thread = threading.Event(), threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self.done.wait(0.01):
-            self.peak = max(self.peak, self.now())
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.now())
-
-
 def measured(w: Work, name: str, way) -> Any:
     """A harness variant: the way timed and sampled, its outputs compared with the reference's."""
 
@@ -327,7 +304,8 @@ def report(a, w: Work, trials: harness.Trials, fl: dict | None, forges: list[str
     tools = ["torch", "transformers"] + (["lm_eval"] if LMEVAL in trials.names else [])
     versions = {t: importlib.metadata.version(t.replace("_", "-")) for t in tools}
     rep.text(
-        f"{len(w.ids)} prompts ({prompt:,} prompt tokens), max_new_tokens {w.max_new}, greedy, model {a.model}; "
+        f"{len(w.ids)} {a.shape} prompts ({prompt:,} prompt tokens), max_new_tokens {w.max_new}, greedy, "
+        f"model {a.model}; "
         f"torch threads {torch.get_num_threads()}; {a.rounds} rounds; load average {os.getloadavg()[0]:.1f}; "
         f"versions {versions}"
     )
@@ -363,7 +341,8 @@ def report(a, w: Work, trials: harness.Trials, fl: dict | None, forges: list[str
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, rounds=2, threads=2, only=None)
-    ap.add_argument("--limit", type=int, default=500, help="the first N embedded prompts (default: all 500)")
+    ap.add_argument("--shape", choices=gen_shapes.SHAPES, default="short", help="prompt shape (default: short)")
+    ap.add_argument("--limit", type=int, default=500, help="the first N prompts of the shape (default: all 500)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)")
     ap.add_argument("--batch-size", type=int, default=32, help="batch of the padded ways (default: 32)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help=f"model.name (default: {DEFAULT_MODEL})")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from forge.runtime.decoder.kv_slots import SlotKV
 from forge.runtime.decoder.prefill import BlockPrefill, PrefixKey, PrefixStore
+from forge.runtime.decoder.rows_kv import RowKV
 from forge.runtime.decoder.sequence import Sequence
 
 
@@ -44,7 +45,7 @@ class KVBudget:
     def limited(self) -> bool:
         return self.kv_bytes is not None
 
-    def other_bytes(self, kv: SlotKV, block: list[Sequence], fill: BlockPrefill | None) -> int:
+    def other_bytes(self, kv: SlotKV | RowKV, block: list[Sequence], fill: BlockPrefill | None) -> int:
         """KV held beside the slots: stored, stacked and computing prefixes, the block being prefilled (its
         cache; and when some of its rows ended at their first token, the others gathered for the slots)."""
         held = self.prefixes.bytes + self.stacked_bytes
@@ -57,14 +58,14 @@ class KVBudget:
             held += new + max(new, (columns + gathered * width) * kv.column_bytes)
         return held
 
-    def bound(self, kv: SlotKV, beside: int) -> int:
+    def bound(self, kv: SlotKV | RowKV, beside: int) -> int:
         """The slots' byte limit: the KV budget less what is held `beside` them; returned."""
         assert self.kv_bytes is not None
         kv.limit, kv.beside = self.kv_bytes - beside, beside
         kv.peak_bytes = max(kv.peak_bytes, beside + kv.held_bytes())
         return kv.limit
 
-    def fitting(self, waiting: deque, take: int, kv: SlotKV, running: dict[int, Sequence]) -> int:
+    def fitting(self, waiting: deque, take: int, kv: SlotKV | RowKV, running: dict[int, Sequence]) -> int:
         """How many of the next `take` waiting prompts a block can hold within the KV budget; at least
         one when nothing runs (and an error when even that one does not fit)."""
         assert self.kv_bytes is not None
@@ -95,7 +96,9 @@ class KVBudget:
             f"{widths[0]} tokens ({kv.column_bytes} bytes a token); raise the device's memory_gb"
         )
 
-    def admits(self, kv: SlotKV, running: dict[int, Sequence], block: list[Sequence], fill: BlockPrefill) -> bool:
+    def admits(
+        self, kv: SlotKV | RowKV, running: dict[int, Sequence], block: list[Sequence], fill: BlockPrefill
+    ) -> bool:
         """Whether a prefilled block's slots fit the KV budget now (else it waits for running ones to end)."""
         if self.kv_bytes is None:
             return True
@@ -105,7 +108,7 @@ class KVBudget:
             return True
         return kv.place_fits(len(block), fill.width, limit)
 
-    def make_room(self, kv: SlotKV, running: dict[int, Sequence], waiting: deque, other: int) -> list[Sequence]:
+    def make_room(self, kv: SlotKV | RowKV, running: dict[int, Sequence], waiting: deque, other: int) -> list[Sequence]:
         """Room for the next step's column within the KV budget: free slots and dead columns dropped,
         then the latest admitted sequences preempted (put back first in line, their tokens so far
         recomputed when a block takes them again). Returns those preempted."""

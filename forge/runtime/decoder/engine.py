@@ -1,22 +1,26 @@
 """Continuous batching: a set of prompts decoded step by step under a tokens-per-step budget.
 
-Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step``
-tokens: one decode token per running sequence (all in one forward pass over their slots,
-`forge.runtime.decoder.kv_slots`), then, within what is left, the next chunk of a block of waiting
-prompts being prefilled (`forge.runtime.decoder.prefill`, in parts of prompts that compute about as many
-columns each). A prompt block is formed when none is in progress: the next waiting prompts by
-their own length (past their prefix), as many as the step's room allows; the prefixes
-among them not stored yet are computed first, once each (one forward pass of their own), and
-kept for the worker's later blocks and batches (`PrefixStore`). When its last chunk is done, each prompt
-gets its first token and, unless that ends it, a slot. A sequence leaves its slot the step it
-finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for the next block.
+Model: the loop is schedule -> run -> update. Each step carries at most ``tokens_per_step`` tokens:
+one decode token per running sequence (all in one forward pass over their rows,
+`forge.runtime.decoder.rows_kv`, or slots, `forge.runtime.decoder.kv_slots`), then, within what is
+left, the next chunk of a block of waiting prompts being prefilled (`forge.runtime.decoder.prefill`,
+in parts of prompts that compute about as many columns each). A prompt block is formed when none is
+in progress: the next waiting prompts by their own length (past their prefix), as many as the step's
+room allows; the prefixes among them not stored yet are computed first, once each (one forward pass
+of their own), and kept for the worker's later blocks and batches (`PrefixStore`). When its last
+chunk is done, each prompt gets its first token and, unless that ends it, a slot. A sequence leaves
+its slot the step it finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for
+the next block.
 
-A sequence never waits on another's length or padding for its result: its slot's mask and
-position ids are its own, so greedy decoding equals one-prompt-at-a-time `generate`
-(tests/test_generate.py); sampling draws from the sequence's own stream (`Sampling`). Where the
-model allows it, decode steps read each shared prefix's KV once for all its sequences
-(`forge.runtime.decoder.prefix_attention`): a sequence's slot then holds only its own tokens.
-Under a KV budget, what a block takes, whether it is admitted and who is preempted is asked of
+A sequence never waits on another's length or padding for its result: its columns and position ids
+are its own, so greedy decoding equals one-prompt-at-a-time `generate` (tests/test_generate.py);
+sampling draws from the sequence's own stream (`Sampling`). Where the model allows it
+(`prefix_attention.eligible`), Forge's attention computes every forward pass: a prompt after a
+stored prefix prefills only its own tokens, decode steps read each shared prefix's KV once for all
+its sequences, and each sequence has a left-aligned row of its own tokens that attention reads at
+its own length (`RowKV`: it grows without moving others). Other models keep right-aligned slots
+under a mask, the prefix seeded into each prompt's first columns (`SlotKV`). Under a KV budget, what
+a block takes, whether it is admitted and who is preempted is asked of
 `forge.runtime.decoder.admission.KVBudget`.
 """
 
@@ -39,6 +43,7 @@ from forge.runtime.decoder.prefill import (
     forward,
     steered,
 )
+from forge.runtime.decoder.rows_kv import RowKV
 from forge.runtime.decoder.sampling import Sampling
 from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
 from forge.runtime.model.hf_compat import input_device
@@ -92,7 +97,8 @@ class Decoder:
 
     def _generate(self, seqs: list[Sequence], on_finished: Any) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt) - s.prefix_len))  # a block's: similar own lengths
-        kv = SlotKV(self.layers, input_device(self.model))  # token ids, masks, positions: where ids go in
+        # Forge's attention reads each row's own length: left-aligned rows; else right-aligned slots under a mask
+        kv: Any = (RowKV if self.shared_attention else SlotKV)(self.layers, input_device(self.model))
         if self.kv_bytes is None:
             kv.reserve(min(len(seqs), self.budget), max(len(s.prompt) + s.max_new_tokens for s in seqs))
         else:
@@ -125,23 +131,43 @@ class Decoder:
                     prefix_fill, self.admission.computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
                 prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
+                shared = self._prefill_step if self.shared_attention else None
                 fill = BlockPrefill(
-                    self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes, self._steer(block)
+                    self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes, self._steer(block), shared
                 )
             if fill is not None and not fill.finished:
                 tokens += fill.run(room)
             if fill is not None and fill.finished and self.admission.admits(kv, running, block, fill):
                 for rows, part in fill.parts:
-                    self._admit(kv, running, part, [block[g] for g in rows], len(figures.steps), block, fill)
+                    seqs, skipped = [block[g] for g in rows], [fill.skipped[g] for g in rows]
+                    if isinstance(kv, RowKV):
+                        self._admit_rows(kv, running, part, seqs, skipped, len(figures.steps), block, fill)
+                    else:
+                        self._admit(kv, running, part, seqs, len(figures.steps), block, fill)
+                self._note(kv, block, fill)
                 figures.prefill_pads += fill.slots_run - fill.tokens_run
                 block, fill = [], None
             figures.steps.append(tokens)
+            self._note(kv, block, fill)
             if self._ended:
                 ended, self._ended = self._ended, []
                 if on_finished is not None:
                     on_finished(ended)
         figures.kv_peak_bytes = kv.peak_bytes
+        figures.kv_held_peak_bytes = getattr(kv, "held_peak_bytes", 0)
         return figures
+
+    def _note(self, kv: Any, block: list[Sequence], fill: BlockPrefill | None) -> None:
+        """What keys and values are held now (rows' layout): the rows' tokens, stored and stacked
+        prefixes, the block's prefill cache; against what is allocated for them."""
+        if not isinstance(kv, RowKV):
+            return
+        stored = self.prefixes.bytes
+        stacked = self.admission.stacked_bytes
+        prefill = 0 if fill is None else fill.held_columns() * kv.column_bytes
+        tokens = 0 if fill is None else sum(len(s.tokens()) - k for s, k in zip(block, fill.skipped)) * kv.column_bytes
+        shared = stacked if stacked else stored  # the stored prefixes are views into the stack once stacked
+        kv.note_held(shared + tokens, shared + prefill)
 
     def _key(self, seq: Sequence) -> PrefixKey:
         return self.prefix_key(seq.prompt, seq.prefix_len)
@@ -177,9 +203,8 @@ class Decoder:
     def _admit(self, kv: SlotKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence], step: int,
                whole: list[Sequence], whole_fill: BlockPrefill):  # fmt: skip
         """Each prompt of a part (`fill`, its prompts `block`) gets its first token, and a slot if it
-        goes on. With shared-prefix attention a prompt whose prefix is stored keeps only its own
-        tokens in its slot: the part's columns are cut to the most own tokens of a row (prompts end
-        at the part's last column). `whole`, `whole_fill`: the block and its prefill, held meanwhile."""
+        goes on, its whole prompt in the slot (right-aligned slots: models Forge's attention does not
+        compute). `whole`, `whole_fill`: the block and its prefill, held meanwhile."""
         assert fill.last_logits is not None  # a finished prefill
         tokens = self._choose(fill.last_logits, block)
         go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
@@ -189,20 +214,32 @@ class Decoder:
         every = len(go) == len(block)
         rows = [(k, v) if every else (k[index], v[index]) for k, v in fill.layer_kv()]
         mask = fill.mask[index].clone()
-        own = 0  # the most columns a row's own tokens take
-        for r, g in enumerate(go):
-            seq = block[g]
-            stored = self.prefixes.entries.get(self._key(seq)) if self.shared_attention and seq.prefix_len else None
-            if stored is not None and seq.prefix_len < len(seq.prompt):
-                seq.prefix_kv = stored
-                mask[r, fill.pads[g] : fill.pads[g] + seq.prefix_len] = 0
-            own = max(own, fill.lens[g] - (seq.prefix_len if seq.prefix_kv is not None else 0))
-        if own < fill.width:
-            rows, mask = [(k[:, :, -own:], v[:, :, -own:]) for k, v in rows], mask[:, -own:]
         positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
         if self.kv_bytes is not None:
             self.admission.bound(kv, self.admission.other_bytes(kv, whole, whole_fill))
         for g, slot in zip(go, kv.place(rows, mask, positions)):
+            block[g].slot, block[g].admitted = slot, step
+            running[slot] = block[g]
+
+    def _admit_rows(self, kv: RowKV, running: dict[int, Sequence], fill: Prefill, block: list[Sequence],
+                    skipped: list[int], step: int, whole: list[Sequence], whole_fill: BlockPrefill):  # fmt: skip
+        """Each prompt of a part gets its first token, and a row if it goes on: its computed tokens
+        (those past a prefix read apart, `skipped`), left-aligned."""
+        assert fill.last_logits is not None  # a finished prefill
+        tokens = self._choose(fill.last_logits, block)
+        go = [g for g, (seq, token) in enumerate(zip(block, tokens)) if not self._take(seq, token)]
+        if not go:
+            return
+        index = torch.tensor(go, dtype=torch.long)  # on the CPU: it indexes KV on every layer's device
+        rows = fill.layer_kv() if len(go) == len(block) else [(k[index], v[index]) for k, v in fill.layer_kv()]
+        for g in go:
+            if skipped[g]:
+                block[g].prefix_kv = self.prefixes.entries.get(self._key(block[g]))
+        positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
+        if self.kv_bytes is not None:
+            self.admission.bound(kv, self.admission.other_bytes(kv, whole, whole_fill))
+        placed = kv.place(rows, [fill.pads[g] for g in go], [fill.lens[g] for g in go], positions)
+        for g, slot in zip(go, placed):
             block[g].slot, block[g].admitted = slot, step
             running[slot] = block[g]
 
@@ -222,7 +259,8 @@ class Decoder:
         slots = list(running)
         ids[slots, 0] = torch.tensor([running[s].out[-1] for s in slots], device=kv.device)
         if self.shared_attention:
-            prefix_attention.SHARED.step = self._shared(running, kv.device)
+            own = {slot: seq.prefix_kv for slot, seq in running.items() if seq.prefix_kv is not None}
+            prefix_attention.SHARED.step = self._step(own, kv.device, getattr(kv, "keep", None))
         args = (self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
         try:
             logits = (
@@ -239,31 +277,45 @@ class Decoder:
         renumber(running, kv.tidy())
         return len(slots)
 
-    def _shared(self, running: dict[int, Sequence], device: Any) -> prefix_attention.Step | None:
-        """The step's shared prefixes (stacked once while the set of prefixes read stays the same)."""
+    def _prefill_step(self, prefixes: list[Any]) -> prefix_attention.Step | None:
+        """A prefill part's step: its rows after a stored prefix read it apart (None: no row does)."""
+        readers = {r: kv for r, kv in enumerate(prefixes) if kv is not None}
+        return self._step(readers, input_device(self.model), None) if readers else None
+
+    def _step(self, readers: dict[int, Any], device: Any, own: Any) -> prefix_attention.Step | None:
+        """The shared prefixes `readers` (row -> its prefix's KV) read, stacked once while the stack
+        holds them all (the stored entries become views into it: the stack is their storage)."""
+        if not readers:
+            if own is None:
+                return None
+            none = torch.zeros(0, dtype=torch.long, device=device)
+            return prefix_attention.Step([], none.bool(), none, none, none, 0, own)
         by: dict[int, list[int]] = {}
         kvs: dict[int, Any] = {}
-        for slot, seq in running.items():
-            if seq.prefix_kv is not None:
-                by.setdefault(id(seq.prefix_kv), []).append(slot)
-                kvs[id(seq.prefix_kv)] = seq.prefix_kv
-        if not by:
-            return None
-        key = tuple(by)
-        if self._stacked is None or self._stacked[0] != key:
+        for row, kv in readers.items():
+            by.setdefault(id(kv), []).append(row)
+            kvs[id(kv)] = kv
+        held = self._stacked
+        if held is None or not set(by) <= set(held[0]) or len(held[0]) > 2 * len(by):
+            key = tuple(sorted(by))
             read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
-            self._stacked = (key, *prefix_attention.stack(read), read)
-            self.admission.stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self._stacked[1])
+            layers, valid = prefix_attention.stack(read)
+            for g, kv in enumerate(read):  # in place: a sequence's `prefix_kv` is this same list
+                n = kv[0][0].shape[2]
+                kv[:] = [(k[g : g + 1, :, :n], v[g : g + 1, :, :n]) for k, v in layers]
+            self._stacked = held = (key, layers, valid, read)
+            self.admission.stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
+        at = {k: g for g, k in enumerate(held[0])}
         rows: list[int] = []
         group: list[int] = []
         place: list[int] = []
-        for g, slots in enumerate(by.values()):
-            rows += slots
-            group += [g] * len(slots)
-            place += range(len(slots))
+        for k, members in by.items():
+            rows += members
+            group += [at[k]] * len(members)
+            place += range(len(members))
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        width = max(len(s) for s in by.values())
-        return prefix_attention.Step(self._stacked[1], self._stacked[2], t(rows), t(group), t(place), width)
+        width = max(len(m) for m in by.values())
+        return prefix_attention.Step(held[1], held[2], t(rows), t(group), t(place), width, own)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if self.sampling is None:

@@ -65,9 +65,11 @@ class Prefill:
     prompt are generated ones, recomputed); their lengths None: the prompts are shared prefixes."""
 
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
-                 steer: tuple[Any, list[tuple[int, int]] | None] | None = None):  # fmt: skip
+                 steer: tuple[Any, list[tuple[int, int]] | None] | None = None, offsets: list[int] | None = None,
+                 shared: Any = None):  # fmt: skip
         self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
         self.steer = steer
+        self.shared = shared  # the stored prefixes these prompts come after (a prefix_attention.Step), or None
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]
@@ -77,6 +79,8 @@ class Prefill:
         self.ids = torch.tensor(rows, device=self.device)
         self.mask = torch.tensor([[0] * a + [1] * n for a, n in zip(self.pads, self.lens)], device=self.device)
         self.positions = (self.mask.cumsum(1) - 1).clamp(min=0)
+        if offsets is not None:  # prompts that start after a stored prefix: their tokens' own positions
+            self.positions += torch.tensor(offsets, device=self.device)[:, None]
         self.layers = [DynamicLayer() for _ in range(num_layers)]
         self.cache = Cache(layers=list[Any](self.layers))
         if self.p:
@@ -108,7 +112,15 @@ class Prefill:
         w = max(1, budget // len(self.lens))
         a, b = self.done_to, min(self.width, self.done_to + w)
         args = (self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
-        logits = forward(*args) if self.steer is None else steered(self.steer[0], self._slots(a, b), *args)
+        if self.shared is not None:
+            from forge.runtime.decoder import prefix_attention
+
+            prefix_attention.SHARED.step = self.shared
+        try:
+            logits = forward(*args) if self.steer is None else steered(self.steer[0], self._slots(a, b), *args)
+        finally:
+            if self.shared is not None:
+                prefix_attention.SHARED.step = None
         self.done_to = b
         if self.finished:
             self.last_logits = logits
@@ -170,13 +182,29 @@ class BlockPrefill:
     columns each, so few pads and recomputed prefix tokens go through the model."""
 
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
-                 steer: tuple[Any, list[tuple[int, int]]] | None = None):  # fmt: skip
+                 steer: tuple[Any, list[tuple[int, int]]] | None = None, shared: Any = None):  # fmt: skip
+        """`shared(prefixes)`: where given, prompts after a stored prefix compute only their own
+        tokens and read the prefix through Forge's attention (a `prefix_attention.Step` for a part's
+        rows' prefixes); else their first columns are seeded with the prefix's KV."""
         known = [0 if kv is None else kv[0][0].shape[2] for kv in prefixes]
-        rests = [len(t) - min(k, len(t) - 1) for t, k in zip(prompts, known)]
+        if shared is None:  # a prompt as long as its prefix recomputes its last token
+            rests = [len(t) - min(k, len(t) - 1) for t, k in zip(prompts, known)]
+        else:  # read apart: a prompt reads its whole prefix or none of it
+            rests = [len(t) - (k if k < len(t) else 0) for t, k in zip(prompts, known)]
         self.parts = []
+        self.skipped = [
+            len(t) - r for t, r in zip(prompts, rests)
+        ]  # prefix tokens each prompt reads apart (not computed)
         for rows in split(rests):
             part = None if steer is None else (steer[0], [steer[1][g] for g in rows])
-            fill = Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, [prefixes[g] for g in rows], part)
+            kvs = [prefixes[g] for g in rows]
+            if shared is None:
+                fill = Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, kvs, part)
+            else:
+                skip = [self.skipped[g] for g in rows]
+                step = shared([kv if k else None for kv, k in zip(kvs, skip)])
+                own = [prompts[g][k:] for g, k in zip(rows, skip)]
+                fill = Prefill(model, own, num_layers, pad_id, [None] * len(rows), part, skip, step)
             self.parts.append((rows, fill))
         self.width = max(map(len, prompts))
         self.slots_run = 0  # rows x columns computed: the work, its pads and recomputed prefix tokens included

@@ -1,22 +1,22 @@
-"""Shared-prefix attention for decode steps: a prefix's keys and values read once per step for
-all the sequences that share it, not once per sequence.
+"""Shared-prefix attention for the decoder: a prefix's keys and values read once per forward pass
+for all the sequences that share it, not once per sequence.
 
-Model: in a decode step each sequence's one query attends over its prefix's keys and then its
-own tokens' keys. The softmax over both is split exactly (the log-sum-exp merge): each part
-gives its maximum score ``m``, the sum of ``exp(score - m)`` and the weighted sum of values, and
-the two combine with ``exp(m_part - m)`` factors. The own part is the slots' KV
-(`forge.runtime.decoder.kv_slots`, the prefix's columns masked out there); the prefix part is one matmul
-per shared prefix over ``[heads, sequences, dim] x [heads, dim, prefix]``: a prefix's KV is read
-once per layer and step instead of once per sequence, which is most of a decode step's
-attention when prompts share few-shot prefixes.
+Model: in a decode step each sequence's one query (in a prefill after a stored prefix, each of its
+S queries) attends over its prefix's keys and then its own tokens' keys. The softmax over both is
+split exactly (the log-sum-exp merge): each part gives its maximum score ``m``, the sum of
+``exp(score - m)`` and the weighted sum of values, and the two combine with ``exp(m_part - m)``
+factors. The own part is the sequence's row (`forge.runtime.decoder.rows_kv`, read at its own
+length: `Step.own`) or, in a prefill, its own tokens under transformers' mask (causal when it gives
+none); the prefix part is one matmul per shared prefix over ``[heads, sequences x queries, dim] x
+[heads, dim, prefix]``: a prefix's KV is read once per layer and pass instead of once per sequence.
 
 Its sibling for forward passes, `forge.runtime.shared_prefix`, serves rows after one prefix with
-the same exactness conditions; this one serves decode steps, one query per sequence and many
-prefixes at once. It is registered in transformers' attention registry (`AttentionInterface`,
-with sdpa's mask format) as ``forge_decode_prefixes`` and outside a decode step (`SHARED.step` unset: prefill, a
-states forward) it is sdpa itself. A model takes it only where the split is exact for its
-attention (`eligible`): plain scaled dot-product over the keys, no logit soft-capping, no
-attention sinks, no sliding window, nothing added to the scores.
+the same exactness conditions. This one is registered in transformers' attention registry
+(`AttentionInterface`, with sdpa's mask format) as ``forge_decode_prefixes``; outside the decoder's
+passes (`SHARED.step` unset: a prefix's own prefill, a states forward) it is sdpa itself. A model
+takes it only where the split is exact for its attention (`eligible`): plain scaled dot-product
+over the keys, no logit soft-capping, no attention sinks, no sliding window, nothing added to the
+scores.
 """
 
 from __future__ import annotations
@@ -32,23 +32,28 @@ NAME = "forge_decode_prefixes"  # (forge.runtime.shared_prefix registers "forge_
 
 @dataclass
 class Step:
-    """The shared prefixes of one decode step, stacked: per layer ``[G, kv heads, P, dim]`` keys
-    and values (zero past each prefix's length, `valid` says where), and which rows read which."""
+    """The shared prefixes of one forward pass (a decode step, or a prefill of rows after stored
+    prefixes), stacked: per layer ``[G, kv heads, P, dim]`` keys and values (zero past each
+    prefix's length, `valid` says where), which rows read which; and `own`, the columns of its own
+    keys each row reads (``[rows, 1, 1, columns]`` bool, `forge.runtime.decoder.rows_kv`), or None:
+    transformers' mask says (causal when it gives none)."""
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # empty: no row reads a prefix
     valid: torch.Tensor  # [G, 1, 1, P] bool
-    rows: torch.Tensor  # slots reading a prefix
+    rows: torch.Tensor  # rows reading a prefix
     group: torch.Tensor  # each one's prefix (0..G-1)
     place: torch.Tensor  # its place among its prefix's rows
     width: int  # the most rows of one prefix
-    copies: dict = field(default_factory=dict)  # (valid, rows, group, place) per device of a layer split off
+    own: torch.Tensor | None = None
+    copies: dict = field(default_factory=dict)  # (valid, rows, group, place, own) per device of a layer split off
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def on(self, device: torch.device) -> tuple[Any, ...]:
         """`valid`, `rows`, `group` and `place` on `device` (a model split over devices: a layer's own)."""
-        if device == self.valid.device:
-            return self.valid, self.rows, self.group, self.place
+        if device == self.rows.device:
+            return self.valid, self.rows, self.group, self.place, self.own
         if device not in self.copies:
-            self.copies[device] = tuple(t.to(device) for t in (self.valid, self.rows, self.group, self.place))
+            tensors = (self.valid, self.rows, self.group, self.place, self.own)
+            self.copies[device] = tuple(None if t is None else t.to(device) for t in tensors)
         return self.copies[device]
 
 
@@ -113,48 +118,62 @@ def _sdpa(*args, **kwargs):
     return sdpa_attention_forward(*args, **kwargs)
 
 
+def _own_keep(attention_mask, b: int, heads: int, kv_heads: int, s: int, n: int, device) -> torch.Tensor | None:
+    """transformers' mask regrouped as the queries are (``[B, kv heads, rep x S, n]``), causal when it gives none."""
+    rep = heads // kv_heads
+    if attention_mask is None:
+        if s == 1:
+            return None
+        cols = torch.arange(n, device=device)
+        keep = cols[None] <= (n - s + torch.arange(s, device=device))[:, None]  # [S, n]
+        return keep.repeat(rep, 1)[None, None]
+    keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > float("-inf")
+    if keep.shape[1] == 1 and rep == 1:
+        return keep
+    return keep.expand(b, heads, s, n).reshape(b, kv_heads, rep * s, n)
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """transformers' attention-interface signature: ``query [B, H, q, d]``, ``key``/``value``
-    ``[B, kv heads, n, d]``; returns ``[B, q, H, d]`` and no weights."""
+    """transformers' attention-interface signature: ``query [B, H, S, d]``, ``key``/``value``
+    ``[B, kv heads, n, d]``; returns ``[B, S, H, d]`` and no weights."""
     step = SHARED.step
-    if step is None or query.shape[2] != 1:
+    if step is None:
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     extra = [k for k in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias") if kwargs.get(k) is not None]
     if extra:  # `eligible` should have kept this model off the split: never a silently different result
         raise RuntimeError(f"shared-prefix attention cannot split attention with {', '.join(extra)}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    b, heads, _, d = query.shape
+    b, heads, s, d = query.shape
     kv_heads = key.shape[1]
     rep = heads // kv_heads
+    valid, rows, group, place, own = step.on(query.device)
     # grouped-query attention without expanding the keys: query head h reads kv head h // rep, so the
-    # rep queries of a kv head are rows of one matmul against that head's keys (the same dot products)
-    q = query.float().reshape(b, kv_heads, rep, d)
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, kv heads, rep, n]
-    if attention_mask is not None:
-        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask > float("-inf")
-        if keep.shape[1] != 1:  # a mask per head: regrouped as the queries are
-            keep = keep.expand(b, heads, 1, keep.shape[-1]).reshape(b, kv_heads, rep, keep.shape[-1])
-        scores = scores.masked_fill(~keep, float("-inf"))  # [B, 1, 1, n]: one query per sequence
+    # rep x S queries of a kv head are rows of one matmul against that head's keys (the same dot products)
+    q = query.float().reshape(b, kv_heads, rep * s, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [B, kv heads, rep x S, n]
+    keep = own if own is not None else _own_keep(attention_mask, b, heads, kv_heads, s, key.shape[2], query.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
     m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # all masked: no NaN
     p = torch.exp(scores - m)
-    total = p.sum(-1, keepdim=True)  # [B, kv heads, rep, 1]
-    out = torch.matmul(p, value.float())  # [B, kv heads, rep, d]
-    pk, pv = step.kv[module.layer_idx]  # [G, kv heads, P, d]
-    valid, rows, group, place = step.on(query.device)
-    groups = pk.shape[0]
-    qg = q.new_zeros(groups, step.width, kv_heads, rep, d)
-    qg[group, place] = q[rows]
-    qg = qg.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, step.width * rep, d)
-    s2 = torch.matmul(qg, pk.float().transpose(-1, -2)) * scale  # [G, kv heads, width x rep, P]
-    s2 = s2.masked_fill(~valid, float("-inf"))
-    m2 = s2.amax(-1, keepdim=True)
-    p2 = torch.exp(s2 - m2)
-    t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, kv heads, width x rep, 1 | d]
-    m2, t2, o2 = (x.view(groups, kv_heads, step.width, rep, -1)[group, :, place] for x in (m2, t2, o2))
-    m1 = m[rows]  # [rows, kv heads, rep, 1]
-    top = torch.maximum(m1, m2)
-    a, c = torch.exp(m1 - top), torch.exp(m2 - top)
-    out[rows] = out[rows] * a + o2 * c
-    total[rows] = total[rows] * a + t2 * c
-    out = (out / total).to(query.dtype).view(b, heads, 1, d)
+    total = p.sum(-1, keepdim=True)  # [B, kv heads, rep x S, 1]
+    out = torch.matmul(p, value.float())  # [B, kv heads, rep x S, d]
+    if step.kv:
+        pk, pv = step.kv[module.layer_idx]  # [G, kv heads, P, d]
+        groups = pk.shape[0]
+        qg = q.new_zeros(groups, step.width, kv_heads, rep * s, d)
+        qg[group, place] = q[rows]
+        qg = qg.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, step.width * rep * s, d)
+        s2 = torch.matmul(qg, pk.float().transpose(-1, -2)) * scale  # [G, kv heads, width x rep x S, P]
+        s2 = s2.masked_fill(~valid, float("-inf"))
+        m2 = s2.amax(-1, keepdim=True)
+        p2 = torch.exp(s2 - m2)
+        t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, kv heads, width x rep x S, 1 | d]
+        m2, t2, o2 = (x.view(groups, kv_heads, step.width, rep * s, -1)[group, :, place] for x in (m2, t2, o2))
+        m1 = m[rows]  # [rows, kv heads, rep x S, 1]
+        top = torch.maximum(m1, m2)
+        a, c = torch.exp(m1 - top), torch.exp(m2 - top)
+        out[rows] = out[rows] * a + o2 * c
+        total[rows] = total[rows] * a + t2 * c
+    out = (out / total.clamp(min=torch.finfo(torch.float32).tiny)).to(query.dtype).view(b, heads, s, d)
     return out.transpose(1, 2).contiguous(), None

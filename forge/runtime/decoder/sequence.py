@@ -45,6 +45,7 @@ class DecodeFigures:
     preempted: int = 0  # sequences put back to wait (their slots freed for the KV budget), then recomputed
     recomputed_tokens: int = 0  # the tokens they had generated, prefilled again with their prompts
     kv_peak_bytes: int = 0  # the most keys and values held at once, as accounted: slots, copies, what is beside
+    kv_held_peak_bytes: int = 0  # the most the sequences' and prefixes' tokens held at once (0: not counted)
     prefix_stored_tokens: int = 0  # prefix tokens of sequences whose prefix the store held when called
     prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked: work, not tokens)
 

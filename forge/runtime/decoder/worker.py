@@ -37,6 +37,7 @@ class GenerationFigures:
     kv_budget_bytes: int | None = None  # what they may hold (batching=memory); None: no limit
     prefill_pads: int = 0  # pad slots prompt blocks ran through the model (masked work, not tokens)
     prefix_stored_tokens: int = 0  # prefix tokens of items whose prefix the worker had stored before the batch
+    kv_held_peak_bytes: int = 0  # the most its sequences' and prefixes' tokens needed at once
 
     @property
     def prefill_computed(self) -> int:
@@ -99,7 +100,7 @@ class GenerateWorker:
         figures = GenerationFigures(
             prompt, generated, run.steps, run.decode_tokens, seconds, self.budget, run.prefix_hits,
             run.preempted, run.recomputed_tokens, run.kv_peak_bytes, self.decoder.kv_bytes, run.prefill_pads,
-            run.prefix_stored_tokens,
+            run.prefix_stored_tokens, run.kv_held_peak_bytes,
         )  # fmt: skip
         # the ledger's prefix tokens of a split batch: what the decoder actually prefilled of them
         own = sum(len(it.tokens) - it.prefix_len for it in items)
@@ -231,7 +232,7 @@ class GenerateSink:
         self.prefill = self.prefill_pads = 0
         self.steps: list[int] = []
         self.budget = 0
-        self.prefix_hits = self.preempted = self.recomputed = self.kv_peak_bytes = 0
+        self.prefix_hits = self.preempted = self.recomputed = self.kv_peak_bytes = self.kv_held = 0
         self.kv_budget: int | None = None
 
     def write(self, batch, output, keep) -> None:
@@ -249,6 +250,7 @@ class GenerateSink:
             self.preempted += f.preempted
             self.recomputed += f.recomputed_tokens
             self.kv_peak_bytes = max(self.kv_peak_bytes, f.kv_peak_bytes)
+            self.kv_held = max(self.kv_held, f.kv_held_peak_bytes)
             if f.kv_budget_bytes is not None:
                 self.kv_budget = min(self.kv_budget or f.kv_budget_bytes, f.kv_budget_bytes)
 
@@ -270,6 +272,7 @@ class GenerateSink:
             "preempted": self.preempted,  # sequences put back for the KV budget, then recomputed
             "recomputed_tokens": self.recomputed,  # the tokens they had generated, prefilled again
             "kv_peak_bytes": self.kv_peak_bytes,
+            "kv_held_peak_bytes": self.kv_held,  # what the sequences' and prefixes' tokens needed at most (rows layout)
             "kv_budget_bytes": self.kv_budget,  # batching=memory: the device's budget less weights and a step
             "steps": len(self.steps),
             "largest_step_tokens": max(self.steps, default=0),
