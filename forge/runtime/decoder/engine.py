@@ -71,7 +71,7 @@ class Decoder:
         self.model, self.tokenizer = model, tokenizer
         self.budget = int(tokens_per_step)
         self.max_running = self.budget if max_running is None else min(self.budget, int(max_running))
-        # the interventions' hooks (a forge.runtime.hooks.HookSet) and what tags the prefixes they change:
+        # the interventions' hooks (a forge.runtime.hooks.points.HookSet) and what tags the prefixes they change:
         # a prefix's KV is stored under (tag, its tokens), so a steered one never serves an unsteered one
         self.hooks: Any = steer[0] if steer is not None else None
         self.tag: str | None = steer[1] if steer is not None else None

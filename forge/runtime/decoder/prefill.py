@@ -60,7 +60,7 @@ def steered(hooks: Any, slots: Any, model: Any, ids, mask, positions, cache: Cac
 
 class Prefill:
     """Prompts prefilled together; `prefixes[g]`: the KV (``[1, heads, P, dim]`` per layer) of prompt
-    g's first tokens, or None. `steer`: the interventions' hooks (a `forge.runtime.hooks.HookSet`) and
+    g's first tokens, or None. `steer`: the interventions' hooks (a `forge.runtime.hooks.points.HookSet`) and
     each prompt's (prefix length, prompt length), to say where its tokens sit (its tokens past its
     prompt are generated ones, recomputed); their lengths None: the prompts are shared prefixes."""
 
@@ -127,7 +127,7 @@ class Prefill:
         return int(self.mask[:, a:b].sum())
 
     def _slots(self, a: int, b: int) -> Any:
-        """Where the tokens of columns [a, b) sit in their sequences (`forge.runtime.hooks.Slots`)."""
+        """Where the tokens of columns [a, b) sit in their sequences (`forge.runtime.hooks.points.Slots`)."""
         from forge.runtime.hooks.points import Slots
 
         assert self.steer is not None

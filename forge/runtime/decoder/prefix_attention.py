@@ -10,7 +10,7 @@ length: `Step.own`) or, in a prefill, its own tokens under transformers' mask (c
 none); the prefix part is one matmul per shared prefix over ``[heads, sequences x queries, dim] x
 [heads, dim, prefix]``: a prefix's KV is read once per layer and pass instead of once per sequence.
 
-Its sibling for forward passes, `forge.runtime.shared_prefix`, serves rows after one prefix with
+Its sibling for forward passes, `forge.runtime.forward.shared_prefix`, serves rows after one prefix with
 the same exactness conditions. This one is registered in transformers' attention registry
 (`AttentionInterface`, with sdpa's mask format) as ``forge_decode_prefixes``; outside the decoder's
 passes (`SHARED.step` unset: a prefix's own prefill, a states forward) it is sdpa itself. A model
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-NAME = "forge_decode_prefixes"  # (forge.runtime.shared_prefix registers "forge_shared_prefix")
+NAME = "forge_decode_prefixes"  # (forge.runtime.forward.shared_prefix registers "forge_shared_prefix")
 
 
 @dataclass

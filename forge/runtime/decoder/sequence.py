@@ -2,7 +2,7 @@
 
 `Sequence` is one prompt in Forge's decoder (`forge.runtime.decoder.engine`): its tokens, limits and
 stream, the slot it holds. `step_slots` says where each running slot's token sits in its sequence
-for the interventions' hooks (`forge.runtime.hooks.Slots`): past its prompt, a generated token.
+for the interventions' hooks (`forge.runtime.hooks.points.Slots`): past its prompt, a generated token.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def least_kv_bytes(longest: int, column_bytes: float, layers: int) -> int:
 
 
 def step_slots(positions: torch.Tensor, running: dict[int, Sequence]) -> Any:
-    """Where a decode step's tokens sit in their sequences (`forge.runtime.hooks.Slots`): each running
+    """Where a decode step's tokens sit in their sequences (`forge.runtime.hooks.points.Slots`): each running
     slot's token is at its position, past its prompt (a generated token)."""
     from forge.runtime.hooks.points import Slots
 
