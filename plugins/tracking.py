@@ -1,10 +1,13 @@
 """Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
 
 The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
-process, where the ledger counts. The hooks only count and send a dict per batch down a pipe to
-the trackers' own process (`serve`), where a thread per tracker imports its library, starts it,
-logs and finishes it, so a tracker's start-up and writes overlap the run instead of holding
-batches up or taking the GIL from the run's threads. Per batch it logs, at a
+process, where the ledger counts. The hooks only count and keep a dict per batch; a thread of the
+driver sends what they kept down a pipe every half second (one message), to the trackers' own
+process (`serve`), where a thread per tracker imports its library, starts it, logs and finishes
+it, so a tracker's start-up and writes overlap the run instead of holding batches up or taking
+the GIL from the run's threads. That process runs at a lower priority (niceness 10,
+FORGE_TRACKERS_NICE), so on a machine whose cores the run keeps busy its start-up waits for an
+idle moment rather than slowing the batches. Per batch it logs, at a
 step counted in tokens completed (items an earlier session committed included): tokens, items,
 tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
 it logs report.json's totals and status (after the ledger added them: `trylast`).
@@ -38,7 +41,13 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
-CHILD = "import sys; from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+SEND_EVERY_S = 0.5  # the driver sends the batches' points down the pipe at most this often, together
+NICE = 10  # the trackers' process runs at this niceness: their start-up and writes take cores the run leaves idle
+# the trackers' process: lowered in priority before anything is imported (FORGE_TRACKERS_NICE: another niceness)
+CHILD = (
+    "import os, sys; os.nice(int(sys.argv[3])); "
+    "from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+)
 
 
 def _metric_name(text: str) -> str:
@@ -63,15 +72,25 @@ class _Feed:
         theirs_in, to_them = os.pipe()  # (read end, write end)
         from_them, theirs_out = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a plugin's classes import there
+        nice = os.environ.get("FORGE_TRACKERS_NICE", str(NICE))
         self.process = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out)], pass_fds=(theirs_in, theirs_out), env=env
+            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out), nice],
+            pass_fds=(theirs_in, theirs_out),
+            env=env,
         )
         os.close(theirs_in)
         os.close(theirs_out)
         self.conn = Connection(to_them, readable=False)
         self.answer = Connection(from_them, writable=False)
         config = {k: v for k, v in (run.config or {}).items() if k != "hydra"}
-        self._send((config, str(run.run_dir), str(folder), selected))
+        # the hooks only append to `points`; a thread of the driver sends them, the points of half a
+        # second in one message, so a batch never waits on the pipe (full while the trackers start up)
+        self.points: list[tuple[int, dict]] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        first = (config, str(run.run_dir), str(folder), selected)
+        self.sender = threading.Thread(target=self._send_loop, args=(first,), name="forge-trackers-feed", daemon=True)
+        self.sender.start()
 
     # -- the hooks' side: count and queue
 
@@ -101,7 +120,19 @@ class _Feed:
             f"device/{_metric_name(device.name)}/tokens": dev[0],
             f"device/{_metric_name(device.name)}/busy_s": dev[1],
         }
-        self._send(("log", self.step, figures))
+        with self.lock:
+            self.points.append((self.step, figures))
+
+    def _send_loop(self, first) -> None:
+        self._send(first)
+        while not self.stopping.wait(SEND_EVERY_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self.lock:
+            points, self.points = self.points, []
+        if points:
+            self._send(("log", None, points))
 
     def _send(self, message) -> None:
         try:
@@ -112,6 +143,14 @@ class _Feed:
     def end(self, report: dict) -> dict[str, str]:
         totals = _totals(report)
         step = int((report.get("tokens") or {}).get("completed", self.step))
+        self.stopping.set()
+        self.sender.join(END_WAIT_S)  # it sent the config first; then the points it holds go, and the end
+        if self.sender.is_alive():  # the pipe stayed full: the trackers' process reads no more
+            return {
+                name: _warn(name, f"its process read nothing for {END_WAIT_S:.0f} s; left behind")
+                for name in self.names
+            }
+        self._flush()
         self._send(("end", step, (totals, str(report.get("status", "finished")))))
         try:
             if self.answer.poll(END_WAIT_S):
@@ -183,8 +222,9 @@ class _Writers:
             kind, step, payload = self.queues[name].get()
             if tracker is not None:
                 try:
-                    if kind == "log":
-                        tracker.log(step, payload)
+                    if kind == "log":  # the points of a moment, in order
+                        for at, figures in payload:
+                            tracker.log(at, figures)
                     elif payload is not None:  # None: the driver is gone, nothing to finish with
                         tracker.finish(step, *payload)
                 except Exception as exc:  # noqa: BLE001  (a tracker's failure never stops the run)
