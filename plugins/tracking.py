@@ -19,6 +19,7 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -41,6 +42,7 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
+EXIT_WAIT_S = 1.0  # then for their process to exit, before leaving that to this process's exit
 SEND_EVERY_S = 0.5  # the driver sends the batches' points down the pipe at most this often, together
 NICE = 10  # the trackers' process runs at this niceness: their start-up and writes take cores the run leaves idle
 # the trackers' process: lowered in priority before anything is imported (FORGE_TRACKERS_NICE: another niceness)
@@ -154,8 +156,8 @@ class _Feed:
         self._send(("end", step, (totals, str(report.get("status", "finished")))))
         try:
             if self.answer.poll(END_WAIT_S):
-                notes = self.answer.recv()
-                self.process.wait(5.0)
+                notes = self.answer.recv()  # every tracker finished: what is left is the process's exit
+                _reap(self.process)
                 return notes
             what = f"still writing after {END_WAIT_S:.0f} s; left to finish"
         except (EOFError, OSError, subprocess.TimeoutExpired) as exc:
@@ -273,6 +275,24 @@ def _totals(report: dict) -> dict[str, float]:
         if isinstance(report.get(key), (int, float)):
             out[key] = report[key]
     return out
+
+
+def _reap(process: subprocess.Popen) -> None:
+    """Wait a moment for the trackers' process to exit (its interpreter's teardown, slow on a
+    busy machine at its lower priority); else wait for it when this process exits, not at the
+    run's end, so nothing outlives the command."""
+    try:
+        process.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        atexit.register(_wait_or_kill, process)
+
+
+def _wait_or_kill(process: subprocess.Popen) -> None:
+    try:
+        process.wait(END_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _line(exc: BaseException) -> str:
