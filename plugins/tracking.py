@@ -5,9 +5,9 @@ process, where the ledger counts. The hooks only count and keep a dict per batch
 driver sends what they kept down a pipe every half second (one message), to the trackers' own
 process (`serve`), where a thread per tracker imports its library, starts it, logs and finishes
 it, so a tracker's start-up and writes overlap the run instead of holding batches up or taking
-the GIL from the run's threads. That process runs at a lower priority (niceness 10,
-FORGE_TRACKERS_NICE), so on a machine whose cores the run keeps busy its start-up waits for an
-idle moment rather than slowing the batches. Per batch it logs, at a
+the GIL from the run's threads. FORGE_TRACKERS_NICE=N lowers that process's priority (niceness
+N; by default the run's own): its start-up then takes only what the run leaves idle, but on a
+machine other work keeps busy it is starved and the run's end waits for it (docs/benchmarks.md). Per batch it logs, at a
 step counted in tokens completed (items an earlier session committed included): tokens, items,
 tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
 it logs report.json's totals and status (after the ledger added them: `trylast`).
@@ -44,8 +44,7 @@ IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
 EXIT_WAIT_S = 1.0  # then for their process to exit, before leaving that to this process's exit
 SEND_EVERY_S = 0.5  # the driver sends the batches' points down the pipe at most this often, together
-NICE = 10  # the trackers' process runs at this niceness: their start-up and writes take cores the run leaves idle
-# the trackers' process: lowered in priority before anything is imported (FORGE_TRACKERS_NICE: another niceness)
+NICE = 0  # the niceness the trackers' process adds (FORGE_TRACKERS_NICE: another), before anything is imported
 CHILD = (
     "import os, sys; os.nice(int(sys.argv[3])); "
     "from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
@@ -279,7 +278,7 @@ def _totals(report: dict) -> dict[str, float]:
 
 def _reap(process: subprocess.Popen) -> None:
     """Wait a moment for the trackers' process to exit (its interpreter's teardown, slow on a
-    busy machine at its lower priority); else wait for it when this process exits, not at the
+    busy machine); else wait for it when this process exits, not at the
     run's end, so nothing outlives the command."""
     try:
         process.wait(EXIT_WAIT_S)
