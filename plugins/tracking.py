@@ -7,10 +7,11 @@ process (`serve`), where a thread per tracker imports its library, starts it, lo
 it, so a tracker's start-up and writes overlap the run instead of holding batches up or taking
 the GIL from the run's threads. FORGE_TRACKERS_NICE=N lowers that process's priority (niceness
 N; by default the run's own): its start-up then takes only what the run leaves idle, but on a
-machine other work keeps busy it is starved and the run's end waits for it (docs/benchmarks.md). Per batch it logs, at a
-step counted in tokens completed (items an earlier session committed included): tokens, items,
-tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
-it logs report.json's totals and status (after the ledger added them: `trylast`).
+machine other work keeps busy it is starved and the run's end waits for it (docs/benchmarks.md).
+Per batch it logs, at a step counted in tokens completed (items an earlier session committed
+included): tokens, items, tokens/s, padding share, prefix reuse, and the device's own tokens
+and busy seconds. At the end it logs report.json's totals and status (after the ledger added
+them: `trylast`).
 
 A tracker that is not installed, or whose start, log or finish raises, is one warning line on
 stderr (and in report.json's `trackers`); the run goes on without it. Each tracker's id is kept
@@ -278,8 +279,8 @@ def _totals(report: dict) -> dict[str, float]:
 
 def _reap(process: subprocess.Popen) -> None:
     """Wait a moment for the trackers' process to exit (its interpreter's teardown, slow on a
-    busy machine); else wait for it when this process exits, not at the
-    run's end, so nothing outlives the command."""
+    busy machine); else wait for it when this process exits, not at the run's end, so nothing
+    outlives the command."""
     try:
         process.wait(EXIT_WAIT_S)
     except subprocess.TimeoutExpired:
