@@ -45,6 +45,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "realistic": ("benchmarks.peers.realistic", ""),
         "compare-trees": ("benchmarks.dev.compare_trees", ""),
         "capture": ("benchmarks.dev.bench_capture", ""),
+        "tracker-cost": ("benchmarks.dev.tracker_cost", "trackers"),
     },
 }
 BENCHMARKS = {name: entry for group in GROUPS.values() for name, entry in group.items()}

@@ -159,6 +159,10 @@ class ProbeGen(CausalLMFunction):
         return "last" if self.pooling == "last" else "mean"
 
     # -- pooling=none, prefix_states=once: a prefix's states are an item of their own, once ----
+    @property
+    def seekable(self) -> bool:  # type: ignore[override]  # which prefixes were stored depends on the rows before
+        return self.pooling != "none" or self.prefix_states != "once"
+
     def records(self):
         self._stored = set()  # each pass reads the input from its start (the same items, the same keys)
         return super().records()

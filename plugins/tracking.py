@@ -1,13 +1,17 @@
 """Trackers on the accounting hooks: the run's figures to TensorBoard, MLflow, W&B, trackio.
 
 The trackers the config selects (`trackers=[...]`, `run.trackers`) are driven from the driver
-process, where the ledger counts. The hooks only count and send a dict per batch down a pipe to
-the trackers' own process (`serve`), where a thread per tracker imports its library, starts it,
-logs and finishes it, so a tracker's start-up and writes overlap the run instead of holding
-batches up or taking the GIL from the run's threads. Per batch it logs, at a
-step counted in tokens completed (items an earlier session committed included): tokens, items,
-tokens/s, padding share, prefix reuse, and the device's own tokens and busy seconds. At the end
-it logs report.json's totals and status (after the ledger added them: `trylast`).
+process, where the ledger counts. The hooks only count and keep a dict per batch; a thread of the
+driver sends what they kept down a pipe every half second (one message), to the trackers' own
+process (`serve`), where a thread per tracker imports its library, starts it, logs and finishes
+it, so a tracker's start-up and writes overlap the run instead of holding batches up or taking
+the GIL from the run's threads. FORGE_TRACKERS_NICE=N lowers that process's priority (niceness
+N; by default the run's own): its start-up then takes only what the run leaves idle, but on a
+machine other work keeps busy it is starved and the run's end waits for it (docs/benchmarks.md).
+Per batch it logs, at a step counted in tokens completed (items an earlier session committed
+included): tokens, items, tokens/s, padding share, prefix reuse, and the device's own tokens
+and busy seconds. At the end it logs report.json's totals and status (after the ledger added
+them: `trylast`).
 
 A tracker that is not installed, or whose start, log or finish raises, is one warning line on
 stderr (and in report.json's `trackers`); the run goes on without it. Each tracker's id is kept
@@ -16,6 +20,7 @@ in `<run dir>/trackers/ids.json`, so `resume=true` continues the same tracker ru
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -38,7 +43,13 @@ from forge.vocab.column_batch import ItemColumns
 NAME = "tracking"
 IDS = "ids.json"  # <run dir>/trackers/ids.json: tracker name -> its run's id
 END_WAIT_S = 120.0  # the most the end waits for trackers to finish their writes
-CHILD = "import sys; from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+EXIT_WAIT_S = 1.0  # then for their process to exit, before leaving that to this process's exit
+SEND_EVERY_S = 0.5  # the driver sends the batches' points down the pipe at most this often, together
+NICE = 0  # the niceness the trackers' process adds (FORGE_TRACKERS_NICE: another), before anything is imported
+CHILD = (
+    "import os, sys; os.nice(int(sys.argv[3])); "
+    "from forge.builtin.tracking import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+)
 
 
 def _metric_name(text: str) -> str:
@@ -63,15 +74,25 @@ class _Feed:
         theirs_in, to_them = os.pipe()  # (read end, write end)
         from_them, theirs_out = os.pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a plugin's classes import there
+        nice = os.environ.get("FORGE_TRACKERS_NICE", str(NICE))
         self.process = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out)], pass_fds=(theirs_in, theirs_out), env=env
+            [sys.executable, "-c", CHILD, str(theirs_in), str(theirs_out), nice],
+            pass_fds=(theirs_in, theirs_out),
+            env=env,
         )
         os.close(theirs_in)
         os.close(theirs_out)
         self.conn = Connection(to_them, readable=False)
         self.answer = Connection(from_them, writable=False)
         config = {k: v for k, v in (run.config or {}).items() if k != "hydra"}
-        self._send((config, str(run.run_dir), str(folder), selected))
+        # the hooks only append to `points`; a thread of the driver sends them, the points of half a
+        # second in one message, so a batch never waits on the pipe (full while the trackers start up)
+        self.points: list[tuple[int, dict]] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        first = (config, str(run.run_dir), str(folder), selected)
+        self.sender = threading.Thread(target=self._send_loop, args=(first,), name="forge-trackers-feed", daemon=True)
+        self.sender.start()
 
     # -- the hooks' side: count and queue
 
@@ -101,7 +122,19 @@ class _Feed:
             f"device/{_metric_name(device.name)}/tokens": dev[0],
             f"device/{_metric_name(device.name)}/busy_s": dev[1],
         }
-        self._send(("log", self.step, figures))
+        with self.lock:
+            self.points.append((self.step, figures))
+
+    def _send_loop(self, first) -> None:
+        self._send(first)
+        while not self.stopping.wait(SEND_EVERY_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        with self.lock:
+            points, self.points = self.points, []
+        if points:
+            self._send(("log", None, points))
 
     def _send(self, message) -> None:
         try:
@@ -112,11 +145,19 @@ class _Feed:
     def end(self, report: dict) -> dict[str, str]:
         totals = _totals(report)
         step = int((report.get("tokens") or {}).get("completed", self.step))
+        self.stopping.set()
+        self.sender.join(END_WAIT_S)  # it sent the config first; then the points it holds go, and the end
+        if self.sender.is_alive():  # the pipe stayed full: the trackers' process reads no more
+            return {
+                name: _warn(name, f"its process read nothing for {END_WAIT_S:.0f} s; left behind")
+                for name in self.names
+            }
+        self._flush()
         self._send(("end", step, (totals, str(report.get("status", "finished")))))
         try:
             if self.answer.poll(END_WAIT_S):
-                notes = self.answer.recv()
-                self.process.wait(5.0)
+                notes = self.answer.recv()  # every tracker finished: what is left is the process's exit
+                _reap(self.process)
                 return notes
             what = f"still writing after {END_WAIT_S:.0f} s; left to finish"
         except (EOFError, OSError, subprocess.TimeoutExpired) as exc:
@@ -183,8 +224,9 @@ class _Writers:
             kind, step, payload = self.queues[name].get()
             if tracker is not None:
                 try:
-                    if kind == "log":
-                        tracker.log(step, payload)
+                    if kind == "log":  # the points of a moment, in order
+                        for at, figures in payload:
+                            tracker.log(at, figures)
                     elif payload is not None:  # None: the driver is gone, nothing to finish with
                         tracker.finish(step, *payload)
                 except Exception as exc:  # noqa: BLE001  (a tracker's failure never stops the run)
@@ -233,6 +275,24 @@ def _totals(report: dict) -> dict[str, float]:
         if isinstance(report.get(key), (int, float)):
             out[key] = report[key]
     return out
+
+
+def _reap(process: subprocess.Popen) -> None:
+    """Wait a moment for the trackers' process to exit (its interpreter's teardown, slow on a
+    busy machine); else wait for it when this process exits, not at the run's end, so nothing
+    outlives the command."""
+    try:
+        process.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        atexit.register(_wait_or_kill, process)
+
+
+def _wait_or_kill(process: subprocess.Popen) -> None:
+    try:
+        process.wait(END_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _line(exc: BaseException) -> str:

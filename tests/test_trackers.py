@@ -302,3 +302,33 @@ def test_a_run_directory_at_a_url_is_one_warning_per_tracker_and_the_run_goes_on
     assert "trackers" not in report.plugins
     err = capsys.readouterr().err
     assert err.count("forge: warning: tracker recorder: the run directory memory://") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("tensorboard" not in installed, reason="tensorboard is not installed")
+def test_tensorboards_events_are_written_without_importing_torch(tmp_path):
+    code = f"""
+import sys
+from pathlib import Path
+from forge.builtin.tracker_tensorboard import TensorBoardTracker
+from forge.config.trackers import TensorBoardSettings
+from forge.tracker import TrackerRun
+t = TensorBoardTracker()
+params = {{"a": 1, "b": "x", "c": True}}
+t.start(TrackerRun("tensorboard", Path({str(tmp_path)!r}), TensorBoardSettings(), "r", params, None))
+t.log(10, {{"tokens/completed": 10}})
+t.finish(10, {{"items/completed": 1}}, "finished")
+print("torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = plugin_event_multiplexer.EventMultiplexer()
+    events.AddRunsFromDirectory(str(tmp_path))
+    events.Reload()
+    (content,) = events.PluginRunToTagToContent("hparams").values()
+    kinds = {plugin_data_pb2.HParamsPluginData.FromString(v).WhichOneof("data") for v in content.values()}
+    assert kinds == {"experiment", "session_start_info", "session_end_info"}  # the HPARAMS tab's session
+    assert [e.step for e in trackers_read.tensorboard_scalars(tmp_path, "tokens/completed")] == [10]

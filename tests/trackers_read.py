@@ -27,6 +27,14 @@ def tensorboard(run_dir: Path) -> dict:
     return out
 
 
+def tensorboard_scalars(folder: Path, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc.Scalars(tag)
+
+
 def mlflow(run_dir: Path) -> dict:
     import os
 

@@ -6,7 +6,7 @@ from `forge.api`.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -16,6 +16,7 @@ from forge.errors import ForgeError
 from forge.function import Function
 from forge.io.aggregate import Aggregate
 from forge.io.inputs import Column, InputSpec, Row
+from forge.io.read_marks import mark_every
 from forge.io.results import SHARD_BYTES, Field, ResultSchema
 from forge.io.rows import read as read_rows_checked
 from forge.runtime.forward.request import Forward
@@ -54,6 +55,14 @@ class ModelFunction(Function):
     keep_labels: bool = False  # journal each item's label (key "labels")
     shard_bytes: int = SHARD_BYTES  # a shard is also cut once its rows hold this many bytes (per-token results)
     generates: bool = False  # it feeds generated tokens back (intervene span: generated)
+    # set by the engine for one run (forge.io.read_marks): where `records` starts reading, (input
+    # record, function record), and what it tells, every `mark_every()` input records, the position
+    # it reached
+    resume_at: tuple[int, int] | None = None
+    read_marks: Callable[[int, int], None] | None = None
+    # whether a resumed run may start reading at a read mark: true where a row becomes the same
+    # records wherever reading starts (no state carried from row to row in `prompts` or `records`)
+    seekable: bool = True
 
     def __init__(self, config: ModelFunctionConfig):
         self.cfg = config  # an instance of config_schema: the function's settings
@@ -93,12 +102,12 @@ class ModelFunction(Function):
 
     def __getstate__(self) -> dict[str, Any]:
         """What a worker process needs: the tokenizer and token rule are rebuilt there on demand."""
-        return {**self.__dict__, "_rule": None, "_warnings": []}
+        return {**self.__dict__, "_rule": None, "_warnings": [], "read_marks": None}  # the marks: the driver's
 
     # -- reading rows ---------------------------------------------------------------
-    def rows(self) -> Iterator[Row | Rejected | Skipped]:
-        """Every input record, checked (`forge.io.rows`): the one place rows are read and validated."""
-        return read_rows_checked(self.input, self.columns)
+    def rows(self, start: int = 0) -> Iterator[Row | Rejected | Skipped]:
+        """Every input record from record `start`, checked (`forge.io.rows`): the one place rows are checked."""
+        return read_rows_checked(self.input, self.columns, start)
 
     def prompts(self, row: Row) -> list[Prompt] | str:
         """What a row becomes (or why it cannot become anything): by default one prompt."""
@@ -114,8 +123,13 @@ class ModelFunction(Function):
         """Items in input order. An item's commit key (`Item.index`) counts items, a rejected row
         counting one, so a function that makes one item per row keys each by its row's position."""
         pending: list[tuple[Row, Prompt, int]] = []
-        counter = 0
-        for row in self.rows():
+        # a resumed run's read mark (forge.io.read_marks): input record `read`, function record `counter`
+        read, counter = self.resume_at or (0, 0)
+        mark, every = self.read_marks, mark_every()
+        for row in self.rows(read) if read else self.rows():
+            if mark is not None and read % every == 0:
+                mark(read, counter)
+            read += 1
             made = row if not isinstance(row, Row) else self.prompts(row)
             if isinstance(made, (Rejected, Skipped, str)):
                 yield made if not isinstance(made, str) else cast(Row, row).reject(made)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from forge.config.schema import CoreConfig
 from forge.core.read_ahead import ReadAhead
 from forge.errors import ForgeError
+from forge.vocab.column_batch import ItemColumns
 from forge.vocab.geometry import Item
 from forge.vocab.records import Rejected, RunContext, Skipped, reason_kind
 
@@ -29,6 +30,18 @@ TOO_LONG_POLICIES = ("skip", "truncate", "error")
 
 #: reasons an item can never run (None where it can), aligned with the items given
 Placeable = Callable[[list[Item]], list[str | None]]
+
+
+@dataclass(frozen=True)
+class Seek:
+    """A resumed run's read mark (forge.io.read_marks), as admission sees it: the records it
+    starts after (`prefix`, all committed, counted as received and resumed without being read;
+    None: it reads from the start) and where it tells each record it takes (`seen`: its tokens,
+    -1 for one that is not an item)."""
+
+    prefix: ItemColumns | None
+    seen: Callable[[int], None] | None = None
+    close: Callable[[], None] | None = None  # at the run's end (`Admission.close`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,7 @@ class Admission:
         committed: set[int] | frozenset = frozenset(),
         chunk: int = 512,
         read_ahead: bool = False,
+        seek: Seek | None = None,
     ):
         # read_ahead: the records are read and tokenized on a thread (forge.core.read_ahead)
         self._ahead = ReadAhead(records) if read_ahead else None
@@ -71,6 +85,11 @@ class Admission:
         self.pending: deque[Item] = deque()
         self.state = {"received_tokens": 0, "ordinal": 0}
         self.exhausted = False
+        self.seek = seek
+        if seek is not None and seek.prefix is not None:  # records a read mark passed over: all committed
+            self.state["ordinal"] = len(seek.prefix)
+            hook.forge_items_received(run=run, items=seek.prefix)
+            hook.forge_items_resumed(run=run, items=seek.prefix)
 
     def __iter__(self) -> Admission:
         return self
@@ -98,14 +117,19 @@ class Admission:
         self.exhausted = True
         if self._ahead is not None:
             self._ahead.close()
+        if self.seek is not None and self.seek.close is not None:
+            self.seek.close()
 
     def _read_records(self) -> None:
         hook, run, rules, state = self.hook, self.run, self.rules, self.state
         buf: list[Item] = []
         outcomes: list[str | Item | None] = []  # per record read, in order: fine, a failure's kind, or an Item
         examples: dict[str, str] = {}  # kind -> a full reason of it
+        seen = self.seek.seen if self.seek is not None else None
         for record in self.records:
             state["ordinal"] += 1
+            if seen is not None:
+                seen(record.num_tokens if isinstance(record, Item) else -1)
             if isinstance(record, Rejected):
                 kind = record.kind or reason_kind(record.reason)
                 _fail_record(hook, run, rules, record.record_id, record.reason)
@@ -154,10 +178,13 @@ def admit(
     committed: set[int] | frozenset = frozenset(),
     chunk: int = 512,
     read_ahead: bool = False,
+    seek: Seek | None = None,
 ) -> Admission:
     """The items that may run, as an iterator; every record is reported to the hooks. With
     `read_ahead`, records are read on a thread; `close()` it when the run ends."""
-    return Admission(records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk, read_ahead=read_ahead)
+    return Admission(
+        records, run=run, hook=hook, rules=rules, committed=committed, chunk=chunk, read_ahead=read_ahead, seek=seek
+    )
 
 
 def _fail_record(hook, run, rules: AdmissionRules, record_id: str, reason: str) -> None:

@@ -28,6 +28,7 @@ from forge.core.loop import Committer, RunLoop, Stop
 from forge.core.scheduler import Scheduler
 from forge.driver.output_size import check_space
 from forge.driver.report import Report, RunFigures, finish_report, make_report
+from forge.driver.seek import start_reading
 from forge.errors import ForgeError
 from forge.executors import Executor
 from forge.function import Function
@@ -102,9 +103,10 @@ def placeable(packer: Packer, devices: list[Device], mode: str):
 
 
 def prepare(
-    spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool, committed: set[int] | frozenset = frozenset()
+    spec: RunSpec, pm: pluggy.PluginManager, dry_run: bool, committed: set[int] | frozenset = frozenset(), fp=None
 ) -> tuple[RunContext, Scheduler]:
-    """Start a run: fire run_start, build the packer and the scheduler over admitted items."""
+    """Start a run: fire run_start, build the packer and the scheduler over admitted items (`fp`:
+    the run's fingerprint, whose read marks a resume starts reading at, forge.driver.seek)."""
     if not spec.devices:
         raise ForgeError("no devices: set devices=auto or list devices in a devices config")
     run = RunContext(
@@ -148,8 +150,9 @@ def prepare(
         placeable=placeable(packer, spec.devices, spec.mode),
     )
     # read ahead: reading and tokenizing the input overlap the worker's start and the batches in flight
-    records = spec.function.records()
-    items = admit(records, run=run, hook=pm.hook, rules=rules, committed=committed, read_ahead=spec.runtime.read_ahead)
+    seek = start_reading(spec.function, spec.run_dir if fp is not None else None, fp, committed)
+    records, ahead = spec.function.records(), spec.runtime.read_ahead
+    items = admit(records, run=run, hook=pm.hook, rules=rules, committed=committed, read_ahead=ahead, seek=seek)
     scheduler = Scheduler(
         packer,
         items,
@@ -239,7 +242,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
                 max(d.limits.max_seq_len for d in spec.devices),
                 spec.too_long,
             )
-        run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed)
+        run, scheduler = prepare(spec, pm, dry_run=False, committed=store.committed, fp=store.fingerprint)
         sink = spec.function.open_sink(store)
         store.add_missing(spec.files)
     except BaseException as exc:  # a refusal, a write that failed, or Ctrl-C / SIGTERM during start-up

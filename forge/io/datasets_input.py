@@ -147,11 +147,18 @@ class InputDataset(InputFile):
             "max_row_bytes": self.max_row_bytes,
         }
 
-    def _records(self, only: set[int] | None = None) -> Iterator[Record]:
+    def _records(self, only: set[int] | None = None, skip: int = 0) -> Iterator[Record]:
+        """The rows as records, from row `skip` on: earlier batches are passed over by their row
+        counts, never converted to Python (a resumed run's read mark)."""
         start = 0
         for batch in self.data.batches():
             if self.limit is not None and start >= self.limit:
                 return
+            if start + batch.num_rows <= skip:
+                start += batch.num_rows
+                continue
+            if start < skip:
+                batch, start = batch.slice(skip - start), skip
             batch = _renamed(batch, self.mapping)
             if self.limit is not None and start + batch.num_rows > self.limit:
                 batch = batch.slice(0, self.limit - start)

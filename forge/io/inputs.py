@@ -168,9 +168,10 @@ class InputFile:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_drop": {}}  # workers never read rows
 
-    def rows(self) -> Iterator[Row | Rejected | Skipped]:
-        """Every record of the input, in order, as exactly one Row, Rejected or Skipped."""
-        for rec in self._records():
+    def rows(self, start: int = 0) -> Iterator[Row | Rejected | Skipped]:
+        """Every record of the input, in order, as exactly one Row, Rejected or Skipped; from
+        record `start` on (a resumed run's read mark: the records before it are not parsed)."""
+        for rec in self._records(skip=start):
             if rec.data is None:
                 yield Rejected(place(rec.index, rec.line), rec.problem or "", rec.kind or "")
                 continue
@@ -208,19 +209,20 @@ class InputFile:
         }
 
     # -- reading ---------------------------------------------------------------------
-    def _records(self, only: set[int] | None = None) -> Iterator[Record]:
+    def _records(self, only: set[int] | None = None, skip: int = 0) -> Iterator[Record]:
         """Every record up to `limit` (with `only`, JSONL lines of other rows are not parsed: a
-        placeholder stands in for them)."""
+        placeholder stands in for them), from record `skip` on (lines before it not parsed)."""
         parquet = self.path.suffix.lower() == ".parquet"
         records = (
             parquet_records(self.path, self.max_row_bytes)
             if parquet
-            else jsonl_records(self.path, self.max_row_bytes, only)
+            else jsonl_records(self.path, self.max_row_bytes, only, skip)
         )
         for rec in records:
             if self.limit is not None and rec.index >= self.limit:
                 return
-            yield rec
+            if rec.index >= skip:
+                yield rec
 
     def _ids(self, only: set[int] | None = None) -> Iterator[tuple[int, int | None, str]]:
         """(row index, line, canonical id) of every record with a good id (of those in `only`)."""

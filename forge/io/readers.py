@@ -111,11 +111,14 @@ def count_rows(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> int:
         return sum(1 for _ in jsonl_lines(f, max_row_bytes))
 
 
-def jsonl_records(path: Path, cap: int, only: set[int] | None = None) -> Iterator[Record]:
+def jsonl_records(path: Path, cap: int, only: set[int] | None = None, skip: int = 0) -> Iterator[Record]:
     """Lines are read as bytes, at most `cap` at a time, and decoded one by one, so a bad byte
-    or an over-long line fails only its line. With `only`, other lines are not parsed."""
+    or an over-long line fails only its line. With `only`, other lines are not parsed; the
+    first `skip` records are passed over unparsed (nothing yielded for them)."""
     with open(path, "rb") as f:
         for index, (line_no, raw, size) in enumerate(jsonl_lines(f, cap)):
+            if index < skip:
+                continue
             if only is not None and index not in only:
                 yield Record(index, line_no, None, "not read", "not read")
             elif raw is None:

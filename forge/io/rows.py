@@ -33,9 +33,9 @@ class MayBeEmpty(Column):
     """A required string column whose value may be the empty string (score's `context`)."""
 
 
-def read(input: InputFile, columns: Mapping[str, Column]) -> Iterator[Row | Rejected | Skipped]:
-    """Every record of the input, in order: a checked `Row`, or a `Rejected` / `Skipped`."""
-    for row in input.rows():
+def read(input: InputFile, columns: Mapping[str, Column], start: int = 0) -> Iterator[Row | Rejected | Skipped]:
+    """Every record of the input, in order (from record `start`): a checked `Row`, or a `Rejected` / `Skipped`."""
+    for row in input.rows(start):
         if not isinstance(row, Row):  # unreadable, a bad id, or a repeated id: recorded as it is
             yield row
             continue
