@@ -48,7 +48,7 @@ def segments(data: Path, model_dir: str) -> tuple[list[int], list[tuple[int, int
     """(segment lengths, (prefix length, tokens) of each suffix, counts) of both tasks."""
     from transformers import AutoTokenizer
 
-    from forge.runtime.token_rule import PairEncoder
+    from forge.runtime.tokens.token_rule import PairEncoder
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prefixes: dict[tuple, int] = {}
