@@ -30,7 +30,7 @@ PEER = """
 import json, sys, torch
 way, rows, max_new, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from forge.runtime.embedded import embedded_model_source, materialize_model
+from forge.runtime.model.embedded import embedded_model_source, materialize_model
 torch.set_num_threads(1)
 d = str(materialize_model(embedded_model_source()))
 texts = [(r.get("prefix") or "") + r["prompt"] for r in map(json.loads, open(rows))]
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.peers import gen_shapes
     from forge.api import InputSpec, ModelSpec
     from forge.functions.generate import Generate, GenerateConfig
-    from forge.runtime.modelspec import resolve_input
+    from forge.runtime.model.spec import resolve_input
 
     src = resolve_input("embedded:prompts")
     base = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
