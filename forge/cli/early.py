@@ -132,9 +132,10 @@ def stopped_line(during: str = "during start-up, before any work", ran: bool = F
 
 
 def stop_workers() -> None:
-    """Stop this process's fork server (and the resource tracker started with it) at once:
-    start-up was interrupted, and it would otherwise finish importing torch (seconds) before it
-    noticed, holding the terminal's output. No worker exists yet to lose."""
+    """Stop this process's fork server (and the resource tracker started with it) at once, and
+    reap them: when start-up was interrupted, it would otherwise finish importing torch (seconds)
+    before it noticed, holding the terminal's output; at the command's end, tear itself down after
+    the command exits. Either way no worker of it is left to lose."""
     forkserver = sys.modules.get("multiprocessing.forkserver")
     server = getattr(forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
