@@ -326,14 +326,19 @@ def capture_reference(name: str, data) -> dict:
     return _CAPTURE_REFS[name]
 
 
-# the prefix cache path with rows attending to one copy of the prefix's keys (forge.runtime.
-# shared_prefix) at every shape; families whose layout it cannot take exactly keep the cache path
-NOT_SHARED = {"bloom", "falcon-alibi", "mistral-window", "gemma2", "gemma3", "gpt_oss"}  # by their capabilities
-# their attention does not reach the registered function (falcon calls sdpa itself; stablelm's
-# decoder layer does not hand its keyword arguments on; deepseek_v3's multi-head latent attention
-# is called with more key heads than its cache holds, which the function refuses): found at the
-# first batch, never asked again
-FALLS_BACK = {"falcon", "stablelm", "deepseek_v3"}
+# the prefix cache path with rows attending to one copy of the prefix's keys (forge.runtime.forward.
+# shared_prefix) at every shape; families whose attention it cannot take exactly keep the cache path
+NOT_SHARED = {  # by its one rule (`shared_prefix.eligible`), before any forward
+    "bloom",  # ALiBi
+    "falcon-alibi",
+    "mistral-window",  # sliding windows
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "falcon",  # its attention does not go through transformers' attention interface
+    "stablelm",
+    "deepseek_v3",  # multi-head latent attention
+}
 
 
 def _run_shared(monkeypatch, tmp_path, path, rows, pooling, *extra) -> tuple[dict, list[bool]]:
@@ -356,9 +361,7 @@ def test_fidelity_shared_prefix_attention(tmp_path, data, name, pooling, monkeyp
     report, took = _run_shared(monkeypatch, tmp_path, path, data[1], pooling)
     assert report["items"]["completed"] == len(refs) and report["balanced"]
     if name in NOT_SHARED:
-        assert took == [], took  # refused by its capabilities before any forward
-    elif name in FALLS_BACK:
-        assert took == [False], took
+        assert took == [], took  # refused by the rule before any forward
     else:
         assert took and all(took), took  # every cached-prefix batch ran through it (transformers 5)
     ids, _, layers = load_activations(tmp_path)

@@ -624,10 +624,10 @@ def test_sampling_streams_and_draws():
 
 
 def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_prefix_once(embedded):
-    """The decode steps' split softmax (forge.runtime.decoder.prefix_attention) against the same decoder
+    """The decode steps' split softmax (forge.runtime.forward.shared_prefix) against the same decoder
     with every token in its slot: the same greedy tokens, the prefixes' KV stacked once per step."""
-    from forge.runtime.decoder import prefix_attention
     from forge.runtime.decoder.engine import Decoder, Sequence
+    from forge.runtime.forward import shared_prefix
 
     def seqs():
         out = []
@@ -640,14 +640,14 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
     plain, shared = seqs(), seqs()
     Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, shared_attention=False).generate(plain)
     steps = []
-    original = prefix_attention.stack
-    prefix_attention.stack = lambda prefixes: steps.append(len(prefixes)) or original(prefixes)
+    original = shared_prefix.stack
+    shared_prefix.stack = lambda prefixes: steps.append(len(prefixes)) or original(prefixes)
     try:
         decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3)
         assert decoder.shared_attention
         figures = decoder.generate(shared)
     finally:
-        prefix_attention.stack = original
+        shared_prefix.stack = original
     assert [s.out for s in shared] == [s.out for s in plain] == [embedded.new_tokens(r) for r in ROWS]
     assert steps and max(steps) == 3  # the three prefixes, stacked when the set read changed
     assert sum(s.prefix_kv is not None for s in shared) == len(ROWS) - 1  # all but the row without one
@@ -656,16 +656,17 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
 
 
 def test_shared_prefix_attention_is_kept_off_attention_it_cannot_split():
-    from forge.runtime.decoder.prefix_attention import eligible
+    from forge.runtime.decoder.engine import Decoder
 
-    def model(cfg):
+    def model(cfg, attn="eager"):
         torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
-    assert "sliding_window" in eligible(model(transformers.MistralConfig(**small, sliding_window=8)))
-    assert "softcapping" in eligible(model(transformers.Gemma2Config(**small, head_dim=8)))
-    assert "eager" in eligible(model(transformers.LlamaConfig(**small)))  # not the sdpa it stands in for
+    window = model(transformers.MistralConfig(**small, sliding_window=8), "sdpa")
+    assert not Decoder(window, None, 8, {2}, 0).shared_attention  # its attention: not split (shared_prefix.eligible)
+    assert not Decoder(model(transformers.LlamaConfig(**small)), None, 8, {2}, 0).shared_attention  # not sdpa
+    assert Decoder(model(transformers.LlamaConfig(**small), "sdpa"), None, 8, {2}, 0).shared_attention
 
 
 def _sequences(ref: Reference, rows: list[dict], n: int = N) -> list:
@@ -679,7 +680,7 @@ def _sequences(ref: Reference, rows: list[dict], n: int = N) -> list:
 
 
 def test_a_small_prefix_store_is_bounded_and_gives_the_same_tokens(embedded):
-    """The decoder's stored prefixes (`PrefixStore`) stay within `prefix_tokens` (a worker's: the run's
+    """The decoder's stored prefixes (its `PrefixCache`) stay within `prefix_tokens` (a worker's: the run's
     batching.cache_tokens): with one prompt a block, a bound that holds one prefix keeps one at a time,
     where an unbounded store keeps all three; the tokens are the greedy ones of one prompt at a time
     either way, batch after batch."""
@@ -693,9 +694,9 @@ def test_a_small_prefix_store_is_bounded_and_gives_the_same_tokens(embedded):
         decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, prefix_tokens=bound, max_running=1)
         put, most = decoder.prefixes.put, []
 
-        def counting(key, kv, keep=(), put=put, store=decoder.prefixes, most=most):
-            put(key, kv, keep)
-            most.append((len(store.entries), sum(len(k[1]) for k in store.entries)))
+        def counting(key, entry, keep=(), put=put, store=decoder.prefixes, most=most):
+            put(key, entry, keep)
+            most.append((len(store), sum(len(k[1]) for k in store.keys())))
 
         decoder.prefixes.put = counting
         for half in (ROWS[::2], ROWS[1::2]):  # two batches: the second finds what the first stored
@@ -710,18 +711,20 @@ def test_a_small_prefix_store_is_bounded_and_gives_the_same_tokens(embedded):
 def test_a_prefix_store_keeps_the_running_blocks_prefixes_over_its_bound():
     """A block's prefixes are not put out by each other (its prompts start after them), whatever the
     bound; the next put that keeps none of them does."""
-    from forge.runtime.decoder.prefill import PrefixStore
+    from forge.runtime.forward.prefix_cache import PrefixCache, PrefixEntry
 
     def kv(n):
-        return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
+        return PrefixEntry([(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4))], n)
 
     a, b, c = (None, (1, 2, 3)), (None, (4, 5, 6)), (None, (7, 8))
-    store = PrefixStore(4)
+    store = PrefixCache(4)
     store.put(a, kv(3))
     store.put(b, kv(3), keep={a, b})
-    assert list(store.entries) == [a, b]  # over the bound: both kept
+    assert list(store.keys()) == [a, b]  # over the bound: both kept
     store.put(c, kv(2))
-    assert list(store.entries) == [c] and store.bytes == 2 * 2 * 2 * 4 * 4
+    assert list(store.keys()) == [c] and store.bytes == 2 * 2 * 2 * 4 * 4
+    assert not store.put(("iv-1", (1, 2, 3, 4, 5)), kv(5))  # longer than the whole bound: not kept
+    assert store.peek(("iv-1", (7, 8))) is None and store.peek(c) is not None  # a steered key is its own
 
 
 @pytest.mark.slow
@@ -735,7 +738,7 @@ def test_the_runs_cache_tokens_bounds_each_workers_prefix_store(work, embedded, 
     class Recording(worker.Decoder):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            bounds.append(self.prefixes.tokens)
+            bounds.append(self.prefixes.capacity_tokens)
 
     monkeypatch.setattr(worker, "Decoder", Recording)
     run_function("generate", work / "rows.jsonl", work / "cache-tokens", [*limits(), "batching.cache_tokens=40"])

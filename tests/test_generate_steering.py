@@ -179,7 +179,7 @@ def test_a_steered_prefix_is_never_served_from_an_unsteered_ones_cache(embedded)
     plain = Decoder(model, embedded.tok, 256, {2}, 3)
     hooks.close()  # the plain decoder runs the model without them
     plain.generate(seqs())
-    assert plain.prefixes.entries
+    assert len(plain.prefixes)
     hooks = HookSet(model, base_decoder(model), num_layers(model.config), [], list(ivs.items))
     steered = Decoder(model, embedded.tok, 256, {2}, 3, steer=(hooks, ivs.key))
     steered.prefixes = plain.prefixes  # the same store

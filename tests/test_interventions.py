@@ -389,8 +389,9 @@ def _split_batch(items, key: str | None = None):
 def test_one_device_cache_serves_a_steered_item_only_its_steered_prefix(setup):
     """One loaded model and one prefix cache: an unsteered batch fills the cache, then a runner
     with the interventions runs the same prefix's items (steered keys): a miss, then a hit of its
-    own steered prefix, equal to the reference both times. Served the unsteered entry (what a key
-    without the interventions would do), the results are those of another computation."""
+    own steered prefix, equal to the reference both times. Even under the unsteered items' prefix
+    key, the cache's key (the interventions' tag, `forge.runtime.forward.prefix_cache.PrefixKey`)
+    keeps the unsteered entry from a steered runner: a miss, and the steered results."""
     from forge.functions.score import Score
     from forge.runtime.forward.causal_lm import CausalLMRunner
     from forge.runtime.forward.views import CausalViews
@@ -421,8 +422,10 @@ def test_one_device_cache_serves_a_steered_item_only_its_steered_prefix(setup):
         assert hit == expect_hit
         _close(got, {i: want[i] for i in pick_ids})
     got, hit = logliks(steered, _split_batch([steered_items[k] for k in pick], plain_batch.prefix_key))
-    assert hit and min(abs(got[i] - want[i]) for i in pick_ids) > 1e-3  # what the key prevents
-    assert len(plain.cache) == 2
+    assert not hit
+    _close(got, {i: want[i] for i in pick_ids})
+    assert min(abs(want[i] - unsteered[i]) for i in pick_ids) > 1e-3  # what serving the plain entry would be off by
+    assert len(plain.cache) == 3 and (None, plain_batch.prefix_key) in plain.cache
 
 
 # -- 3. probe_gen: hidden states after an intervention --------------------------------------

@@ -17,9 +17,10 @@ from collections import deque
 from collections.abc import Callable
 
 from forge.runtime.decoder.kv_slots import SlotKV
-from forge.runtime.decoder.prefill import BlockPrefill, PrefixKey, PrefixStore
+from forge.runtime.decoder.prefill import BlockPrefill
 from forge.runtime.decoder.rows_kv import RowKV
 from forge.runtime.decoder.sequence import Sequence
+from forge.runtime.forward.prefix_cache import PrefixCache, PrefixKey
 
 
 class KVBudget:
@@ -30,7 +31,7 @@ class KVBudget:
     def __init__(
         self,
         kv_bytes: int | None,
-        prefixes: PrefixStore,
+        prefixes: PrefixCache,
         key: Callable[[Sequence], PrefixKey],
         drop_stacked: Callable[[], None],
     ):
@@ -80,7 +81,7 @@ class KVBudget:
         seen: set[PrefixKey] = set()
         for k in range(take):
             key = self.key(waiting[k])
-            if key[1] and key not in seen and key not in self.prefixes.entries:
+            if key[1] and key not in seen and key not in self.prefixes:
                 seen.add(key)
                 new += len(key[1]) * kv.column_bytes
             computing.append(new)

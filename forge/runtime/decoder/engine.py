@@ -7,7 +7,7 @@ left, the next chunk of a block of waiting prompts being prefilled (`forge.runti
 in parts of prompts that compute about as many columns each). A prompt block is formed when none is
 in progress: the next waiting prompts by their own length (past their prefix), as many as the step's
 room allows; the prefixes among them not stored yet are computed first, once each (one forward pass
-of their own), and kept for the worker's later blocks and batches (`PrefixStore`). When its last
+of their own), and kept for the worker's later blocks and batches (a `PrefixCache`). When its last
 chunk is done, each prompt gets its first token and, unless that ends it, a slot. A sequence leaves
 its slot the step it finishes (eos, a stop string, its ``max_new_tokens``), and the slot is free for
 the next block.
@@ -15,8 +15,8 @@ the next block.
 A sequence never waits on another's length or padding for its result: its columns and position ids
 are its own, so greedy decoding equals one-prompt-at-a-time `generate` (tests/test_generate.py);
 sampling draws from the sequence's own stream (`Sampling`). Where the model allows it
-(`prefix_attention.eligible`), Forge's attention computes every forward pass: a prompt after a
-stored prefix prefills only its own tokens, decode steps read each shared prefix's KV once for all
+(`forge.runtime.forward.shared_prefix.install`), Forge's attention computes every forward pass: a
+prompt after a stored prefix prefills only its own tokens, decode steps read each shared prefix's KV once for all
 its sequences, and each sequence has a left-aligned row of its own tokens that attention reads at
 its own length (`RowKV`: it grows without moving others). Other models keep right-aligned slots
 under a mask, the prefix seeded into each prompt's first columns (`SlotKV`). Under a KV budget, what
@@ -31,21 +31,20 @@ from typing import Any
 
 import torch
 
-from forge.runtime.decoder import prefix_attention
 from forge.runtime.decoder.admission import KVBudget, renumber
 from forge.runtime.decoder.kv_slots import SlotKV
 from forge.runtime.decoder.prefill import (
     PREFIX_TOKENS,
     BlockPrefill,
     Prefill,
-    PrefixKey,
-    PrefixStore,
     forward,
     steered,
 )
 from forge.runtime.decoder.rows_kv import RowKV
 from forge.runtime.decoder.sampling import Sampling
 from forge.runtime.decoder.sequence import DecodeFigures, Sequence, least_kv_bytes, step_slots
+from forge.runtime.forward import shared_prefix
+from forge.runtime.forward.prefix_cache import PrefixCache, PrefixEntry, PrefixKey
 from forge.runtime.model.hf_compat import input_device
 
 __all__ = ["DecodeFigures", "Decoder", "Sequence", "least_kv_bytes"]
@@ -78,15 +77,13 @@ class Decoder:
         self.eos, self.pad = eos, int(pad_token_id)
         self.sampling = sampling if sampling is not None and not sampling.greedy else None  # None: greedy
         self.layers = int(model.config.get_text_config().num_hidden_layers)
-        self.prefixes = PrefixStore(prefix_tokens, None if kv_bytes is None else kv_bytes // 4)  # a quarter at most
+        self.prefixes = PrefixCache(prefix_tokens, None if kv_bytes is None else kv_bytes // 4)  # a quarter at most
         self.kv_bytes = kv_bytes  # what keys and values may hold at once: slots, prefills, prefixes (None: no limit)
-        self.shared_attention = shared_attention and prefix_attention.eligible(model) is None
+        # Forge's attention for every pass (sdpa itself outside decode steps and prefills after stored prefixes)
+        self.shared_attention = shared_attention and shared_prefix.install(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
         self._ended: list[Sequence] = []  # sequences that ended in the step being run
         self.admission = KVBudget(kv_bytes, self.prefixes, self._key, self._drop_stacked)  # admission, preemption
-        if self.shared_attention:
-            prefix_attention.register()
-            model.set_attn_implementation(prefix_attention.NAME)  # sdpa itself outside decode steps
 
     def generate(self, seqs: list[Sequence], on_finished: Any = None) -> DecodeFigures:
         """Generate every sequence to its end (their `out` filled). `on_finished(seqs)`: called
@@ -109,7 +106,7 @@ class Decoder:
         block: list[Sequence] = []
         fill: BlockPrefill | None = None  # the block's prefill, once its prefixes are known
         figures = DecodeFigures([], 0)
-        figures.prefix_stored_tokens = sum(s.prefix_len for s in seqs if self._key(s) in self.prefixes.entries)
+        figures.prefix_stored_tokens = sum(s.prefix_len for s in seqs if self._key(s) in self.prefixes)
         while waiting or block or running:
             if running and self.kv_bytes is not None:
                 for seq in self.admission.make_room(kv, running, waiting, self.admission.other_bytes(kv, block, fill)):
@@ -127,10 +124,11 @@ class Decoder:
                 if prefix_fill.finished:
                     held = {self._key(s) for s in block}  # the block's prompts start after them
                     for g, key in enumerate(keys):
-                        self.prefixes.put(key, prefix_fill.kv(g), keep=held)
+                        kv_g = [(k[None].clone(), v[None].clone()) for k, v in prefix_fill.kv(g)]
+                        self.prefixes.put(key, PrefixEntry(kv_g, len(key[1])), keep=held)
                     prefix_fill, self.admission.computing_bytes = None, 0
             if block and prefix_fill is None and fill is None:
-                prefixes = [self.prefixes.entries.get(self._key(s)) for s in block]
+                prefixes = [self._stored(s) for s in block]
                 shared = self._prefill_step if self.shared_attention else None
                 fill = BlockPrefill(
                     self.model, [s.tokens() for s in block], self.layers, self.pad, prefixes, self._steer(block), shared
@@ -168,6 +166,11 @@ class Decoder:
         tokens = 0 if fill is None else sum(len(s.tokens()) - k for s, k in zip(block, fill.skipped)) * kv.column_bytes
         shared = stacked if stacked else stored  # the stored prefixes are views into the stack once stacked
         kv.note_held(shared + tokens, shared + prefill)
+
+    def _stored(self, seq: Sequence) -> Any:
+        """The stored KV of `seq`'s prefix, or None."""
+        entry = self.prefixes.peek(self._key(seq))
+        return None if entry is None else entry.key_values
 
     def _key(self, seq: Sequence) -> PrefixKey:
         return self.prefix_key(seq.prompt, seq.prefix_len)
@@ -234,7 +237,7 @@ class Decoder:
         rows = fill.layer_kv() if len(go) == len(block) else [(k[index], v[index]) for k, v in fill.layer_kv()]
         for g in go:
             if skipped[g]:
-                block[g].prefix_kv = self.prefixes.entries.get(self._key(block[g]))
+                block[g].prefix_kv = self._stored(block[g])
         positions = torch.tensor([len(block[g].tokens()) - 1 for g in go], device=kv.device)
         if self.kv_bytes is not None:
             self.admission.bound(kv, self.admission.other_bytes(kv, whole, whole_fill))
@@ -260,14 +263,14 @@ class Decoder:
         ids[slots, 0] = torch.tensor([running[s].out[-1] for s in slots], device=kv.device)
         if self.shared_attention:
             own = {slot: seq.prefix_kv for slot, seq in running.items() if seq.prefix_kv is not None}
-            prefix_attention.SHARED.step = self._step(own, kv.device, getattr(kv, "keep", None))
+            shared_prefix.SHARED.step = self._step(own, kv.device, getattr(kv, "keep", None))
         args = (self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
         try:
             logits = (
                 forward(*args) if self.hooks is None else steered(self.hooks, step_slots(kv.positions, running), *args)
             )
         finally:
-            prefix_attention.SHARED.step = None
+            shared_prefix.SHARED.step = None
         kv.after_step()
         seqs = [running[s] for s in slots]
         for slot, seq, token in zip(slots, seqs, self._choose(logits[slots], seqs)):
@@ -277,19 +280,19 @@ class Decoder:
         renumber(running, kv.tidy())
         return len(slots)
 
-    def _prefill_step(self, prefixes: list[Any]) -> prefix_attention.Step | None:
+    def _prefill_step(self, prefixes: list[Any]) -> shared_prefix.Step | None:
         """A prefill part's step: its rows after a stored prefix read it apart (None: no row does)."""
         readers = {r: kv for r, kv in enumerate(prefixes) if kv is not None}
         return self._step(readers, input_device(self.model), None) if readers else None
 
-    def _step(self, readers: dict[int, Any], device: Any, own: Any) -> prefix_attention.Step | None:
+    def _step(self, readers: dict[int, Any], device: Any, own: Any) -> shared_prefix.Step | None:
         """The shared prefixes `readers` (row -> its prefix's KV) read, stacked once while the stack
         holds them all (the stored entries become views into it: the stack is their storage)."""
         if not readers:
             if own is None:
                 return None
             none = torch.zeros(0, dtype=torch.long, device=device)
-            return prefix_attention.Step([], none.bool(), none, none, none, 0, own)
+            return shared_prefix.Step([], none.bool(), none, none, none, 0, own)
         by: dict[int, list[int]] = {}
         kvs: dict[int, Any] = {}
         for row, kv in readers.items():
@@ -299,7 +302,7 @@ class Decoder:
         if held is None or not set(by) <= set(held[0]) or len(held[0]) > 2 * len(by):
             key = tuple(sorted(by))
             read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
-            layers, valid = prefix_attention.stack(read)
+            layers, valid = shared_prefix.stack(read)
             for g, kv in enumerate(read):  # in place: a sequence's `prefix_kv` is this same list
                 n = kv[0][0].shape[2]
                 kv[:] = [(k[g : g + 1, :, :n], v[g : g + 1, :, :n]) for k, v in layers]
@@ -315,7 +318,7 @@ class Decoder:
             place += range(len(members))
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         width = max(len(m) for m in by.values())
-        return prefix_attention.Step(held[1], held[2], t(rows), t(group), t(place), width, own)
+        return shared_prefix.Step(held[1], held[2], t(rows), t(group), t(place), width, own)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if self.sampling is None:

@@ -1,22 +1,20 @@
 """Prefill: a block of prompts run through the model chunk by chunk, into a cache of their own.
 
-Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before
-prompt ``g``), so each is contiguous and ends at the block's last column, as a decoding slot
-wants it (`forge.runtime.decoder.kv_slots`). Where prompts start with a prefix whose KV is known
-(computed once, `PrefixStore`), the block's first ``C`` columns are that KV instead of a forward
-pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens there, and its remaining
-tokens are computed. ``C`` is the most every prompt allows, min over g of ``pads[g] + P_g``: a
-prompt shorter than the longest, or with a shorter prefix, recomputes the rest of its prefix:
-`BlockPrefill` splits a block into such rectangles of prompts that compute about as many columns
-each (`split`), so little is recomputed or padded. Each `run` computes the
-next columns within a token budget; once all are computed, `last_logits` gives each prompt's next
-token's logits and `kv(g)` its keys and values, for a slot.
+Model: the prompts of a block are left-padded to a common length (``pads[g]`` columns before prompt
+``g``), so each is contiguous and ends at the block's last column, as a decoding slot wants it
+(`forge.runtime.decoder.kv_slots`). Where prompts start with a prefix whose KV is known (computed
+once, kept in a `forge.runtime.forward.prefix_cache.PrefixCache`), the block's first ``C`` columns
+are that KV instead of a forward pass: prompt ``g`` holds its prefix's first ``C - pads[g]`` tokens
+there, and its remaining tokens are computed. ``C`` is the most every prompt allows, min over g of
+``pads[g] + P_g``: a prompt shorter than the longest, or with a shorter prefix, recomputes the rest
+of its prefix: `BlockPrefill` splits a block into such rectangles of prompts that compute about as
+many columns each (`split`), so little is recomputed or padded. Each `run` computes the next columns
+within a token budget; once all are computed, `last_logits` gives each prompt's next token's logits
+and `kv(g)` its keys and values, for a slot.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -26,7 +24,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 from forge.runtime.model.hf_compat import input_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values
-PrefixKey = tuple[str | None, tuple[int, ...]]  # what a prefix's KV is stored under: a steering tag, its tokens
 
 
 def forward(model: Any, ids, mask, positions, cache: Cache):
@@ -69,7 +66,7 @@ class Prefill:
                  shared: Any = None):  # fmt: skip
         self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
         self.steer = steer
-        self.shared = shared  # the stored prefixes these prompts come after (a prefix_attention.Step), or None
+        self.shared = shared  # the stored prefixes these prompts come after (a `shared_prefix.Step`), or None
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]
@@ -113,14 +110,14 @@ class Prefill:
         a, b = self.done_to, min(self.width, self.done_to + w)
         args = (self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
         if self.shared is not None:
-            from forge.runtime.decoder import prefix_attention
+            from forge.runtime.forward import shared_prefix
 
-            prefix_attention.SHARED.step = self.shared
+            shared_prefix.SHARED.step = self.shared
         try:
             logits = forward(*args) if self.steer is None else steered(self.steer[0], self._slots(a, b), *args)
         finally:
             if self.shared is not None:
-                prefix_attention.SHARED.step = None
+                shared_prefix.SHARED.step = None
         self.done_to = b
         if self.finished:
             self.last_logits = logits
@@ -184,7 +181,7 @@ class BlockPrefill:
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
                  steer: tuple[Any, list[tuple[int, int]]] | None = None, shared: Any = None):  # fmt: skip
         """`shared(prefixes)`: where given, prompts after a stored prefix compute only their own
-        tokens and read the prefix through Forge's attention (a `prefix_attention.Step` for a part's
+        tokens and read the prefix through Forge's attention (a `forge.runtime.forward.shared_prefix.Step` for a part's
         rows' prefixes); else their first columns are seeded with the prefix's KV."""
         known = [0 if kv is None else kv[0][0].shape[2] for kv in prefixes]
         if shared is None:  # a prompt as long as its prefix recomputes its last token
@@ -237,41 +234,3 @@ class BlockPrefill:
 
 #: the stored prefixes' bound, in prefix tokens, when the run's mode has no prefix cache (batching.cache_tokens)
 PREFIX_TOKENS = 65536
-
-
-class PrefixStore:
-    """KV of shared prefixes, computed once per worker and kept (least recently used out) up to
-    `tokens`, and up to `max_bytes` of keys and values when given; the prefixes of the block being
-    run (`put`'s `keep`) stay whatever the bounds, its prompts start after them."""
-
-    def __init__(self, tokens: int, max_bytes: int | None = None):
-        self.tokens = tokens
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[PrefixKey, KV] = OrderedDict()
-        self.hits = 0
-        self.bytes = 0  # what the stored keys and values hold
-
-    def get(self, prefix: PrefixKey) -> KV | None:
-        kv = self.entries.get(prefix)
-        if kv is not None:
-            self.entries.move_to_end(prefix)
-            self.hits += 1
-        return kv
-
-    def put(self, prefix: PrefixKey, kv: KV, keep: Collection[PrefixKey] = ()) -> None:
-        """Store `prefix`'s KV; the least recently used others out while over a bound, but not
-        `prefix` nor those in `keep`."""
-        self.entries[prefix] = [(k[None].clone(), v[None].clone()) for k, v in kv]
-        self.bytes = sum(self._size(e) for e in self.entries.values())
-        while sum(len(p[1]) for p in self.entries) > self.tokens or self._over_bytes():
-            out = next((p for p in self.entries if p != prefix and p not in keep), None)
-            if out is None:
-                break
-            self.bytes -= self._size(self.entries.pop(out))
-
-    def _over_bytes(self) -> bool:
-        return self.max_bytes is not None and self.bytes > self.max_bytes
-
-    @staticmethod
-    def _size(entry: KV) -> int:
-        return sum(t.numel() * t.element_size() for kv in entry for t in kv)

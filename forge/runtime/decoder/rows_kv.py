@@ -2,7 +2,7 @@
 
 Model: every layer's keys and values live in one buffer ``[rows, kv heads, capacity, head dim]``.
 Row ``r`` holds its sequence's own tokens (those past a shared prefix, which decode steps read
-once per group, `forge.runtime.decoder.prefix_attention`) at columns ``[0, lens[r])``; a decode
+once per group, `forge.runtime.forward.shared_prefix`) at columns ``[0, lens[r])``; a decode
 step writes each row's new column at ``lens[r]`` (one indexed write per layer) and attention
 reads each row's own length (`keep`: ``column < lens + 1``), never a column of another
 sequence. So a sequence grows without moving others, a block is placed into free rows at
@@ -15,7 +15,7 @@ capacity) replaces one layer's buffer at a time (`SlotKV._replace`'s rule): `pea
 the most held at once, that transient and what the owner holds `beside` included. `held_tokens`
 is what the running rows actually hold; `tidy` drops free rows and unused columns.
 
-Only for models whose attention Forge's own function computes (`prefix_attention.eligible`):
+Only for models whose attention Forge's own function computes (`shared_prefix.install`):
 transformers' mask is not used in a decode step, so column order means nothing to it.
 """
 

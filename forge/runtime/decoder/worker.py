@@ -203,7 +203,7 @@ class PrefixShares:
 
     def __init__(self, items: list, decoder: Decoder):
         self.items, self.decoder = items, decoder
-        self.stored = set(decoder.prefixes.entries)
+        self.stored = set(decoder.prefixes.keys())
         self.paid: set = set()
 
     def of(self, positions: list[int]) -> tuple[int, int]:

@@ -93,6 +93,8 @@ class CausalLMRunner:
         self._layer_idx = resolve_layers(self.layers, self.num_layers, allow_no_layers)
         self._hs_select = sorted(set(self._layer_idx))
         self.cache = PrefixCache(cache_tokens)
+        # the interventions' tag in every cache key (None: none reaches a prefix token), as the decoder's
+        self.tag: str | None = getattr(interventions, "key", None)
         self.encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
         # an encoder-decoder is unusable: run() refuses it with a clear message
         self.base = model if self.encoder_decoder else hf_compat.base_decoder(model)
@@ -131,8 +133,9 @@ class CausalLMRunner:
             caps = replace(caps, attn=self.attn_implementation, attn_note="as loaded")  # what runs decides
         self.caps = caps
         self.causal = caps.causal and self._is_causal()  # the architecture says so; a probe confirms
-        # rows after a cached prefix attend to one copy of its keys (attention patterns need the model's own)
-        self._share_prefix = not self.hooks.patterns
+        # rows after a cached prefix attend to one copy of its keys where that is exact for the model
+        # (`shared_prefix.eligible`; attention patterns need the model's own attention)
+        self._share_prefix = not self.hooks.patterns and shared_prefix.eligible(model) is None
 
     # -- construction helpers
 
@@ -168,8 +171,8 @@ class CausalLMRunner:
 
     def _prefix_entry(self, batch: Batch, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
         """The prefix's KV (from the cache, or computed now) and whether it was a hit."""
-        key = batch.prefix_key
-        use_cache = self.cache.enabled and key is not None
+        key = (self.tag, batch.prefix_key)
+        use_cache = self.cache.enabled and batch.prefix_key is not None
         if use_cache:
             entry = self.cache.get(key)
             if entry is not None:
@@ -371,8 +374,7 @@ class CausalLMRunner:
     def _shared(self, entry: PrefixEntry | None, packed: bool, used: list[int], input_ids, position_ids, slots):
         """Rows after a cached prefix, through `forge.runtime.forward.shared_prefix` where that is exact
         and pays (no per-row copy of the prefix's keys); None: run the cache path."""
-        caps = self.caps
-        if entry is None or packed or not self._share_prefix or caps.windows or caps.alibi or caps.softcap:
+        if entry is None or packed or not self._share_prefix:
             return None, {}
         heads = int(getattr(text_config(self.config), "num_attention_heads", 0) or 0)
         if not shared_prefix.worth_sharing(input_ids.shape[1], heads, entry.key_values):

@@ -1,15 +1,25 @@
-"""A per-device LRU cache of shared-prefix KV states, sized in tokens.
+"""The prefix KV cache: shared prefixes' keys and values kept on a device, least recently used out,
+sized in prefix tokens (the run's batching.cache_tokens). One class for both of its users: the
+forward runners' cache (`forge.runtime.forward.causal_lm`) and the decoder's stored prefixes
+(`forge.runtime.decoder.engine`).
 
-Plain Python, one job (not thread-safe). Entries are opaque except for their `length`
-(the prefix's token count), which is what capacity is measured in.
+Plain Python, one job (not thread-safe). Entries are opaque except for their `length` (the
+prefix's token count), which is what capacity is measured in, and their keys and values' bytes.
+A key is `PrefixKey`: the interventions' tag (None: no steering reaches a prefix token) and the
+prefix's identity, so a steered prefix and an unsteered one are never served from each other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from forge.vocab.lru import TokenLRU
+
+#: what a prefix's KV is stored under: a steering tag, and its identity (the decoder: its token ids; the
+#: forward runners: the items' `prefix_key`)
+PrefixKey = tuple[str | None, Any]
 
 
 @dataclass(slots=True)
@@ -21,7 +31,9 @@ class PrefixEntry:
     serves items whose whole sequence is the prefix; `last_state` (the base decoder's final
     state at the prefix's last position, on the device) predicts the token after the prefix,
     so scoring a text's first token needs no shifted layout. None is required by the cache.
-    The tensors are never modified after they are stored: users build new objects from them.
+    The tensors are never modified after they are stored: users build new objects from them
+    (the decoder may move them into a stacked tensor it reads, `forge.runtime.forward.shared_prefix.stack`,
+    the entry's list then holding views of the same values).
     """
 
     key_values: list[tuple[Any, Any]]
@@ -30,20 +42,62 @@ class PrefixEntry:
     last_hidden: dict[int, Any] = field(default_factory=dict)
     last_state: Any = None
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.key_values for t in kv)
+
 
 class PrefixCache(TokenLRU):
-    """LRU over prefix_key -> PrefixEntry, holding at most `capacity_tokens` prefix tokens.
+    """LRU over `PrefixKey` -> PrefixEntry, holding at most `capacity_tokens` prefix tokens and, when
+    `max_bytes` is given, at most that many bytes of keys and values.
 
-    capacity_tokens <= 0 disables the cache: `put` never stores and `get` always misses.
-    The scheduler predicts hits with a `TokenLRU` of the same capacity and policy.
+    capacity_tokens <= 0 disables the cache: `put` never stores and `get` always misses. Without
+    `keep` its policy is `TokenLRU`'s, which the scheduler uses to predict hits. `put`'s `keep`
+    (the decoder's running block's prefixes: its prompts start after them) are never put out, even
+    over the bounds; nor is the entry being put.
     """
+
+    def __init__(self, capacity_tokens: int, max_bytes: int | None = None):
+        super().__init__(capacity_tokens)
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the stored keys and values hold
 
     @property
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    def put(self, key: Any, entry: PrefixEntry) -> bool:  # type: ignore[override]
-        return super().put(key, entry, int(entry.length))
+    def peek(self, key: PrefixKey) -> PrefixEntry | None:
+        """The entry under `key`, or None, leaving its place in the LRU order and the counts alone."""
+        held = self._entries.get(key)
+        return None if held is None else held[0]
+
+    def put(self, key: PrefixKey, entry: PrefixEntry, keep: Collection[PrefixKey] = ()) -> bool:  # type: ignore[override]
+        """Store `entry`, least recently used others out (not those in `keep`) while over a bound.
+        One longer than the whole capacity is not stored (an older one under `key` is dropped).
+        Returns whether it was stored."""
+        tokens, size = int(entry.length), entry.nbytes
+        if key in self._entries:
+            old, n = self._entries.pop(key)
+            self.tokens, self.bytes = self.tokens - n, self.bytes - old.nbytes
+        if not self.can_store(tokens):
+            return False
+        for old_key in [k for k in self._entries if k not in keep]:  # least recently used first
+            if not self._over(tokens, size):
+                break
+            old, n = self._entries.pop(old_key)
+            self.tokens, self.bytes = self.tokens - n, self.bytes - old.nbytes
+            self.evictions += 1
+        self._entries[key] = (entry, tokens)
+        self.tokens, self.bytes = self.tokens + tokens, self.bytes + size
+        return True
+
+    def _over(self, tokens: int, size: int) -> bool:
+        over_bytes = self.max_bytes is not None and self.bytes + size > self.max_bytes
+        return self.tokens + tokens > self.capacity_tokens or over_bytes
+
+    def clear(self) -> None:
+        super().clear()
+        self.bytes = 0
 
     def stats(self) -> dict[str, int]:
         return {
