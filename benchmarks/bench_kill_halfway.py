@@ -8,7 +8,8 @@ Each round runs the command uninterrupted (its wall time T, from spawn to exit),
 killed with SIGKILL (its process group: the driver and its workers) at T/2 from its spawn; the
 rows that run committed are read from its journal (`commits.jsonl`). It is resumed
 (`resume=true`), and the resumed run's rows are compared with the uninterrupted run's, id by
-id (the text, the generated ids and the finish reason). Prints each round's T, the share
+id (the text, the generated ids and the finish reason). Prints each round's T, when the
+uninterrupted run's worker was ready and its parts were committed (share of T), the share
 committed at the kill, the resume's own wall time and whether the rows are equal. Not a test:
 it kills at a wall-clock moment, which a loaded machine moves.
 """
@@ -31,18 +32,35 @@ def forge_cmd(out: Path, extra: list[str], *more: str) -> list[str]:
     return [sys.executable, "-m", "forge.cli.app", "run", "function=generate", f"output_dir={out}", *extra, *more]
 
 
-def run(cmd: list[str], kill_at: float | None = None) -> float:
-    """Spawn `cmd` in its own process group; kill the group at `kill_at` s. Returns the wall time."""
+def run(cmd: list[str], kill_at: float | None = None, curve: list | None = None) -> float:
+    """Spawn `cmd` in its own process group; kill the group at `kill_at` s. Returns the wall time.
+    With `curve`, the run's journal is read every 50 ms and (seconds from spawn, rows committed)
+    appended at each change."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=harness.child_env(), start_new_session=True
     )
-    try:
-        proc.wait(timeout=kill_at)
-    except subprocess.TimeoutExpired:
+    out = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+    deadline = None if kill_at is None else t0 + kill_at
+    while proc.poll() is None and (deadline is None or time.perf_counter() < deadline):
+        if curve is not None and (n := committed(out)) != (curve[-1][1] if curve else 0):
+            curve.append((time.perf_counter() - t0, n))
+        time.sleep(0.05)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
+    if curve is not None and (n := committed(out)) != (curve[-1][1] if curve else 0):
+        curve.append((time.perf_counter() - t0, n))
     return time.perf_counter() - t0
+
+
+def model_ready_s(run_dir: Path) -> float | None:
+    """Seconds from the run's start to its first worker ready (report.json's phases): the
+    start-up before which no row can be committed, whatever the schedule."""
+    try:
+        return float(json.loads((run_dir / "report.json").read_text())["phases"]["worker_ready_s"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 def committed(run_dir: Path) -> int:
@@ -78,16 +96,30 @@ def main(argv: list[str] | None = None) -> None:
     lines = []
     for r in range(args.rounds):
         clean, killed = work / f"clean-{r}", work / f"killed-{r}"
-        wall = run(forge_cmd(clean, extra))
+        curve: list[tuple[float, int]] = []
+        wall = run(forge_cmd(clean, extra), curve=curve)
         run(forge_cmd(killed, extra), kill_at=wall / 2)
         kept = committed(killed)
         resume = run(forge_cmd(killed, extra, "resume=true"))
         want, got = rows(clean), rows(killed)
         same = got == want and len(want) > 0
         total = len(want)
-        lines.append([r + 1, f"{wall:.1f}", f"{kept} of {total} ({kept / max(total, 1):.0%})", f"{resume:.1f}", same])
+        ready = model_ready_s(clean)
+        parts = ", ".join(f"{n} at {t / wall:.0%}" for t, n in curve)
+        lines.append(
+            [
+                r + 1,
+                f"{wall:.1f}",
+                "-" if ready is None else f"{ready:.1f} ({ready / wall:.0%})",
+                parts,
+                f"{kept} of {total} ({kept / max(total, 1):.0%})",
+                f"{resume:.1f}",
+                same,
+            ]
+        )
         harness.note(f"round {r + 1}: T {wall:.1f} s, {kept} of {total} committed at T/2, rows equal: {same}")
-    print(harness.table(["round", "uninterrupted s", "committed at T/2", "resume s", "resumed = uninterrupted"], lines))
+    head = ["round", "uninterrupted s (T)", "worker ready s", "its commits (rows at share of T)"]
+    print(harness.table([*head, "committed at T/2", "resume s", "resumed = uninterrupted"], lines))
 
 
 if __name__ == "__main__":

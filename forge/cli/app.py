@@ -387,9 +387,7 @@ def main() -> None:  # pragma: no cover - console entry point
     if code == STOPPED_STATUS and early.STOPPED_BY and not early.REPORTED:  # typer's silent 130 while it parsed
         stop_workers()
         _stopped(stopped_line())
-    # every worker has ended: the fork server (torch imported, idle) would otherwise tear itself
-    # down for up to a second after the command exits, a process left behind the command
-    stop_workers()
+    stop_workers()  # not left tearing itself down (torch loaded) for up to a second after the exit
     try:
         quick_exit(code)
     except KeyboardInterrupt:
