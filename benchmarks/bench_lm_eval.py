@@ -1,7 +1,8 @@
 """`lm_eval --model forge` against `--model hf` on the same model, whole processes side by side (issue 45).
 
     pip install -e '.[eval]'
-    python -m benchmarks.bench_lm_eval [--questions 500] [--prompts 50] [--rounds 2] [--sizes 1,8,32,auto]
+    python -m benchmarks.bench_lm_eval [--questions 500] [--prompts 50] [--rounds 2] [--sizes 1,8,32,auto] \
+        [--shape short|mmlu]
 
 Two local tasks (written to a temporary folder, no download): a multiple-choice task of
 `--questions` questions, 4 choices each, under the same 5 few-shot examples (`num_fewshot: 5`,
@@ -15,6 +16,12 @@ medians reported, with each hf variant's time over Forge's. The metrics of every
 printed beside them (they must agree). The least time any exact model needs here
 (`benchmarks/lm_eval_floor.py`: lm-eval alone as `--model dummy`, a cold start, the compute
 floor) is printed under the table, with the issue's ratios. `--only` picks variants by name.
+
+`--shape` sets the multiple-choice questions' shape: `short` (the default: 8-word questions,
+choices of 2-5 words scored as continuations; contexts of about 150 tokens) or `mmlu` (MMLU's:
+a 30-word question with its four 6-word options listed as "A. ...", the continuations " A" to
+" D"; 5-shot contexts of about 600 tokens, of which the 5 shots, about 500, are the same for
+every question).
 Not a test.
 """
 
@@ -66,11 +73,18 @@ def words(k: int, n: int) -> str:
     return " ".join(pick.choice(WORDS) for _ in range(n))
 
 
-def write_tasks(folder: Path, questions: int, prompts: int) -> Path:
+SHAPES = ("short", "mmlu")
+LETTERS = "ABCD"
+
+
+def write_tasks(folder: Path, questions: int, prompts: int, shape: str = "short") -> Path:
     data = folder / "data"
     data.mkdir()
 
     def mc(k: int) -> dict:
+        if shape == "mmlu":  # the options in the question, the letters scored (MMLU's doc_to_text)
+            options = "".join(f"\n{letter}. {words(k + c, 6)}" for c, letter in enumerate(LETTERS))
+            return {"question": words(k, 30) + options, "choices": [*LETTERS], "gold": k % 4}
         return {"question": words(k, 8), "choices": [words(k + c, 2 + c) for c in range(4)], "gold": k % 4}
 
     files = {
@@ -122,6 +136,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sizes", default="1,8,32,auto")
+    ap.add_argument("--shape", choices=SHAPES, default="short", help="the questions' shape (see above)")
     ap.add_argument("--only", default=None, help="variants to run, by name, comma-separated (default: all)")
     a = ap.parse_args()
     need("lm_eval", extra="eval")
@@ -130,7 +145,7 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="bench-lm-eval-"))
     model = materialize_model(ROOT / "functions" / "assets" / "tiny-llama", folder / "cache")
-    tasks = write_tasks(folder, a.questions, a.prompts)
+    tasks = write_tasks(folder, a.questions, a.prompts, a.shape)
     chosen = variants(model, tasks, folder, a.sizes.split(","))
     if a.only:
         chosen = {k: v for k, v in chosen.items() if k in a.only.split(",")}

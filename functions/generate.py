@@ -1,9 +1,11 @@
 """generate: text from a causal LM for each row, greedy or sampled, with continuous batching, and
 optionally the activations of the generated tokens; steered by ``intervene:``.
 
-Rows: ``prompt`` (the text), optional ``prefix`` (a shared few-shot prefix: token rule as everywhere,
-its KV shared between the prompts of a batch), ``id``, ``max_new_tokens`` (this row's limit)
-and ``stop`` (a string or a list: the text ends before the first one found). Per row, Parquet:
+Rows: ``prompt`` (the text), optional ``prompt_ids`` (the prompt's token ids, run as given: no
+special tokens added, ``prompt`` then only names the row; lm-eval's `--model forge` cuts contexts
+so), optional ``prefix`` (a shared few-shot prefix: token rule as everywhere, its KV shared between
+the prompts of a batch), ``id``, ``max_new_tokens`` (this row's limit) and ``stop`` (a string or
+a list: the text ends before the first one found). Per row, Parquet:
 ``generated_ids`` (int32, ragged), ``text``, ``finish_reason`` (length | stop | eos),
 ``num_prompt_tokens`` and ``num_generated_tokens``; with ``layers`` / ``capture``, per generated
 token (and, ``states_of: all``, per prompt token after the prefix first) the states from a plain
@@ -21,9 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.api import Column, Field, Forward, GenerativeConfig, GenerativeFunction, Prompt, Row, one_of
+from forge.api import Column, Field, Forward, GenerativeConfig, GenerativeFunction, Prompt, Row, Tokens, one_of
 
 FINISH = ("length", "stop", "eos")
+
+
+@dataclass
+class IdsPrompt(Prompt):
+    """A prompt a row gave as token ids (``prompt_ids``): tokenized by nobody."""
+
+    ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -63,4 +72,21 @@ class Generate(GenerativeFunction):
         if isinstance(limits, str):
             return limits
         data = row.data
-        return [Prompt(data["prompt"], data.get("prefix") or None, data.get("label"), limits)]
+        ids = data.get("prompt_ids")
+        if ids is None:
+            return [Prompt(data["prompt"], data.get("prefix") or None, data.get("label"), limits)]
+        vocab = len(self.tokenizer)
+        if not isinstance(ids, list) or not ids or not all(_token_id(i, vocab) for i in ids):
+            return f"'prompt_ids' must be a non-empty list of token ids (0..{vocab - 1}); fix it or give 'prompt' alone"
+        if data.get("prefix"):
+            return "has both 'prompt_ids' and 'prefix'; put the prefix's ids at the start of prompt_ids"
+        return [IdsPrompt(data["prompt"], None, data.get("label"), limits, ids=list(ids))]
+
+    def tokenize(self, prompts: list[Prompt]) -> list[Tokens | str]:
+        """By the token rule, except the prompts a row gave as ids."""
+        texts = iter(super().tokenize([p for p in prompts if not isinstance(p, IdsPrompt)]))
+        return [Tokens([], p.ids) if isinstance(p, IdsPrompt) else next(texts) for p in prompts]
+
+
+def _token_id(value: Any, vocab: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab

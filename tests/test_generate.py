@@ -381,6 +381,30 @@ def test_a_config_stop_applies_to_every_row(work, base, embedded):
 # -- the step budget in the report ---------------------------------------------------------------
 
 
+def test_prompt_ids_run_as_given_and_bad_ones_fail_alone(work, embedded):
+    """A row's `prompt_ids` are its prompt (no special tokens added, as lm-eval's --model forge
+    gives a context it cut): the greedy tokens of those ids; a bad list fails its row alone."""
+    whole = embedded.prompt(ROWS[0])
+    rows = [
+        {"id": "cut", "prompt": "named only", "prompt_ids": whole[-20:]},  # a context cut from the left
+        {"id": "whole", "prompt": "x", "prompt_ids": whole},
+        {"id": "empty", "prompt": "x", "prompt_ids": []},
+        {"id": "text", "prompt": "x", "prompt_ids": "1 2 3"},
+        {"id": "vocab", "prompt": "x", "prompt_ids": [1, 10**9]},
+        {"id": "prefix", "prompt": "x", "prompt_ids": [1, 2], "prefix": "a"},
+    ]
+    report = run_function("generate", _write(work / "ids.jsonl", rows), work / "ids", limits())
+    reasons = {f["id"]: f["reason"] for f in report["failures"]}
+    assert sorted(reasons) == ["empty", "prefix", "text", "vocab"], reasons
+    assert "'prompt_ids' must be a non-empty list of token ids" in reasons["vocab"]
+    assert "has both 'prompt_ids' and 'prefix'" in reasons["prefix"]
+    got = load(work / "ids")
+    for k, rid in enumerate(got.ids):
+        ids = whole[-20:] if rid == "cut" else whole
+        assert got.columns["generated_ids"][k].tolist() == greedy(embedded.model, ids, N), rid
+        assert got.columns["num_prompt_tokens"][k] == len(ids), rid
+
+
 def test_no_step_over_the_budget(base):
     report, res = base
     gen = report["outputs"]["generation"]

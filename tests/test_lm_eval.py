@@ -47,6 +47,11 @@ metric_list: [{{metric: exact_match}}]
 """,
 }
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
 
 def _words(k: int, n: int) -> str:
     return " ".join(WORDS[(k * 7 + i * 3) % len(WORDS)] for i in range(n))
@@ -59,6 +64,8 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lm-eval")
     model = tmp / "model"
     shutil.copytree(materialize_model(ROOT / "functions" / "assets" / "tiny-llama", tmp / "cache"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())  # a chat template, starting with BOS
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     data = tmp / "data"
     data.mkdir()
     mc = [
@@ -76,7 +83,7 @@ def setup(tmp_path_factory):
     return model, tasks
 
 
-def _evaluate(model_name: str, model_args: str, tasks: Path) -> dict:
+def _evaluate(model_name: str, model_args: str, tasks: Path, names=tuple(TASKS), **chat) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -85,10 +92,11 @@ def _evaluate(model_name: str, model_args: str, tasks: Path) -> dict:
     return simple_evaluate(
         model=model_name,
         model_args=model_args,
-        tasks=list(TASKS),
+        tasks=list(names),
         task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
         batch_size=4,
+        **chat,
     )
 
 
@@ -104,7 +112,31 @@ def both(setup):
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_model_forge_equals_model_hf(both, task):
-    hf, forge = both
+    _assert_equal(*both, task)
+
+
+def test_chat_templated_few_shot_evaluations_equal_model_hf(setup):
+    """--apply_chat_template --system_instruction --fewshot_as_multiturn: the same prompts (the
+    template starts with the BOS text: neither adds a second), log-likelihoods and generations."""
+    model, tasks = setup
+    chat = {"apply_chat_template": True, "system_instruction": "Answer briefly.", "fewshot_as_multiturn": True}
+    names = ("forge_mc", "forge_gen")
+    args = f"pretrained={model},dtype=float32,max_length=256,device=cpu,logits_cache=False"  # nothing cut
+    hf = _evaluate("hf", args, tasks, names, num_fewshot=2, limit=4, **chat)
+    forge = _evaluate("forge", f"model=hf,model.name={model},max_length=256,devices=cpu", tasks, names, num_fewshot=2,
+                      limit=4, **chat)  # fmt: skip
+    prompt = forge["samples"]["forge_gen"][0]["arguments"][0][0]
+    assert prompt.startswith("<s><|system|> Answer briefly.") and prompt.endswith("<|assistant|> ")
+    assert forge["tokenizer_bos_token"] == hf["tokenizer_bos_token"] and forge["max_length"] == hf["max_length"]
+    from forge.eval.lm import ForgeLM
+
+    lm = ForgeLM(model="hf", **{"model.name": str(model)}, devices="cpu")
+    assert lm.chat_template(True) == CHAT_TEMPLATE and lm.tokenizer_name == str(model).replace("/", "__")
+    for task in names:
+        _assert_equal(hf, forge, task)
+
+
+def _assert_equal(hf: dict, forge: dict, task: str) -> None:
     want, got = hf["samples"][task], forge["samples"][task]
     assert len(want) == len(got) > 0
     for w, g in zip(want, got):
@@ -185,3 +217,25 @@ def test_an_evaluation_with_an_output_dir_resumes_what_it_committed(tmp_path):
     assert again == first
     report = json.loads((tmp_path / "loglikelihood" / "report.json").read_text())
     assert report["items"]["resumed"] == 2  # nothing computed twice
+
+
+def test_contexts_longer_than_max_length_are_cut_as_hf_cuts_them(setup):
+    """generate_until keeps a context's last max_length - max_gen_toks tokens, loglikelihood the
+    last max_length + 1 of context + continuation: lm-eval's HF model's cuts (max_length=64)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from forge.eval.lm import ForgeLM
+
+    model, _ = setup
+    until = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
+    contexts = [_words(k, 30 + 25 * k) for k in range(3)]  # about 32, 57 and 82 tokens: the last two are cut
+    generations = [Instance("generate_until", {}, (c, until), n) for n, c in enumerate(contexts)]
+    pairs = [(c, " " + _words(k + 5, 3)) for k, c in enumerate(contexts)] + [(_words(9, 40), " " + _words(2, 40))]
+    scored = [Instance("loglikelihood", {}, pair, n) for n, pair in enumerate(pairs)]
+    hf = HFLM(pretrained=str(model), device="cpu", dtype="float32", max_length=64, batch_size=1, logits_cache=False)
+    forge = ForgeLM(model="hf", **{"model.name": str(model)}, max_length=64, devices="cpu")
+    assert len(hf.tok_encode(contexts[-1])) > 64 and len(hf.tok_encode(" ".join(pairs[-1]))) > 65
+    assert forge.generate_until(generations) == hf.generate_until(generations)
+    for (g, g_greedy), (w, w_greedy) in zip(forge.loglikelihood(scored), hf.loglikelihood(scored)):
+        assert abs(g - w) <= 1e-4 and g_greedy == w_greedy, (g, w)

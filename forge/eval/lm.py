@@ -11,7 +11,12 @@ a `forge.Session` that lives as long as the model (its weights loaded once for e
   tokens before it, scored as token-id rows; a text's log-likelihood is its windows' sum;
 - `generate_until`: the `generate` function, one run per distinct set of generation arguments:
   `until` is `stop`, `max_gen_toks` is `max_new_tokens`, `do_sample`/`temperature` the sampling;
-  the text ends before the first stop string, as lm-eval expects.
+  the text ends before the first stop string, as lm-eval expects; each context is encoded as
+  lm-eval's HF model encodes it and cut from the left to `max_length - max_gen_toks` tokens.
+
+Chat templates (`--apply_chat_template`, `--system_instruction`, `--fewshot_as_multiturn`): lm-eval
+renders each request through `apply_chat_template` (the tokenizer's template, as its HF model
+calls it) before any request reaches the model; `tokenizer_name` and `chat_template` are HF's.
 
 `--model_args` are Forge overrides (`model.name=...,budget.tokens_per_step=...,intervene=...`);
 lm-eval splits them at commas, so `overrides=FILE.yaml` reads more from a YAML file (a list of
@@ -29,7 +34,7 @@ from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: it imports them only into an empty registry)
 from lm_eval import utils
-from lm_eval.api.model import LM
+from lm_eval.api.model import LM, TemplateLM
 from lm_eval.api.registry import register_model
 
 from forge.errors import ForgeError
@@ -95,6 +100,48 @@ class ForgeLM(LM):
         from forge.eval.generation import generate_all
 
         return generate_all(self, requests)
+
+    # -- chat templates (lm-eval's HF model's) ----------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, as the score function loads it."""
+        return self.score_function().tokenizer
+
+    @property
+    def max_length(self) -> int:
+        """lm-eval's max_length: the `max_length` model arg, else the model's maximum positions."""
+        return int(self.score_function().max_length)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template lm-eval records with the results: the tokenizer's (TemplateLM's choice)."""
+        return TemplateLM.chat_template(self, chat_template)  # type: ignore[arg-type]
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat history as one prompt by the tokenizer's template; a template that refuses a
+        system message gets the history without it (as lm-eval's HF model does)."""
+        import jinja2
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("forge: the chat template failed; applying it without the system message")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # -- running ------------------------------------------------------------------------------
     def run(self, function: str, rows: list[dict], kind: str, overrides: list[str] = ()):

@@ -74,9 +74,14 @@ class PairEncoder:
     The context's trailing whitespace moves to the start of the continuation; ``ctx = enc(context)``,
     ``whole = enc(context + continuation)`` and the continuation's tokens are ``whole[len(ctx):]``.
     ``enc`` adds what the tokenizer puts before every text (a BOS) unless ``add_special_tokens`` is
-    false, and never keeps a trailing EOS. An empty context is the BOS (or EOS when there is none)."""
+    false or the text starts with the BOS's text already (a chat template's output: lm-eval's
+    `has_bos_prefix`), and never keeps a trailing EOS. An empty context is the BOS (or EOS when
+    there is none)."""
 
-    RULE = "lm-eval encode_pair: trailing context whitespace to continuation; cont = enc(ctx+cont)[len(enc(ctx)):] (v1)"
+    RULE = (
+        "lm-eval encode_pair: trailing context whitespace to continuation; cont = enc(ctx+cont)[len(enc(ctx)):]; "
+        "no second BOS before a text starting with its text (v2)"
+    )
 
     def __init__(self, tokenizer, add_special_tokens: bool):
         self.tok = tokenizer
@@ -87,9 +92,14 @@ class PairEncoder:
         self.dropped_eos = add_special_tokens and len(full) > at + len(plain)
         bos = tokenizer.bos_token_id
         self.empty_context = [bos if bos is not None else tokenizer.eos_token_id]
+        self.start_text = tokenizer.decode(self.empty_context) if self.start else None
+
+    def start_of(self, text: str) -> list[int]:
+        """What precedes the text's own tokens: the start, unless the text begins with its text."""
+        return [] if self.start_text and text.startswith(self.start_text) else self.start
 
     def enc(self, text: str) -> list[int]:
-        return self.start + list(self.tok(text, add_special_tokens=False)["input_ids"])
+        return self.start_of(text) + list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
         """`pair` of each (context, continuation), in two tokenizer calls over the whole list (a
@@ -100,7 +110,7 @@ class PairEncoder:
             moved.append((context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation))
         contexts = list(dict.fromkeys(c for c, _ in moved if c))
         ids = self._encode(contexts)
-        ctx_ids = {c: self.start + i for c, i in zip(contexts, ids)}
+        ctx_ids = {c: self.start_of(c) + i for c, i in zip(contexts, ids)}
         wholes = iter(self._encode([c + t for c, t in moved if ctx_ids.get(c)]))
         empty = iter(self._encode([t for c, t in moved if not ctx_ids.get(c)]))
         out = []
@@ -109,7 +119,7 @@ class PairEncoder:
             if not ctx:  # nothing to predict the first token from: the BOS (or EOS) stands in
                 out.append((list(self.empty_context), next(empty)))
             else:
-                out.append((ctx, (self.start + next(wholes))[len(ctx) :]))
+                out.append((ctx, (self.start_of(c) + next(wholes))[len(ctx) :]))
         return out
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
