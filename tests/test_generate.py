@@ -665,7 +665,7 @@ def test_shared_prefix_attention_gives_the_plain_slots_tokens_and_reads_each_pre
     Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3, shared_attention=False).generate(plain)
     steps = []
     original = shared_prefix.stack
-    shared_prefix.stack = lambda prefixes: steps.append(len(prefixes)) or original(prefixes)
+    shared_prefix.stack = lambda prefixes, **kw: steps.append(len(prefixes)) or original(prefixes, **kw)
     try:
         decoder = Decoder(copy.deepcopy(embedded.model), embedded.tok, 256, {2}, 3)
         assert decoder.shared_attention

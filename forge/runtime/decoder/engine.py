@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from forge.runtime.decoder.admission import KVBudget, renumber
+from forge.runtime.decoder.heap import release_free_heap
 from forge.runtime.decoder.kv_slots import SlotKV
 from forge.runtime.decoder.prefill import (
     PREFIX_TOKENS,
@@ -127,6 +128,7 @@ class Decoder:
                         kv_g = [(k[None].clone(), v[None].clone()) for k, v in prefix_fill.kv(g)]
                         self.prefixes.put(key, PrefixEntry(kv_g, len(key[1])), keep=held)
                     prefix_fill, self.admission.computing_bytes = None, 0
+                    release_free_heap()  # their prefill's cache and transients
             if block and prefix_fill is None and fill is None:
                 prefixes = [self._stored(s) for s in block]
                 shared = self._prefill_step if self.shared_attention else None
@@ -136,15 +138,10 @@ class Decoder:
             if fill is not None and not fill.finished:
                 tokens += fill.run(room)
             if fill is not None and fill.finished and self.admission.admits(kv, running, block, fill):
-                for rows, part in fill.parts:
-                    seqs, skipped = [block[g] for g in rows], [fill.skipped[g] for g in rows]
-                    if isinstance(kv, RowKV):
-                        self._admit_rows(kv, running, part, seqs, skipped, len(figures.steps), block, fill)
-                    else:
-                        self._admit(kv, running, part, seqs, len(figures.steps), block, fill)
-                self._note(kv, block, fill)
+                self._admit_block(kv, running, block, fill, len(figures.steps))
                 figures.prefill_pads += fill.slots_run - fill.tokens_run
                 block, fill = [], None
+                release_free_heap()  # the block's caches and transients, freed: not held to the run's end
             figures.steps.append(tokens)
             self._note(kv, block, fill)
             if self._ended:
@@ -154,6 +151,21 @@ class Decoder:
         figures.kv_peak_bytes = kv.peak_bytes
         figures.kv_held_peak_bytes = getattr(kv, "held_peak_bytes", 0)
         return figures
+
+    def _admit_block(self, kv: Any, running: dict[int, Sequence], block: list[Sequence], fill: BlockPrefill,
+                     step: int) -> None:  # fmt: skip
+        """A finished block's prompts each get their first token, and a row or slot if they go on;
+        each part's cache is dropped once its prompts have theirs."""
+        if isinstance(kv, RowKV) and self.kv_bytes is None and kv.column_bytes:  # the rows of all parts at once
+            kv.make_room(len(block), max(max(part.lens) for _, part in fill.parts))
+        for rows, part in fill.parts:
+            seqs, skipped = [block[g] for g in rows], [fill.skipped[g] for g in rows]
+            if isinstance(kv, RowKV):
+                self._admit_rows(kv, running, part, seqs, skipped, step, block, fill)
+            else:
+                self._admit(kv, running, part, seqs, step, block, fill)
+            part.drop_cache()
+        self._note(kv, block, fill)
 
     def _note(self, kv: Any, block: list[Sequence], fill: BlockPrefill | None) -> None:
         """What keys and values are held now (rows' layout): the rows' tokens, stored and stacked
@@ -302,10 +314,12 @@ class Decoder:
         if held is None or not set(by) <= set(held[0]) or len(held[0]) > 2 * len(by):
             key = tuple(sorted(by))
             read = [kvs[k] for k in key]  # kept in `_stacked`: an id there is never a freed object's reused one
-            layers, valid = shared_prefix.stack(read)
-            for g, kv in enumerate(read):  # in place: a sequence's `prefix_kv` is this same list
-                n = kv[0][0].shape[2]
-                kv[:] = [(k[g : g + 1, :, :n], v[g : g + 1, :, :n]) for k, v in layers]
+            for kv in held[3] if held is not None else ():  # the old stack's other prefixes: storage of their own,
+                if id(kv) not in by:  # so the old stack is freed (not held whole for a few of its prefixes)
+                    kv[:] = [(k.clone(), v.clone()) for k, v in kv]
+            self._stacked = held = None  # the old stack is freed layer by layer as the new one adopts its prefixes
+            # in place: a sequence's `prefix_kv` is the same list as the store's entry
+            layers, valid = shared_prefix.stack(read, adopt=True, each_layer=release_free_heap)
             self._stacked = held = (key, layers, valid, read)
             self.admission.stacked_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
         at = {k: g for g, k in enumerate(held[0])}

@@ -15,6 +15,7 @@ and `kv(g)` its keys and values, for a slot.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,9 @@ class Prefill:
                  shared: Any = None):  # fmt: skip
         self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
         self.steer = steer
-        self.shared = shared  # the stored prefixes these prompts come after (a `shared_prefix.Step`), or None
+        # the stored prefixes these prompts come after (a `shared_prefix.Step`, or what builds it when the
+        # first columns run: a block's parts do not each hold a stack of prefixes at once), or None
+        self.shared = shared
         self.lens = [len(t) for t in prompts]
         width = max(self.lens)
         self.pads = [width - n for n in self.lens]
@@ -109,6 +112,8 @@ class Prefill:
         w = max(1, budget // len(self.lens))
         a, b = self.done_to, min(self.width, self.done_to + w)
         args = (self.model, self.ids[:, a:b], self.mask[:, :b], self.positions[:, a:b], self.cache)
+        if callable(self.shared):
+            self.shared = self.shared()
         if self.shared is not None:
             from forge.runtime.forward import shared_prefix
 
@@ -121,6 +126,7 @@ class Prefill:
         self.done_to = b
         if self.finished:
             self.last_logits = logits
+            self.shared = None  # its stack of prefixes is not held past the last columns
         return int(self.mask[:, a:b].sum())
 
     def _slots(self, a: int, b: int) -> Any:
@@ -135,6 +141,11 @@ class Prefill:
         prefix = torch.tensor([p for p, _ in lens])[:, None].expand_as(position)
         prompt = torch.tensor([n for _, n in lens])[:, None].expand_as(position)
         return Slots(position, prefix, prompt, self.mask[:, a:b].cpu().bool())
+
+    def drop_cache(self) -> None:
+        """Free its keys and values (its prompts have been placed: `kv`, `layer_kv` no longer answer)."""
+        self.layers = []
+        self.cache = Cache(layers=[])
 
     def layer_kv(self) -> KV:
         """Every prompt's keys and values so far, ``[prompts, heads, columns, dim]`` per layer."""
@@ -199,7 +210,7 @@ class BlockPrefill:
                 fill = Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, kvs, part)
             else:
                 skip = [self.skipped[g] for g in rows]
-                step = shared([kv if k else None for kv, k in zip(kvs, skip)])
+                step = partial(shared, [kv if k else None for kv, k in zip(kvs, skip)])  # built when it runs
                 own = [prompts[g][k:] for g, k in zip(rows, skip)]
                 fill = Prefill(model, own, num_layers, pad_id, [None] * len(rows), part, skip, step)
             self.parts.append((rows, fill))

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from forge.runtime.decoder.heap import release_free_heap
+
 STEP = 16  # columns added at a time: a whole-buffer copy every STEP decode steps of the longest row
 
 
@@ -140,6 +142,7 @@ class RowKV:
         positions[:n] = self.positions if index is None else self.positions[index.to(self.positions.device)]
         self.lens, self.positions = lens, positions
         self.slots, self.capacity = slots, capacity
+        release_free_heap()  # the old buffers: the new ones are larger or fewer, not refilled from them
 
     def place(self, kv: list[tuple[torch.Tensor, torch.Tensor]], starts: list[int], lens: list[int],
               positions: torch.Tensor) -> list[int]:  # fmt: skip
@@ -149,11 +152,7 @@ class RowKV:
         rows = len(starts)
         if not self.column_bytes:
             self.shape_like(kv)
-        slots, capacity = self._placement(rows, max(lens))
-        if (slots, capacity) != (self.slots, self.capacity):
-            before = self.slots
-            self._resize(slots, capacity)
-            self.free += range(before, slots)
+        self.make_room(rows, max(lens))
         taken, self.free = self.free[:rows], self.free[rows:]
         width, most = kv[0][0].shape[2], max(lens)
         src = (torch.tensor(starts)[:, None] + torch.arange(most)[None]).clamp(max=width - 1)
@@ -165,6 +164,15 @@ class RowKV:
         self.lens[index] = torch.tensor(lens, dtype=torch.long)
         self.positions[index.to(self.positions.device)] = positions
         return taken
+
+    def make_room(self, rows: int, width: int) -> None:
+        """Free rows for `rows` more sequences of up to `width` tokens, in one resize (a block placed
+        part by part would otherwise resize, old and new buffers side by side, once per part)."""
+        slots, capacity = self._placement(rows, width)
+        if (slots, capacity) != (self.slots, self.capacity):
+            before = self.slots
+            self._resize(slots, capacity)
+            self.free += range(before, slots)
 
     def release(self, slot: int) -> None:
         self.lens[slot] = 0

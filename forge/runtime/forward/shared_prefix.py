@@ -17,7 +17,9 @@ split exactly (the log-sum-exp merge): each part gives its maximum score ``m``, 
 factors; scores and softmax in float32. The prefix part is one matmul per prefix over ``[kv heads,
 rows x queries, dim] x [kv heads, dim, P]`` (query head h reads key head h // rep, so grouped heads
 are never expanded). With one prefix that every row reads, rows go in chunks that bound the
-scores' memory (`CHUNK_SCORES`); the decoder's stacked passes are bounded by its tokens per step.
+scores' memory (`CHUNK_SCORES`); the decoder's stacked prefixes go in groups that bound their
+scores' (`PREFIX_SCORE_BYTES`: a prefill part's queries over every stacked prefix can be hundreds of
+MiB). Scores are scaled, masked and exponentiated in place: one such tensor held at a time.
 
 It is registered in transformers' attention registry (`AttentionInterface`, with sdpa's mask
 format) as ``forge_shared_prefix``, and it reads the pass's prefixes from `SHARED.step` (this
@@ -33,6 +35,7 @@ path for good.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,21 +82,31 @@ def one(key_values: KV) -> Step:
     return Step(key_values, None, None, None, None, 0)
 
 
-def stack(prefixes: list[KV]) -> tuple[KV, torch.Tensor]:
-    """Per layer, the prefixes' KV ``[1, kv heads, P_g, dim]`` zero-padded into one tensor; and `valid`."""
-    longest = max(kv[0][0].shape[2] for kv in prefixes)
+def stack(
+    prefixes: list[KV], adopt: bool = False, each_layer: Callable[[], object] | None = None
+) -> tuple[KV, torch.Tensor]:
+    """Per layer, the prefixes' KV ``[1, kv heads, P_g, dim]`` zero-padded into one tensor; and `valid`.
+    `adopt`: each prefix's list then holds views into the stack, replaced layer by layer as it is
+    built, so the stack is their storage and what they held before is freed a layer at a time
+    instead of being kept beside the whole new stack. `each_layer`: called after each layer (the
+    decoder hands the freed copies back to the system there, `forge.runtime.decoder.heap`)."""
+    lengths = [kv[0][0].shape[2] for kv in prefixes]
+    longest = max(lengths)
     layers = []
     for i in range(len(prefixes[0])):
         k0, v0 = prefixes[0][i]
         k = k0.new_zeros(len(prefixes), k0.shape[1], longest, k0.shape[3])
         v = v0.new_zeros(len(prefixes), v0.shape[1], longest, v0.shape[3])
-        for g, kv in enumerate(prefixes):
-            n = kv[i][0].shape[2]
+        for g, (kv, n) in enumerate(zip(prefixes, lengths)):
             k[g, :, :n], v[g, :, :n] = kv[i][0][0], kv[i][1][0]
+            if adopt:
+                kv[i] = (k[g : g + 1, :, :n], v[g : g + 1, :, :n])
         layers.append((k, v))
-    valid = torch.zeros(len(prefixes), 1, 1, longest, dtype=torch.bool, device=prefixes[0][0][0].device)
-    for g, kv in enumerate(prefixes):
-        valid[g, ..., : kv[0][0].shape[2]] = True
+        if each_layer is not None:
+            each_layer()
+    valid = torch.zeros(len(prefixes), 1, 1, longest, dtype=torch.bool, device=layers[0][0].device)
+    for g, n in enumerate(lengths):
+        valid[g, ..., :n] = True
     return layers, valid
 
 
@@ -224,6 +237,7 @@ def _attend(q, key, value, keep, scale: float, rep: int, s: int, pk, pv, valid=N
     p = scores.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)  # [b, kv heads, rep x S, 1]
     out = torch.matmul(p, value.float())  # [b, kv heads, rep x S, dv]
+    del scores, p  # freed before the prefix's scores are made: not both held at once
     if pk is None:
         return out.div_(total.clamp_(min=torch.finfo(torch.float32).tiny))
     if rows is None:  # every row reads prefix 0: all rows' queries against its one copy
@@ -242,12 +256,7 @@ def _attend(q, key, value, keep, scale: float, rep: int, s: int, pk, pv, valid=N
     qg = q.new_zeros(groups, width, kv_heads, rep * s, q.shape[-1])
     qg[group, place] = q[rows]
     qg = qg.permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, width * rep * s, -1)
-    s2 = torch.matmul(qg, pk.float().transpose(-1, -2)).mul_(scale)  # [G, kv heads, width x rep x S, P]
-    if valid is not None:
-        s2.masked_fill_(~valid, float("-inf"))
-    m2 = s2.amax(-1, keepdim=True)
-    p2 = s2.sub_(m2).exp_()
-    t2, o2 = p2.sum(-1, keepdim=True), torch.matmul(p2, pv.float())  # [G, kv heads, width x rep x S, 1 | d]
+    m2, t2, o2 = _prefix_part(qg, pk, pv, valid, scale)  # [G, kv heads, width x rep x S, 1 | 1 | d]
     m2, t2, o2 = (x.view(groups, kv_heads, width, rep * s, -1)[group, :, place] for x in (m2, t2, o2))
     m1 = m[rows]  # [rows, kv heads, rep x S, 1]
     top = torch.maximum(m1, m2)
@@ -255,6 +264,34 @@ def _attend(q, key, value, keep, scale: float, rep: int, s: int, pk, pv, valid=N
     out[rows] = out[rows] * a + o2 * c
     total[rows] = total[rows] * a + t2 * c
     return out.div_(total.clamp_(min=torch.finfo(torch.float32).tiny))
+
+
+#: the most bytes of prefix scores one matmul of the decoder's stacked prefixes makes: a prefill
+#: part's rows x queries over every stacked prefix can be hundreds of MiB at once, so the prefixes
+#: are taken this many scores' worth at a time
+PREFIX_SCORE_BYTES = 32 * 2**20
+
+
+def _prefix_part(qg: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, valid: torch.Tensor | None, scale: float):
+    """Each prefix's part of the split softmax for its queries ``qg [G, kv heads, Q, d]``: the maximum
+    score, the sum of exp(score - maximum) and the weighted values (``[G, kv heads, Q, 1 | 1 | dv]``),
+    over the prefixes in groups whose scores hold at most PREFIX_SCORE_BYTES. Each prefix's figures
+    come from its own matmuls either way, so they equal those of all the prefixes at once."""
+    groups, kv_heads, queries, _ = qg.shape
+    take = max(1, PREFIX_SCORE_BYTES // max(1, kv_heads * queries * pk.shape[2] * 4))  # float32 scores
+    m2 = qg.new_empty(groups, kv_heads, queries, 1)
+    t2 = qg.new_empty(groups, kv_heads, queries, 1)
+    o2 = qg.new_empty(groups, kv_heads, queries, pv.shape[-1])
+    for a in range(0, groups, take):
+        z = slice(a, a + take)
+        s2 = torch.matmul(qg[z], pk[z].float().transpose(-1, -2)).mul_(scale)  # [g, kv heads, Q, P]
+        if valid is not None:
+            s2.masked_fill_(~valid[z], float("-inf"))
+        torch.amax(s2, -1, keepdim=True, out=m2[z])
+        p2 = s2.sub_(m2[z]).exp_()  # in place: one group's scores held at a time
+        torch.sum(p2, -1, keepdim=True, out=t2[z])
+        torch.matmul(p2, pv[z].float(), out=o2[z])
+    return m2, t2, o2
 
 
 # ----------------------------------------------------------------------------- the forward runners' use
