@@ -247,6 +247,35 @@ def test_greedy_equals_one_prompt_at_a_time_in_each_family(work, name):
     ref.check(work / f"run-{name}", ROWS)
 
 
+def test_a_cache_class_of_the_models_own_is_refused_and_the_scan_is_kept_for_later_runs(tmp_path, monkeypatch):
+    """The scan of the model's code for a cache class of its own imports that code (about 1 s the
+    driver otherwise never spends): its answer is kept with the class's facts, so a later run
+    neither imports the module nor asks again, and gives the same verdict."""
+    import sys
+    import types
+
+    from forge.runtime.decoder import fit
+
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path))
+    module = types.ModuleType("forge_test_own_cache")
+    module.OwnCache = type("OwnCache", (transformers.DynamicCache,), {"__module__": module.__name__})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    llama = "transformers.models.llama.modeling_llama"
+    assert "keeps its own cache (OwnCache)" in fit.decoder_refusal(transformers.LlamaConfig(), module.__name__)
+    assert fit.decoder_refusal(transformers.LlamaConfig(), llama) is None
+    monkeypatch.delitem(sys.modules, module.__name__)
+
+    def scan(name):
+        raise AssertionError(f"{name} scanned again")
+
+    monkeypatch.setattr(fit, "_own", scan)
+    assert "keeps its own cache (OwnCache)" in fit.decoder_refusal(transformers.LlamaConfig(), module.__name__)
+    assert fit.decoder_refusal(transformers.LlamaConfig(), llama) is None
+    # another transformers version or config class scans afresh
+    with pytest.raises(AssertionError, match="scanned again"):
+        fit.decoder_refusal(transformers.MistralConfig(), "transformers.models.mistral.modeling_mistral")
+
+
 def test_a_model_whose_cache_is_not_keys_and_values_is_refused_before_work(work):
     """A recurrent state, KV shared across layers, a cache class of the model's own: one line each;
     transformer decoders of every kind above go through."""

@@ -14,9 +14,7 @@ def decoder_refusal(config: Any, model_module: str | None = None) -> str | None:
     """Why Forge's decoder cannot run this model (None: it can): it places keys and values per layer
     in slots, so a cache holding anything else (a recurrent state, layers sharing KV, a cache class
     of the model's own, in `model_module`) is refused."""
-    import importlib
-
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
@@ -34,15 +32,36 @@ def decoder_refusal(config: Any, model_module: str | None = None) -> str | None:
         return f"its cache holds {', '.join(sorted(kinds))} (recurrent or shared state), not keys and values per layer"
     if cache.layers and len(cache.layers) != layers:
         return f"its cache has {len(cache.layers)} layers for {layers} decoder layers (layers share KV)"
-    try:
-        module = importlib.import_module(model_module) if model_module else None
-    except ImportError:
-        module = None
-    found = vars(module).items() if module is not None else ()
-    own = sorted(n for n, o in found if isinstance(o, type) and issubclass(o, Cache) and o.__module__ == model_module)
+    own = own_cache_classes(config, model_module)
     if own:
         return f"its model code keeps its own cache ({', '.join(own)}), not keys and values per layer"
     return None
+
+
+def own_cache_classes(config: Any, model_module: str | None) -> list[str]:
+    """The `Cache` classes that `model_module` (the model's code) defines itself. Reading them
+    imports the modeling code, about 1 s of a CPU core that `forge run`'s own process otherwise
+    never spends (its workers import it, in a fork server started first), so the names are kept
+    with the class's other facts (`forge.runtime.model.class_facts`) and read once per
+    transformers version and config class."""
+    if not model_module:
+        return []
+    from forge.runtime.model.class_facts import class_fact
+
+    return list(class_fact(config, "AutoModelForCausalLM", f"own_caches {model_module}", lambda: _own(model_module)))
+
+
+def _own(model_module: str) -> list[str]:
+    import importlib
+
+    from transformers.cache_utils import Cache
+
+    try:
+        module = importlib.import_module(model_module)
+    except ImportError:
+        return []
+    found = vars(module).items()
+    return sorted(n for n, o in found if isinstance(o, type) and issubclass(o, Cache) and o.__module__ == model_module)
 
 
 def step_activation_bytes(config: Any, torch_dtype: str, tokens: int, max_seq_len: int) -> int:
