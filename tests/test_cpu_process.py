@@ -52,5 +52,9 @@ def test_blocks_up_to_32_mib_come_from_the_heap_once_it_is_set():
 
 
 def test_a_c_library_without_mallopt_changes_nothing(monkeypatch):
-    monkeypatch.setattr(cpu_process.ctypes.util, "find_library", lambda name: None)
+    from forge.vocab import libc
+
+    monkeypatch.setattr(libc, "_libc", lambda: object())  # a C library without mallopt (macOS, musl)
+    assert cpu_process.keep_freed_memory() is False
+    monkeypatch.setattr(libc, "_libc", lambda: None)  # none found
     assert cpu_process.keep_freed_memory() is False

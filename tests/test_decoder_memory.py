@@ -77,5 +77,9 @@ def test_stack_adopts_its_prefixes_as_views():
     assert valid[0, 0, 0].tolist() == [True] * 3 + [False] * 2
 
 
-def test_release_free_heap_answers():
+def test_release_free_heap_answers(monkeypatch):
     assert release_free_heap() is (platform.libc_ver()[0] == "glibc")  # malloc_trim: glibc's alone
+    from forge.vocab import libc
+
+    monkeypatch.setattr(libc, "_libc", lambda: object())  # a C library without malloc_trim: nothing done
+    assert release_free_heap() is False

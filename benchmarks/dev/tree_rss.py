@@ -9,31 +9,11 @@ it execs: the fork server's first sample reads as the driver's).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except OSError:
-        return 0
+from benchmarks.peers.gen_cold import rss, tree
 
 
 def cmdline(pid: int) -> str:
@@ -51,12 +31,9 @@ def main(argv: list[str]) -> None:
     own: dict[int, int] = {}
     names: dict[int, str] = {}
     while proc.poll() is None:
-        todo, total, now = [proc.pid], 0, {}
-        while todo:
-            p = todo.pop()
-            r = rss(p)
-            total, now[p] = total + r, r
-            todo += children(p)
+        now = {p: rss(p) for p in tree(proc.pid)}
+        total = sum(now.values())
+        for p, r in now.items():
             names.setdefault(p, cmdline(p))
             own[p] = max(own.get(p, 0), r)
         if total > peak:

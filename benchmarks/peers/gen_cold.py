@@ -56,12 +56,9 @@ else:
 class PeakRss:
     """This process's peak resident memory while the block runs (sampled every 10 ms)."""
 
-    PAGE = os.sysconf("SC_PAGE_SIZE")
-
-    @classmethod
-    def now(cls) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * cls.PAGE
+    @staticmethod
+    def now() -> int:
+        return rss("self")
 
     def __enter__(self):
         self.start = self.peak = self.now()
@@ -79,20 +76,39 @@ class PeakRss:
         self.peak = max(self.peak, self.now())
 
 
+def rss(pid: int | str) -> int:
+    """The resident bytes of process `pid` (0: gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        return 0
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid`'s threads started (none: gone)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        out.append(p := todo.pop())
+        todo += children(p)
+    return out
+
+
 def tree_rss(pid: int) -> int:
     """The resident bytes of `pid` and all its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * PAGE
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
+    return sum(rss(p) for p in tree(pid))
 
 
 def timed(cmd: list[str], env: dict) -> dict:

@@ -26,7 +26,8 @@ On 200 `score` questions in one process (`runtime.executor=inprocess`), the peak
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+
+from forge.vocab.libc import libc_function
 
 #: (mallopt parameter from glibc's malloc.h, the environment variable glibc reads it from, value)
 SETTINGS = (
@@ -41,14 +42,9 @@ ENV = {name: str(value) for _, name, value in SETTINGS}
 def keep_freed_memory() -> bool:
     """Keep freed blocks in this process's heap (glibc); False where the C library has no
     `mallopt` or refuses a setting."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(param, value) == 1 for param, _, value in SETTINGS)
 
 

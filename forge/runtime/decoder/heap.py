@@ -15,26 +15,13 @@ run, each a few ms). On a C library without `malloc_trim` (macOS, musl) it does 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
-from typing import Any
 
-
-@functools.cache
-def _trim() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-    if trim is not None:
-        trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return trim
+from forge.vocab.libc import libc_function
 
 
 def release_free_heap() -> bool:
     """Return the heap's free pages to the system (glibc); False where there is no `malloc_trim`."""
-    trim = _trim()
+    trim = libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is None:
         return False
     trim(0)
