@@ -174,13 +174,14 @@ def _wait_commit(out: Path, alive, plant, rng: random.Random, early: bool, max_d
 
 def _apply(cycle: _Cycle, out: Path, args: list[str], env: dict, disk: _Disk | None) -> None:
     first = cycle.procs[0]
-    if first.poll() is not None:
-        return
     if cycle.fault == "kill9":
+        # either of a twin pair may hold the lock and the other be refused: kill whichever lives
         for proc in cycle.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 cycle.faulted.add(proc.pid)
+    elif first.poll() is not None:
+        return
     elif cycle.fault in ("lock_removed", "lock_replaced", "paused"):
         if cycle.fault == "paused":
             os.killpg(first.pid, signal.SIGSTOP)
