@@ -13,7 +13,8 @@ processes inherit; registered with `plugins=[faults]`.
      "kill_run_at_write": 3,                            # SIGKILL the whole process group at shard N
      "pause_at_commit": {"nth": 2, "until": "/tmp/go"}, # shard N in place, its record not written: the run
                                                         # waits (as if paused) until that file exists
-     "sigterm_at_start": true}                          # SIGTERM to the run itself as it starts (start-up)
+     "sigterm_at_start": true,                          # SIGTERM to the run itself as it starts (start-up)
+     "hold_mb": 200}                                    # the process running a batch holds 200 MiB more (once)
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import time
 from pathlib import Path
 
 from forge.hookspecs import hookimpl
+
+#: what `hold_mb` holds, in the process that ran the batch (kept until it exits)
+_HELD: list[bytearray] = []
 
 
 def _config() -> dict:
@@ -87,6 +91,8 @@ def forge_fault(point, device, batch):
         if cfg.get("fail_commit") and _count("commit") + 1 >= cfg["fail_commit"]:
             raise OSError(errno.EIO, "I/O error writing the commit record (simulated)")
         return
+    if cfg.get("hold_mb") and point == "before_forward" and not _HELD:
+        _HELD.append(bytearray(b"\1" * (cfg["hold_mb"] << 20)))  # written: resident, not only reserved
     if "fail" in cfg:
         raise RuntimeError(cfg["fail"])
     if cfg.get("oom_above") and batch.padded_slots > cfg["oom_above"]:

@@ -75,9 +75,12 @@ def test_run_writes_report_and_activations(cli, tmp_path):
         "devices",
         "wall_s",
         "useful_tokens_per_s",
+        "driver_resident_peak_bytes",
     ):
         assert key in report
     assert "balanced" in result.output
+    worker = report["devices"][0]["resident_peak_bytes"]  # the worker process's own, after its batches
+    assert worker > 0 and f"cpu worker {worker / 2**20:,.0f} MiB" in result.output
     phases = report["phases"]  # where the time went, start-up included
     assert set(phases) == {
         "start_s",

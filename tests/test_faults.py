@@ -316,3 +316,17 @@ def test_large_batches_and_results_cross_the_pipes(tmp_path):
     assert report["balanced"] and report["items"]["completed"] == 2500
     ids, _, layers = load_activations(out)
     assert len(set(ids)) == 2500 and layers[4].shape == (2500, 256)
+
+
+@pytest.mark.slow
+def test_each_process_reports_its_own_resident_peak(tmp_path, faults):
+    """report.json's resident peaks are each process's own: memory a worker holds shows in its
+    device's figure, not in the run's own process's (`driver_resident_peak_bytes`)."""
+    base = run_forge(tmp_path / "a", *FAST, *PROC)
+    faults(hold_mb=256)
+    held = run_forge(tmp_path / "b", *FAST, *PROC)
+    worker = [r["devices"][0]["resident_peak_bytes"] for r in (base, held)]
+    driver = [r["driver_resident_peak_bytes"] for r in (base, held)]
+    assert worker[0] > 0 and driver[0] > 0
+    assert worker[1] - worker[0] >= 250 << 20, worker
+    assert driver[1] - driver[0] < 64 << 20, driver

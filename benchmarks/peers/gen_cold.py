@@ -4,11 +4,14 @@
 
 Each way is a new process timed from its spawn to its exit (imports, model load and tokenizing
 included), with the peak of the summed resident memory of it and all its descendants (sampled
-every 20 ms from /proc): Forge as `forge run function=generate` (its default executor: a driver
-and a worker process), the peers as a small script that loads the model with transformers and
-runs left-padded `model.generate` in sorted batches, or lm-eval's `HFLM.generate_until`, on the
-same rows (prefix + prompt text). Exactness is the in-process benchmark's (`python -m benchmarks
-generate`): the peers here tokenize the joined text themselves.
+every 20 ms from /proc), and the peak of their summed proportional set size (PSS: each page
+shared between them, a library's code or a worker's pages inherited from its fork server,
+counted once in all, not once a process as summed RSS counts it): Forge as `forge run
+function=generate` (its default executor: a driver and a worker process), the peers as a small
+script that loads the model with transformers and runs left-padded `model.generate` in sorted
+batches, or lm-eval's `HFLM.generate_until`, on the same rows (prefix + prompt text). Exactness
+is the in-process benchmark's (`python -m benchmarks generate`): the peers here tokenize the
+joined text themselves.
 """
 
 from __future__ import annotations
@@ -106,19 +109,38 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def pss(pid: int | str) -> int:
+    """The proportional set size of process `pid` in bytes: its private pages, and each page it
+    shares divided by the number of processes mapping it (0: gone; Linux 4.14+)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def tree_rss(pid: int) -> int:
     """The resident bytes of `pid` and all its descendants."""
     return sum(rss(p) for p in tree(pid))
 
 
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(summed RSS, summed PSS) of `pid` and all its descendants, in bytes."""
+    pids = tree(pid)
+    return sum(rss(p) for p in pids), sum(pss(p) for p in pids)
+
+
 def timed(cmd: list[str], env: dict) -> dict:
-    """One process run: its wall seconds from spawn to exit and the peak summed RSS of its tree."""
-    peak, t0 = [0], time.perf_counter()
+    """One process run: its wall seconds from spawn to exit and the peaks of its tree's summed RSS and PSS."""
+    peak, t0 = [0, 0], time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss(proc.pid))
+            peak[:] = map(max, peak, tree_memory(proc.pid))
             time.sleep(0.02)
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -128,7 +150,7 @@ def timed(cmd: list[str], env: dict) -> dict:
     thread.join()
     if proc.returncode:
         raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {err[-2000:]}")
-    return {"wall_s": wall, "peak_mib": peak[0] / 2**20}
+    return {"wall_s": wall, "peak_mib": peak[0] / 2**20, "peak_pss_mib": peak[1] / 2**20}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,9 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     rep.text(f"{a.limit} {a.shape} prompts, max_new_tokens {n}, load average {os.getloadavg()[0]:.1f}")
     peers = [k for k in trials.names if not k.startswith("Forge")]
     best = min([float(trials.median(k)) for k in peers] or [0.0])
-    table = [[k, f"{trials.median(k):.2f}", f"{max(trials.values(k, 'peak_mib')):,.0f}"]
+    table = [[k, f"{trials.median(k):.2f}", f"{max(trials.values(k, 'peak_mib')):,.0f}",
+              f"{max(trials.values(k, 'peak_pss_mib')):,.0f}"]
              + [f"{best / trials.median(k):.2f}" if best else "-"] for k in trials.names]  # fmt: skip
-    rep.table(["way", "median wall s (spawn to exit)", "peak RSS MiB (process tree)", "x best peer"], table)
+    heads = [
+        "way",
+        "median wall s (spawn to exit)",
+        "peak RSS MiB (tree, summed)",
+        "peak PSS MiB (tree)",
+        "x best peer",
+    ]
+    rep.table(heads, table)
     rep.trials(trials)
     rep.save()
 

@@ -123,6 +123,20 @@ def _reuse_words(reuse: float, hit: float, tokens: Mapping[str, Any]) -> str:
     return f"{100 * reuse:.2f}% not computed again" + (f": {', '.join(parts)}" if parts else "")
 
 
+def _resident_words(report: Mapping[str, Any]) -> str:
+    """The most resident memory each of the run's processes held: this one, and each device's worker
+    process ("" where not measured). In process, the device's figure is this process's own."""
+    driver = report.get("driver_resident_peak_bytes")
+    if not driver:
+        return ""
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    if report.get("config", {}).get("runtime", {}).get("executor") == "inprocess":
+        return f"{mib(driver)} (one process: the run and its model)"
+    workers = [(d["name"], d["resident_peak_bytes"]) for d in report.get("devices", []) if d.get("resident_peak_bytes")]
+    each = "  ".join(f"{name} worker {mib(b)}" for name, b in workers)
+    return f"this process {mib(driver)}" + (f"  {each}" if each else "")
+
+
 def _ran_rows(table: Table, report: Mapping[str, Any]) -> None:
     """The rows only a run has: its wall time, model, outputs and a function's own line."""
     table.add_row(
@@ -132,6 +146,9 @@ def _ran_rows(table: Table, report: Mapping[str, Any]) -> None:
     if phases.get("first_batch_s") is not None:
         how = "warm start: forge server" if phases.get("warm_start") else "cold start; forge server start imports once"
         table.add_row("start", f"first batch at {phases['first_batch_s']:.2f} s  ({how})")
+    memory = _resident_words(report)
+    if memory:
+        table.add_row("peak RSS", memory)
     table.add_row("model", str(report.get("model")))
     out = report.get("outputs") or {}
     table.add_row(
@@ -159,11 +176,14 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
     cols = ["device", "batches", "tokens", "padded slots", "cache misses"]
     if memory:
         cols.append("GiB peak/budget")
+    resident = any(d.get("resident_peak_bytes") for d in devices)
     if virtual:
         cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
         cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
     else:
         cols.append("busy s")
+    if resident:
+        cols.append("peak RSS MiB")
     title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
     dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
     for col in cols:
@@ -187,6 +207,8 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
             row += [fmt.format(d["virtual_finish"]), f"{100 * d['busy_share']:.1f}", str(d.get("oom", 0))]
         else:
             row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
+        if resident:
+            row.append(f"{d['resident_peak_bytes'] / 2**20:,.0f}" if d.get("resident_peak_bytes") else "-")
         dev.add_row(*row)
     return dev
 

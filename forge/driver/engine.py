@@ -36,6 +36,7 @@ from forge.io.location import local_path
 from forge.io.store import RunStore
 from forge.pluginmanager import batching_modes, executors, load_object, trackers
 from forge.vocab.geometry import DEFAULT_WINDOW, Device, Item
+from forge.vocab.procs import resident_peak_bytes
 from forge.vocab.records import RunContext
 
 
@@ -279,8 +280,11 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
                 restarts=dict(executor.restarts),
                 retired=dict(executor.retired),
                 executor=executor.info(),
+                driver_resident_peak_bytes=resident_peak_bytes(),
             ),
         )
+        for d in report.devices:
+            d.resident_peak_bytes = executor.resident_peak_bytes.get(d.name)
         return finish_report(report, run=run, pm=pm, write=store.write_file)
     finally:
         scheduler.close()

@@ -66,6 +66,9 @@ class DeviceReport:
     busy_share: float | None = None
     oom: int | None = None
     simulated_peak_bytes: int | None = None  # a simulated device's true peak (no margin) of its largest batch
+    # a run's: the most resident memory (RSS) its worker's process held, as that process measured it
+    # after each batch (the run's own process for runtime.executor=inprocess; the largest where replaced)
+    resident_peak_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # a predicted peak comes with its budget, even an unknown one
@@ -88,6 +91,9 @@ class RunFigures:
     retired: dict[str, str]  # device -> why it ran no more work
     executor: dict[str, Any] = field(default_factory=dict)  # `Executor.info()`: top-level keys ("ray")
     useful_tokens_per_s: float | None = None  # completed tokens per wall second (once the ledger counted them)
+    #: the most resident memory (RSS) the run's own process held (with the in-process executor, its
+    #: model and batches too); each device's worker's is its `DeviceReport.resident_peak_bytes`
+    driver_resident_peak_bytes: int | None = None
 
 
 @dataclass
@@ -165,6 +171,7 @@ class Report(Mapping[str, Any]):
         out.update(layouts=self.layouts, prefixes=self.prefixes)
         if run is not None:
             out["useful_tokens_per_s"] = run.useful_tokens_per_s
+            out["driver_resident_peak_bytes"] = run.driver_resident_peak_bytes
         if plan is not None:
             vt = plan.virtual_time
             out["output_bytes"] = plan.output_bytes

@@ -73,6 +73,14 @@ class Executor(ABC):
         #: device -> seconds from its first worker's start to its model load's start (the process
         #: starting, waiting for its imports: torch, transformers, the function's modules)
         self.worker_start_s: dict[str, float] = {}
+        #: device -> the most resident memory its worker's process held (the largest of its workers'
+        #: peaks, each as the worker measured it after a batch: `forge.vocab.procs.resident_peak_bytes`);
+        #: the run's own process for the in-process executor
+        self.resident_peak_bytes: dict[str, int] = {}
+
+    def _resident(self, device: str, peak: int | None) -> None:
+        if peak:
+            self.resident_peak_bytes[device] = max(self.resident_peak_bytes.get(device, 0), int(peak))
 
     @abstractmethod
     def start(self, devices: list[Device]) -> None: ...

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from forge.executors.base import Executor, Outcome, Status
 from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
+from forge.vocab.procs import resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime
@@ -64,6 +65,7 @@ class InProcessExecutor(Executor):
 
         # a sticky device error retires nothing here: the driver's own process cannot be replaced
         ran = run_batch(self.workers[device.name], self.hook, device, batch, emit)
+        self._resident(device.name, resident_peak_bytes())  # this process's: the run's own
         return [*parts, ran.outcome(ticket, device.name)]
 
     def close(self, grace_s: float = 5.0) -> None:

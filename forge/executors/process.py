@@ -34,6 +34,7 @@ from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
 from forge.executors.warm_fork import forget_dead_fork_server
 from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
+from forge.vocab.procs import resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime
@@ -214,13 +215,14 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                 if msg[0] == "load_failed":
                     slot.load_error = msg[1]
                     continue
-                kind, ticket, payload, seconds = msg
+                kind, ticket, payload, seconds = msg[:4]
                 if kind == Status.PARTIAL.value:  # the head runs on: it is still the one running
                     self._pending.append(Ran(Status.PARTIAL, payload, seconds).outcome(ticket, name))
                     continue
                 if slot.queue and slot.queue[0][0] == ticket:
                     slot.queue.popleft()
                 self._answered(slot)
+                self._resident(name, msg[4])
                 self._pending.append(Ran(Status(kind), payload, seconds).outcome(ticket, name))
         except (EOFError, OSError):
             ended = True
@@ -307,7 +309,7 @@ def worker_main(
         ticket, batch = msg
         emit = lambda part, t=ticket: _send(conn, ("partial", t, (part.positions, part.output), part.seconds))  # noqa: E731
         ran = run_batch(worker, hook, device, batch, emit)
-        _send(conn, (ran.status.value, ticket, ran.payload, ran.seconds))
+        _send(conn, (ran.status.value, ticket, ran.payload, ran.seconds, resident_peak_bytes()))
         if ran.sticky:
             break  # this process is done: the driver sees it exit and starts another
     worker.close()

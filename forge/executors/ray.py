@@ -26,6 +26,7 @@ from forge.errors import ForgeError
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
 from forge.executors.worker import Ran, run_batch, sticky_error
 from forge.vocab.geometry import Batch, Device
+from forge.vocab.procs import resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import RayRuntime
@@ -174,12 +175,13 @@ class RayExecutor(SlotExecutor[_Slot]):
         while slot.queue and slot.queue[0][2] in done:  # an actor answers in order
             ticket, _, ref = slot.queue[0]
             try:
-                kind, payload, seconds = ray.get(ref)
+                kind, payload, seconds, peak = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - the actor died (killed, crashed, node lost)
                 return self._replace(slot, f"actor of {name} died ({_cause(exc)})")
             slot.queue.popleft()
             self._answered(slot)
             ran = Ran(Status(kind), payload, seconds)
+            self._resident(name, peak)
             self._pending.append(ran.outcome(ticket, name))
             # the actor's reason is all that crossed: the marker of a sticky error must be in its first line
             if ran.status != Status.COMPLETED and sticky_error(payload):
@@ -250,9 +252,10 @@ class DeviceActor:
             info["threads"] = self.threads
         return info
 
-    def run(self, batch: Batch) -> tuple[str, Any, float]:
+    def run(self, batch: Batch) -> tuple[str, Any, float, int]:
+        """(status, payload, seconds, the actor process's resident peak bytes so far)."""
         ran = run_batch(self.worker, self.hook, self.device, batch)
-        return ran.status.value, ran.payload, ran.seconds
+        return ran.status.value, ran.payload, ran.seconds, resident_peak_bytes()
 
 
 def _gpus(device: Device) -> int:

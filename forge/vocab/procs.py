@@ -14,3 +14,14 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def resident_peak_bytes() -> int:
+    """The most resident memory (RSS) this process has held since it started, as its OS counts it
+    (getrusage's ru_maxrss: kilobytes on Linux, bytes on macOS). A process forked from another
+    starts its count afresh."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
