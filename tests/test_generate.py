@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import embedded_model_dir
+from conftest import embedded_model_dir, plan_forge
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -181,6 +181,14 @@ def test_greedy_in_every_batching_mode_and_budget(work, embedded, mode, budget):
     assert tokens["cache_hit"] + tokens["prefix_shared"] == gen["prefill_tokens_shared"] > 0, (tokens, gen)
     if mode == "item":  # whole prompts in several batches: later ones find prefixes the worker stored
         assert report["batches"] > 1 and gen["prefix_cache_hits"] > 0 and tokens["cache_hit"] > 0, (tokens, gen)
+    # each distinct prefix computed once on the device, by the decoder (or split off a batch), and said so;
+    # the plan (no model) predicts the same sharing
+    prefixes = report["prefixes"]
+    assert prefixes["computed"] == prefixes["distinct"] == 3, prefixes
+    assert set(prefixes["computed_in"]) == ({"split-prefix batches"} if mode == "token-packed" else {"engine"})
+    plan = plan_forge("function=generate", f"input.path={work / 'rows.jsonl'}", *limits(budget), *MODES[mode], *room)
+    assert plan["prefixes"] == prefixes
+    assert [plan["tokens"][k] for k in ("cache_hit", "prefix_shared")] == [tokens["cache_hit"], tokens["prefix_shared"]]
 
 
 # -- families ------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ def _run_table(report: Mapping[str, Any]) -> Table:
     table.add_row("prefixes", prefixes["words"] if prefixes else "none")
     reuse = report.get("prefix_reuse_rate")
     if reuse is not None and hit is not None:
-        table.add_row("prefix tokens", _reuse_words(reuse, hit, tokens))
+        engine = "engine" in ((report.get("prefixes") or {}).get("computed_in") or {})
+        table.add_row("prefix tokens", _reuse_words(reuse, hit, tokens, engine))
     if report.get("path"):
         table.add_row("path", str(report["path"]))
     table.add_row("balanced", "yes" if report.get("balanced") else f"NO: {'; '.join(report.get('imbalance', []))}")
@@ -113,13 +114,15 @@ def _run_table(report: Mapping[str, Any]) -> Table:
     return table
 
 
-def _reuse_words(reuse: float, hit: float, tokens: Mapping[str, Any]) -> str:
+def _reuse_words(reuse: float, hit: float, tokens: Mapping[str, Any], engine: bool = False) -> str:
     """What share of the prefix tokens the items needed ran again, and why not (the ledger's
     `cache_hit` tokens are those a split-prefix batch did not run: its prefix ran once for all
-    its items, or came from the cache)."""
+    its items, or came from the cache; `engine`: a function's engine shared the prefixes itself,
+    holding them in its own cache across batches, as generate's decoder does)."""
     shared = tokens.get("prefix_shared", 0) / tokens["prefix"] if tokens.get("prefix") else 0.0
-    parts = [f"{100 * hit:.2f}% in split-prefix batches (cache_hit_rate)"] if hit else []
-    parts += [f"{100 * shared:.2f}% in tree rows"] if shared else []
+    held = "held by the engine's prefix cache" if engine else "in split-prefix batches"
+    parts = [f"{100 * hit:.2f}% {held} (cache_hit_rate)"] if hit else []
+    parts += [f"{100 * shared:.2f}% {'shared by the engine' if engine else 'in tree rows'}"] if shared else []
     return f"{100 * reuse:.2f}% not computed again" + (f": {', '.join(parts)}" if parts else "")
 
 

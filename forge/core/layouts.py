@@ -6,7 +6,9 @@ Model: each completed batch is one layout (`layout`): `rows` (a whole sequence p
 one shared prefix run once for all its items) and `cache-hit` forms (that prefix taken from the
 device's prefix cache, none run), or `tree rows` (packed prefix groups: each group's prefix once
 in its row, then its items' suffixes). A prefix is computed once per split-prefix batch that
-missed the cache, once per prefix group in a tree row, and once per item in whole rows.
+missed the cache, once per prefix group in a tree row, and once per item in whole rows, unless
+the function's engine shares prefixes itself (generate's decoder: `BatchStats.prefix_runs`, once
+per prefix it did not hold).
 Counting a streamed batch (`ColumnBatch`) takes numpy sums, never an Item per item.
 """
 
@@ -58,7 +60,10 @@ class BatchShapes:
             return
         items, computed, keys = _prefix_runs(batch)
         self.items += items
-        self.computed["tree rows" if batch.tree else "whole rows"] += computed
+        if stats.prefix_runs is not None:  # whole sequences to an engine that shares their prefixes itself
+            self.computed["engine"] += stats.prefix_runs
+        else:
+            self.computed["tree rows" if batch.tree else "whole rows"] += computed
         self._see(keys)
 
     def _see(self, keys) -> None:

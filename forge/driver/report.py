@@ -216,6 +216,7 @@ _WHERE = {
     "tree rows": "in tree rows (shared by a group's items)",
     "split-prefix batches": "split off (shared by the batch's items)",
     "whole rows": "in whole rows (one per item)",
+    "engine": "by the function's engine (once per prefix it did not hold, shared by its items)",
 }
 
 
@@ -256,6 +257,8 @@ def prefix_words(p: Mapping[str, Any], cache_on: bool | None = None) -> str:
     text = f"{head}{_times(p['items'], 'item', 'items')}; computed {_times(p['computed'], 'time', 'times')}"
     text += f": {', '.join(where)}" if where else ""
     hits, repeated = p["cache_hits"], p.get("repeated")
+    if set(p["computed_in"]) == {"engine"}:  # its own cache: the prefix tokens' cache_hit says what it held
+        return text
     if hits:
         why = f"{hits:,} (split-prefix {'batch' if hits == 1 else 'batches'} served from the device's cache)"
     elif repeated == 0:

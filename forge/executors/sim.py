@@ -31,6 +31,9 @@ from forge.vocab.geometry import Batch, Device, step_cost
 class SimOutput:
     prefix_computed_tokens: int  # prefix tokens the batch ran (0 on a predicted hit)
     cache_hit: bool
+    # an engine that shares its whole-sequence rows' prefixes itself (generate's decoder), as predicted:
+    # (prefix tokens held from the device's earlier batches, shared within the batch, prefixes run)
+    engine_prefix: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,7 @@ class SimExecutor(Executor):
         self.now = 0.0  # virtual time of the last outcome collected
         self._heap: list[tuple] = []  # (end, ticket, device, cost, status, output, reason)
         self._busy: set[str] = set()  # devices with a batch in the heap (free_slots without scanning it)
+        self.held: dict[str, set] = {}  # device -> prefix keys its engine computed (engine devices only)
 
     def start(self, devices: list[Device]) -> None:
         time_unit(devices)
@@ -118,7 +122,32 @@ class SimExecutor(Executor):
             if budget is not None and oom
             else ""
         )
-        self._push(end, ticket, device.name, cost, status, SimOutput(computed, bool(batch.cache_hit)), reason)
+        engine = self._engine_prefix(device, batch) if status == Status.COMPLETED else None
+        output = SimOutput(computed, bool(batch.cache_hit), engine)
+        self._push(end, ticket, device.name, cost, status, output, reason)
+
+    def _engine_prefix(self, device: Device, batch: Batch) -> tuple[int, int, int] | None:
+        """What an engine of the function's own that shares prefixes (`Device.steps().engine`) does with
+        a batch of whole sequences: each prefix run once, by its first item, unless an earlier batch on
+        the device ran it (the engine keeps it: an unbounded prediction of its prefix cache)."""
+        if not device.steps().engine or batch.split_prefix or batch.tree:
+            return None
+        held = self.held.setdefault(device.name, set())
+        paid: set = set()
+        hit = shared = runs = 0
+        for item in batch.items:
+            if not item.prefix_len:
+                continue
+            key = item.prefix_key
+            if key in held:
+                hit += item.prefix_len
+            elif key in paid:
+                shared += item.prefix_len
+            else:
+                paid.add(key)
+                runs += 1
+        held |= paid
+        return hit, shared, runs
 
     def _push(
         self, end: float, ticket: int, device: str, cost: float, status: Status, output: SimOutput, reason: str

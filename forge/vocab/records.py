@@ -47,6 +47,9 @@ class BatchStats:
     # token slots of each forward step it ran: its padded rows in one pass, or an engine's own steps
     # (generate's decoder); () for a part of a batch committed while it runs (its steps come at its end)
     steps: tuple[int, ...] = ()
+    # an engine sharing prefixes itself (generate's decoder): the prefixes it computed for these items,
+    # once each however many items share one (None: counted from the batch's layout)
+    prefix_runs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,18 +140,19 @@ def batch_stats(
     batch,
     seconds: float,
     prefix_computed_tokens: int,
-    engine_prefix: tuple[int, int] | None = None,
+    engine_prefix: tuple[int, int, int] | None = None,
     steps: Iterable[int] | None = None,
 ) -> BatchStats:
     """Stats of a batch from what its prefix cost. Rows that hold whole sequences run
     their own prefix, so nothing is served from cache, unless the function's engine shares
-    prefixes itself (`engine_prefix`: the cache-hit and shared prefix tokens it did not run);
+    prefixes itself (`engine_prefix`: the cache-hit and shared prefix tokens it did not run, and the
+    prefixes it ran);
     tree rows run each prefix group's prefix once in the row (shared, not cached). `steps`: the
     token slots of each step an engine of its own ran (None: one forward pass of the padded rows)."""
     ran = (batch.padded_slots,) if steps is None else tuple(steps)
     if engine_prefix is not None and not (batch.tree or batch.split_prefix):
-        hit, shared = engine_prefix
-        return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared, ran)
+        hit, shared, runs = engine_prefix
+        return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared, ran, runs)
     if batch.tree:
         computed = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans
         return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed, ran)
@@ -168,8 +172,9 @@ class ResultColumns:
     prefix_computed_tokens: int = 0  # prefix tokens run this step (0 on a prefix-cache hit)
     cache_hit: bool = False  # the prefix came from the device's cache
     # an engine sharing prefixes itself (generate's decoder) in whole-sequence rows: the prefix tokens
-    # it did not run: (held by its cache from earlier batches, computed once for several items)
-    engine_prefix: tuple[int, int] | None = None
+    # it did not run (held by its cache from earlier batches, computed once for several items), and
+    # how many prefixes it ran for these items
+    engine_prefix: tuple[int, int, int] | None = None
     # an engine that runs a batch in steps of its own (generate's decoder): the token slots of each step
     # it ran for this output (None: the batch ran as one forward pass); the ledger holds them to the budget
     steps: list[int] | None = field(default=None, kw_only=True)

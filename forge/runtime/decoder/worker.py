@@ -82,10 +82,10 @@ class GenerateWorker:
                 if len(given) + len(ready) < len(items):  # the batch's own outcome keeps at least one
                     ready.sort()  # a part's output is in its batch's order (`Batch.select`)
                     columns = self._columns([items[k] for k in ready], [seqs[k] for k in ready], limits, ready)
-                    hit, shared = prefixes.of(ready)
+                    hit, shared, runs = prefixes.of(ready)
                     sent[0], sent[1] = sent[0] + hit, sent[1] + shared
                     sent[2] += int(columns["num_generated_tokens"].sum())
-                    engine = None if batch.split_prefix else (hit, shared)
+                    engine = None if batch.split_prefix else (hit, shared, runs)
                     emit(list(ready), GenerationColumns(columns, 0, False, engine))
                     given.extend(ready)
                     ready.clear()
@@ -113,7 +113,8 @@ class GenerateWorker:
         shared = total - computed - hit - sent[1]
         hit = min(left, max(0, hit - sent[0]))
         shared = min(left - hit, max(0, shared))
-        return GenerationColumns(columns, 0, False, (hit, shared), figures, steps=run.steps)
+        runs = prefixes.of(rest)[2]
+        return GenerationColumns(columns, 0, False, (hit, shared, runs), figures, steps=run.steps)
 
     def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
         """The result fields of these items (their sequences ended)."""
@@ -206,9 +207,10 @@ class PrefixShares:
         self.stored = set(decoder.prefixes.keys())
         self.paid: set = set()
 
-    def of(self, positions: list[int]) -> tuple[int, int]:
-        """(hit, shared) prefix tokens of these items, each item counted once, in the order given."""
-        hit = shared = 0
+    def of(self, positions: list[int]) -> tuple[int, int, int]:
+        """(hit, shared) prefix tokens of these items, each item counted once, in the order given, and
+        the prefixes computed for them (each item that paid for its prefix)."""
+        hit = shared = runs = 0
         for k in positions:
             item = self.items[k]
             key = self.decoder.prefix_key(item.tokens, item.prefix_len)
@@ -220,7 +222,8 @@ class PrefixShares:
                 shared += item.prefix_len
             else:
                 self.paid.add(key)
-        return hit, shared
+                runs += 1
+        return hit, shared, runs
 
 
 class GenerateSink:
