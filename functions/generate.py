@@ -23,7 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge.api import Column, Field, Forward, GenerativeConfig, GenerativeFunction, Prompt, Row, Tokens, one_of
+from forge.api import (
+    Column,
+    Field,
+    Forward,
+    GenerativeConfig,
+    GenerativeFunction,
+    MayBeEmpty,
+    Prompt,
+    Row,
+    Tokens,
+    one_of,
+)
 
 FINISH = ("length", "stop", "eos")
 
@@ -47,7 +58,8 @@ class GenerateConfig(GenerativeConfig):
 class Generate(GenerativeFunction):
     name = "generate"
     config_schema = GenerateConfig
-    columns = {"prompt": Column(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
+    # with prompt_ids the prompt only names the row, and may be empty (lm-eval's empty contexts)
+    columns = {"prompt": MayBeEmpty(required=True), "prefix": Column(), "id": Column(kinds=("string", "integer"))}
     fields = (
         Field("generated_ids", "int32", (), ragged=True),
         Field("text", "string"),
@@ -74,6 +86,9 @@ class Generate(GenerativeFunction):
         data = row.data
         ids = data.get("prompt_ids")
         if ids is None:
+            if not data["prompt"].strip():
+                said = repr(data["prompt"])
+                return f"has an empty 'prompt' ({said}); every row needs a non-empty 'prompt', or 'prompt_ids'"
             return [Prompt(data["prompt"], data.get("prefix") or None, data.get("label"), limits)]
         vocab = len(self.tokenizer)
         if not isinstance(ids, list) or not ids or not all(_token_id(i, vocab) for i in ids):

@@ -59,6 +59,12 @@ def test_bad_choices_name_the_valid_ones():
         compose("batching=bogus")
     with pytest.raises(ForgeError, match="function/nope.*probe_gen"):
         compose("function=nope")
+    # a list group's element too (a tracker no plugin registers), each in one line without Hydra's search path
+    with pytest.raises(ForgeError, match=r"^trackers=nope: no such option \(trackers/nope\); choose among: .*mlflow"):
+        compose("trackers=[tensorboard,nope]")
+    with pytest.raises(ForgeError) as told:
+        compose("runtime=nope")
+    assert "search path" not in str(told.value) and "schema_" not in str(told.value)
     with pytest.raises(ForgeError, match="^config pooling='max': choose one of: last, mean, none$"):
         spec_for("pooling=max")
     with pytest.raises(ForgeError, match=r"layers=\[9\]: the model has 4 layers"):

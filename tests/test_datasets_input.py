@@ -151,6 +151,10 @@ def test_streaming_reads_the_same_rows_and_counts_them(data):
             {"dataset": "dict", "split": "validation", "columns": {"text": "sentence"}},
             r"no split 'validation' \(splits: train, test\)",
         ),
+        (  # one Dataset saved alone: it has its own split, no other
+            {"split": "test", "columns": {"text": "sentence"}},
+            r"one dataset saved with save_to_disk \(split 'train'\), not a DatasetDict: it has no split 'test'",
+        ),
         ({"dataset": "json", "columns": {"text": "sentence"}}, r"set input.data_files"),
         (
             {"dataset": "no-such/dataset"},

@@ -429,15 +429,18 @@ def test_prompt_ids_run_as_given_and_bad_ones_fail_alone(work, embedded):
         {"id": "text", "prompt": "x", "prompt_ids": "1 2 3"},
         {"id": "vocab", "prompt": "x", "prompt_ids": [1, 10**9]},
         {"id": "prefix", "prompt": "x", "prompt_ids": [1, 2], "prefix": "a"},
+        {"id": "blank", "prompt": "", "prompt_ids": whole[-20:]},  # the prompt only names the row: may be empty
+        {"id": "noids", "prompt": "  "},  # then it is the text, and must say something
     ]
     report = run_function("generate", _write(work / "ids.jsonl", rows), work / "ids", limits())
     reasons = {f["id"]: f["reason"] for f in report["failures"]}
-    assert sorted(reasons) == ["empty", "prefix", "text", "vocab"], reasons
+    assert sorted(reasons) == ["empty", "noids", "prefix", "text", "vocab"], reasons
+    assert "has an empty 'prompt'" in reasons["noids"] and "or 'prompt_ids'" in reasons["noids"]
     assert "'prompt_ids' must be a non-empty list of token ids" in reasons["vocab"]
     assert "has both 'prompt_ids' and 'prefix'" in reasons["prefix"]
     got = load(work / "ids")
     for k, rid in enumerate(got.ids):
-        ids = whole[-20:] if rid == "cut" else whole
+        ids = whole[-20:] if rid in ("cut", "blank") else whole
         assert got.columns["generated_ids"][k].tolist() == greedy(embedded.model, ids, N), rid
         assert got.columns["num_prompt_tokens"][k] == len(ids), rid
 

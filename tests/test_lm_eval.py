@@ -231,7 +231,8 @@ def test_contexts_longer_than_max_length_are_cut_as_hf_cuts_them(setup):
     model, _ = setup
     until = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
     contexts = [_words(k, 30 + 25 * k) for k in range(3)]  # about 32, 57 and 82 tokens: the last two are cut
-    generations = [Instance("generate_until", {}, (c, until), n) for n, c in enumerate(contexts)]
+    # and an empty and a blank context: HF generates after BOS alone (and after BOS and a space)
+    generations = [Instance("generate_until", {}, (c, until), n) for n, c in enumerate([*contexts, "", " "])]
     pairs = [(c, " " + _words(k + 5, 3)) for k, c in enumerate(contexts)] + [(_words(9, 40), " " + _words(2, 40))]
     scored = [Instance("loglikelihood", {}, pair, n) for n, pair in enumerate(pairs)]
     hf = HFLM(pretrained=str(model), device="cpu", dtype="float32", max_length=64, batch_size=1, logits_cache=False)

@@ -193,3 +193,39 @@ def test_the_python_api_guide_runs_as_written():
     for block in blocks:
         exec(compile(block, "docs/python-api.md", "exec"), namespace)  # noqa: S102  (the guide's own code)
     assert namespace["session"].closed
+
+
+@pytest.mark.slow
+def test_rows_handed_in_again_resume_the_run_from_another_session(tmp_path):
+    """Rows a session writes to a folder of its own are the same input in a later session when their
+    content is: resume=true finishes the run there; other rows are refused, naming what changed."""
+    out, rows = tmp_path / "run", ROWS[:8]
+    first = forge.run("probe_gen", rows, overrides=["layers=[1]"], output_dir=out)
+    again = forge.run("probe_gen", iter(rows), overrides=["layers=[1]", "resume=true"], output_dir=out)
+    assert again.ids == first.ids and torch.equal(again.tensors["layer_1"], first.tensors["layer_1"])
+    with pytest.raises(ForgeError, match=r"resume refused: input\.bytes: "):
+        forge.run("probe_gen", rows[:7], overrides=["layers=[1]", "resume=true"], output_dir=out)
+
+
+def test_rows_with_an_input_override_are_refused_in_one_line():
+    with forge.Session() as session:
+        for given in ("input.dataset=/somewhere", "input.path=rows.jsonl"):
+            with pytest.raises(ForgeError, match=f"rows and {given} both give the run's input"):
+                session.run("probe_gen", [{"text": "a b"}], overrides=[given])
+
+
+@pytest.mark.slow
+def test_a_results_folder_and_the_skipped_rows_outlive_forge_runs_directory():
+    """forge.run without output_dir removes its run directory before it returns: every results
+    folder is read by then, and rows skipped as too long are in result.skipped, with a warning
+    that points at the caller's line."""
+    rows = [{"id": "a", "text": "a b c", "prefix": "Q: "}, {"id": "b", "text": "d e", "prefix": "Q: "}]
+    got = forge.run("probe_gen", rows, overrides=["layers=[1]", "pooling=none"])
+    assert not Path(got.run_dir).exists() and set(got.folders) == {"activations", "prefix_states"}
+    assert len(got.folder("prefix_states")) == 1  # the one prefix's states
+    long = [{"id": "long", "text": "word " * 600}, {"id": "ok", "text": "two words"}]
+    with pytest.warns(UserWarning, match=r"1 item\(s\) were skipped \(result\.skipped\), the first 'long'") as said:
+        cut = forge.run("probe_gen", long, overrides=["layers=[1]", "devices.limits.max_seq_len=256"])
+    assert said[0].filename == __file__
+    assert cut.ids == ["ok"] and [s["id"] for s in cut.skipped] == ["long"]
+    assert "max_seq_len" in cut.skipped[0]["reason"]

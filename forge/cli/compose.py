@@ -146,7 +146,13 @@ def compose(overrides: list[str], config_dir: Path | None = None):
     GlobalHydra.instance().clear()
     try:
         with extra_plugins(*listed_plugins(overrides)), initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            try:
+                return hydra_compose(config_name="config", overrides=list(overrides))
+            except HydraException as exc:
+                line = _missing_option(exc)
+                if line is None:
+                    raise
+                raise ForgeError(line) from None
     except HydraException as exc:
         from forge.cli.build import mode_schemas
         from forge.config.schema import explain_compose_error
@@ -154,6 +160,26 @@ def compose(overrides: list[str], config_dir: Path | None = None):
 
         line = explain_compose_error(exc, mode_schemas(make_plugin_manager()))
         raise ForgeError(line or " ".join(str(exc).split())) from None
+
+
+def _missing_option(exc: BaseException) -> str | None:
+    """One line for a config group option that is nowhere (`function=nope`, `trackers=[nope]`),
+    listing the group's options (its YAML files and what plugins register), without Hydra's
+    search path; None for another error. Called while Hydra is initialized."""
+    import re
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    found = re.search(r"Could not (?:find|load) '([\w.-]+)/([^']+)'", str(exc))
+    if found is None:
+        return None
+    group, name = found.groups()
+    try:
+        options = GlobalHydra.instance().config_loader().get_group_options(group)
+    except Exception:  # noqa: BLE001 - no options to list: Hydra's own line then
+        return None
+    shown = [o for o in options if not o.startswith("schema_")]  # the schema nodes Forge registers
+    return f"{group}={name}: no such option ({group}/{name}); choose among: {', '.join(shown) or 'none'}"
 
 
 def plugins_listed(overrides: list[str]):

@@ -85,7 +85,7 @@ class RunFigures:
     """What only a run reports."""
 
     outputs: dict[str, Any]  # the sink's figures: what it wrote, and where
-    phases: dict[str, float | bool | None]  # where the time went (`forge.driver.engine.phases`)
+    phases: dict[str, float | bool | None]  # where the time went (`forge.driver.phases.phases`)
     scheduler_s: float  # time spent in the scheduler
     restarts: dict[str, int]  # device -> workers replaced
     retired: dict[str, str]  # device -> why it ran no more work

@@ -50,7 +50,10 @@ class ForgeLM(LM):
         super().__init__()
         given = {k: model_args.pop(k) for k in IGNORED if k in model_args}
         if given.get("batch_size") not in (None, 1, "1"):
-            log.warning("forge: batch_size=%s is ignored; the token budget (budget.tokens_per_step) decides", given)
+            log.warning(
+                "forge: batch_size=%s is ignored; the token budget (budget.tokens_per_step) decides",
+                given["batch_size"],
+            )
         # score's own key (the others' functions have none): lm-eval's max_length, for the log-likelihoods
         max_length = model_args.pop("max_length", None)
         self.score_overrides = [] if max_length is None else [f"max_length={int(max_length)}"]

@@ -15,6 +15,7 @@ from forge.errors import ForgeError
 from forge.io.results import Results, load, result_folders
 
 FAILURES = "failures.jsonl"  # the run directory's record of items that failed
+SKIPPED = "skipped.jsonl"  # and of the rows it skipped (too long, a repeated id)
 
 
 @dataclass
@@ -26,10 +27,11 @@ class Result:
     results: Results | None  # the function's results folder read back (None: it committed nothing)
     folders: list[str] = field(default_factory=list)  # every results folder of the run (`folder(name)` reads one)
     failures: list[dict[str, Any]] = field(default_factory=list)  # failures.jsonl: each failed item's id and reason
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # skipped.jsonl: each skipped row's id and reason
+    _folders: dict[str, Results] = field(default_factory=dict, repr=False)  # folders read (`read_folders`)
 
     @classmethod
     def read(cls, run_dir: str, report: dict[str, Any], folder: str | None) -> Result:
-        import json
         import warnings
 
         from forge.io.location import open_location
@@ -37,13 +39,20 @@ class Result:
         folders = result_folders(run_dir)
         main = folder if folder in folders else (folders[0] if len(folders) == 1 else None)
         where = open_location(run_dir)
-        lines = where.read_bytes(FAILURES).decode().splitlines() if where.exists(FAILURES) else []
-        failures = [json.loads(line) for line in lines if line.strip()]
-        if failures:
-            first = failures[0]
-            why = f"the first {first.get('id')!r}: {first.get('reason')}"
-            warnings.warn(f"{len(failures)} item(s) failed (result.failures), {why}", stacklevel=3)
-        return cls(str(run_dir), report, load(run_dir, main) if main else None, folders, failures)
+        found = {name: _records(where, name) for name in (FAILURES, SKIPPED)}
+        for name, what in ((FAILURES, "failed"), (SKIPPED, "were skipped")):
+            if found[name]:
+                first = found[name][0]
+                why = f"the first {first.get('id')!r}: {first.get('reason')}"
+                attr = name.partition(".")[0]
+                warnings.warn(f"{len(found[name])} item(s) {what} (result.{attr}), {why}", stacklevel=_caller())
+        results = load(run_dir, main) if main else None
+        return cls(str(run_dir), report, results, folders, found[FAILURES], found[SKIPPED])
+
+    def read_folders(self) -> None:
+        """Read every results folder now (`folder(name)` then needs no run directory)."""
+        for name in self.folders:
+            self._folders.setdefault(name, load(self.run_dir, name))
 
     def _loaded(self) -> Results:
         if self.results is None:
@@ -100,11 +109,41 @@ class Result:
         """Another results folder of the run (probe_gen's `prefix_states`, ...), read whole."""
         if name not in self.folders:
             raise ForgeError(f"{self.run_dir}: no results folder {name!r}; folders: {', '.join(self.folders)}")
+        if name in self._folders:
+            return self._folders[name]
+        import os
+
+        if not os.path.isdir(self.run_dir) and "://" not in self.run_dir:
+            raise ForgeError(
+                f"{self.run_dir}: the run directory was removed with its forge.Session; read folder({name!r}) "
+                "before the session closes, or give the call an output_dir"
+            )
         return load(self.run_dir, name)
 
     def __repr__(self) -> str:
         fields = ", ".join(self.results.columns) if self.results is not None else "-"
         return f"Result({len(self)} rows [{fields}], status={self.report.get('status')}, run_dir={self.run_dir!r})"
+
+
+def _records(where, name: str) -> list[dict[str, Any]]:
+    import json
+
+    lines = where.read_bytes(name).decode().splitlines() if where.exists(name) else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _caller() -> int:
+    """The `stacklevel` of the first frame outside Forge's in-process API (forge.inproc, forge.eval),
+    seen from the function that calls this: where a warning is the user's."""
+    import os
+    import sys
+
+    ours = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), p) for p in ("inproc", "eval"))
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _tensor(values):

@@ -85,6 +85,10 @@ class Session:
         self._calls += 1
         call = self._calls
         args = [*self.overrides, f"function={name}", *_overrides(overrides, "overrides")]
+        if rows is not None:
+            other = next((a for a in args if override_key(a) in ("input.path", "input.dataset")), None)
+            if other is not None and other.partition("=")[2] not in ("", "null"):
+                raise ForgeError(f"rows and {other} both give the run's input; pass the rows, or the override alone")
         out = str(output_dir) if output_dir is not None else f"{self._dir}/run-{call}"
         per_call = {"output_dir": out} | ({} if rows is None else {"input.path": self._input(rows, call)})
         if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
@@ -122,7 +126,10 @@ def run(
     """One run in this process, in a session of its own (closed before this returns: its models
     go, and without `output_dir` its run directory too; the Result holds what was read)."""
     with Session() as session:
-        return session.run(function, rows, overrides=overrides, output_dir=output_dir)
+        result = session.run(function, rows, overrides=overrides, output_dir=output_dir)
+        if output_dir is None:
+            result.read_folders()  # its run directory goes with the session
+        return result
 
 
 def _execute(
@@ -156,7 +163,9 @@ def _execute(
     if status == "interrupted":
         raise KeyboardInterrupt(report.get("error") or "interrupted")
     if status != "finished":
-        raise ForgeError(f"{status}: {report.get('error')} (run directory {out})")
+        error = str(report.get("error") or "")
+        said = error if error.startswith(f"{status}:") else f"{status}: {error}"
+        raise ForgeError(f"{said} (run directory {out})")
     return Result.read(str(run_dir), report, getattr(spec.function, "folder", None))
 
 

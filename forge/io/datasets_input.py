@@ -309,6 +309,13 @@ def _from_disk(folder: Path, spec: InputSpec, source: str) -> _Source:
         if spec.split not in splits:
             raise ForgeError(f"{source}: no split {spec.split!r} (splits: {', '.join(splits)}); set input.split")
         folder = folder / spec.split
+    else:  # one Dataset: its split is the one it was saved as (none: any name but another one asked for)
+        own = json.loads((folder / "state.json").read_text()).get("_split") or "train"
+        if spec.split != own:
+            raise ForgeError(
+                f"{source}: one dataset saved with save_to_disk (split {own!r}), not a DatasetDict: it has no "
+                f"split {spec.split!r}; leave input.split out, or set it to {own!r}"
+            )
     return _ArrowFiles(folder, source, spec.streaming)
 
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from forge.errors import ForgeError, LockLost
 from forge.io import nofollow
+from forge.io.fingerprint import fingerprint_changes, same_input_located_alike
 from forge.io.journal import PENDING, SESSIONS, Sessions, check_journal_path, counted, open_journal
 from forge.io.location import TMP_SUFFIX, Location, check_output_dir, open_location, reach
 from forge.io.lock import LOCK_FILE, RunLock, acquire, holder_info
@@ -61,18 +62,6 @@ SHARD_PREFIX = "shard-"
 #: what a directory may hold, and still be taken for a fresh run: what a refused or abandoned start
 #: left, or a start that is writing its run.json right now (under a temporary name)
 LEFT_BY_A_START = {LOCK_FILE, f"{PENDING}.jsonl", PENDING, SESSIONS, RUN_FILE + TMP_SUFFIX}
-
-
-def fingerprint_changes(old: dict, new: dict, where: str = "") -> list[str]:
-    """What differs between two fingerprints, in words: 'layers: [1, 2] -> [1, 4]'."""
-    changes = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += fingerprint_changes(a, b, f"{where}{key}.")
-        elif a != b:
-            changes.append(f"{where}{key}: {a!r} -> {b!r}")
-    return changes
 
 
 class RunStore:
@@ -127,7 +116,8 @@ class RunStore:
         if previous is None:
             self._refuse_foreign(run_dir)  # again, under the lock
         else:
-            changes = fingerprint_changes(previous.get("fingerprint", {}), self.fingerprint)
+            old = previous.get("fingerprint", {})
+            changes = fingerprint_changes(old, same_input_located_alike(old, self.fingerprint))
             if changes:
                 raise ForgeError(
                     f"resume refused: {'; '.join(changes)} since the run in {run_dir} started; "
