@@ -132,6 +132,11 @@ BAD = {
     "plugins=my.plugin": "config plugins='my.plugin': expected a list",
     "runtime.timeout_factor=fast": "config runtime.timeout_factor='fast': expected a number",
     "budget=5": "config budget=5: expected a mapping with keys tokens_per_step, max_tokens",
+    # a reference to no key: named, not read as null
+    "layers=${nope}": "config layers: Interpolation key 'nope' not found; fix the ${...} reference or give a value",
+    "output_dir=/tmp/x/${batching.name}": (
+        "config output_dir: Interpolation key 'batching.name' not found; fix the ${...} reference or give a value"
+    ),
     # values
     "batching.window=-5": "config batching.window=-5: must be a positive integer",
     "batching.window=0": "config batching.window=0: must be a positive integer",

@@ -142,6 +142,20 @@ def test_budget_max_tokens_skips_the_rest(tmp_path):
     assert any("budget.max_tokens" in r for r in report["skipped_reasons"])
 
 
+def test_budget_max_tokens_holds_across_a_resume(tmp_path):
+    """The budget is the run's: a resume with the same settings counts what the first session took
+    and skips the rows it skipped, in order, instead of spending the budget again."""
+    args = (*SMALL, "input.limit=40", "budget.max_tokens=2000", "layers=[1]")
+    first = run_forge(tmp_path, *args)
+    assert 0 < first["items"]["completed"] < 40 and first["items"]["skipped"] > 0
+    again = run_forge(tmp_path, *args, "resume=true")
+    assert again["balanced"] and again["items"]["resumed"] == first["items"]["completed"]
+    assert [again["items"][k] for k in ("completed", "skipped")] == [
+        first["items"][k] for k in ("completed", "skipped")
+    ]
+    assert again["tokens"]["completed"] == first["tokens"]["completed"]
+
+
 def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):
     from forge.runtime.forward.causal_lm import CausalLMRunner
 

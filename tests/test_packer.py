@@ -345,3 +345,28 @@ def test_stable_order_is_a_stable_argsort(values):
     assert np.array_equal(stable_order(key), np.argsort(key, kind="stable"))
     huge = np.array([1 << 61, 5, 1 << 61, 0, 5], np.int64)  # key x n would overflow: argsort itself
     assert stable_order(huge).tolist() == [3, 1, 4, 0, 2]
+
+
+def test_prefix_codes_follow_first_sight_not_the_string_hash():
+    """Codes are handed out in the order prefixes are first seen, so a run's batches (and the
+    order of equal keys in them) are the same in every process, whatever PYTHONHASHSEED is."""
+    import subprocess
+    import sys
+
+    code = (
+        "from forge.core.columns import ItemFeed\n"
+        "from forge.vocab.geometry import Item\n"
+        "keys = [f'prefix-{k % 37}-{k * 7919 % 101}' for k in range(300)]\n"
+        "feed = ItemFeed(Item(str(i), 9, k, 3) for i, k in enumerate(keys))\n"
+        "feed.admit(150), feed.admit(150)\n"
+        "assert feed.keys == list(dict.fromkeys(keys)), 'not in first-seen order'\n"
+        "print(feed.keys[:5])\n"
+    )
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(seen) == 1, seen

@@ -62,23 +62,11 @@ def _run_table(report: Mapping[str, Any]) -> Table:
     title = f"{report['function']} · batching={report['batching']}" + (" · plan" if report.get("dry_run") else "")
     table = Table(title=title, show_header=False)
     table.add_row("items", "  ".join(f"{k} {v:,}" for k, v in items.items()))
-    table.add_row(
-        "tokens",
-        "  ".join(
-            f"{k} {tokens.get(k, 0):,}"
-            for k in (
-                "received",
-                "routed",
-                "completed",
-                "failed",
-                "skipped",
-                "padding",
-                "prefix",
-                "cache_hit",
-                "prefix_shared",
-            )
-        ),
-    )
+    # the ledger's columns, and those that only some runs have when they have any (so the counts add up)
+    shown = ["received", "routed", "completed", "failed", "skipped", "unfinished", "resumed", "truncated"]
+    shown = [k for k in shown if k not in ("unfinished", "resumed", "truncated") or tokens.get(k)]
+    shown += ["padding", "prefix", "cache_hit", "prefix_shared"]
+    table.add_row("tokens", "  ".join(f"{k} {tokens.get(k, 0):,}" for k in shown))
     layouts = ", ".join(f"{name} {n:,}" for name, n in (report.get("layouts") or {}).items())
     table.add_row("batches", f"{report.get('batches', 0):,}" + (f" ({layouts})" if layouts else ""))
     table.add_row("padding waste", f"{100 * report.get('padding_waste', 0):.2f}%")

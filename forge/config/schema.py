@@ -337,6 +337,8 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig, cho
     if isinstance(exc, ConfigKeyError):
         return explain_unknown_key(key, exc, choices)
     value = _raw(getattr(exc, "value", None))
+    if "Interpolation" in type(exc).__name__ and value is None:  # a ${...} that resolves to nothing: say why
+        return f"config {key}: {str(exc).splitlines()[0]}; fix the ${{...}} reference or give a value"
     if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
         expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
         expected = expected or _expected(_field_type(schema_cls, key))

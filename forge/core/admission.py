@@ -88,6 +88,7 @@ class Admission:
         self.seek = seek
         if seek is not None and seek.prefix is not None:  # records a read mark passed over: all committed
             self.state["ordinal"] = len(seek.prefix)
+            self.state["received_tokens"] = int(seek.prefix.num_tokens.sum())  # budget.max_tokens counts them
             hook.forge_items_received(run=run, items=seek.prefix)
             hook.forge_items_resumed(run=run, items=seek.prefix)
 
@@ -201,18 +202,21 @@ def _admit_chunk(
 ) -> tuple[list[Item], dict[int, tuple[str, str]]]:
     """(the items that may run, {item index: (kind, reason)} of those that failed here)."""
     hook.forge_items_received(run=run, items=items)
-    if committed:
-        resumed = [it for it in items if it.index in committed]
-        if resumed:
-            hook.forge_items_resumed(run=run, items=resumed)
-            items = [it for it in items if it.index not in committed]
     max_seq_len, max_tokens = rules.max_seq_len, rules.max_tokens
+    resumed = [it for it in items if it.index in committed] if committed else []
+    if resumed:
+        hook.forge_items_resumed(run=run, items=resumed)
+        if max_tokens is None:
+            items = [it for it in items if it.index not in committed]
     ok: list[Item] = []
     over_budget: list[Item] = []
     too_long: list[Item] = []
     failed: dict[int, tuple[str, str]] = {}
     truncated: list[tuple[Item, Item]] = []
     for item in items:
+        if resumed and item.index in committed:  # an earlier session's: budget.max_tokens counts it, in order
+            state["received_tokens"] += item.num_tokens
+            continue
         if max_tokens is not None and state["received_tokens"] >= max_tokens:
             over_budget.append(item)
             continue

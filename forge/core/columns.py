@@ -72,8 +72,8 @@ class ItemFeed:
         n = len(items)
         keys = list(map(_prefix_key, items))
         codes = self._codes
-        new = set(keys).difference(codes)
-        for key in new:
+        new = [k for k in dict.fromkeys(keys) if k not in codes]  # first seen first: codes (and the packer's
+        for key in new:  # order among equal keys) never depend on the string hash's seed
             codes[key] = len(self.keys)
             self.keys.append(key)
             self.prefix_lens.append(-1)  # set from its first item below
