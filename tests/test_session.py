@@ -229,3 +229,12 @@ def test_a_results_folder_and_the_skipped_rows_outlive_forge_runs_directory():
     assert said[0].filename == __file__
     assert cut.ids == ["ok"] and [s["id"] for s in cut.skipped] == ["long"]
     assert "max_seq_len" in cut.skipped[0]["reason"]
+
+
+def test_a_run_that_stops_raises_with_what_it_committed():
+    """One bad row of two fills max_failure_share: the run stops (as `forge run` exits 2), and the
+    error carries the good row's results and the failure."""
+    with pytest.warns(UserWarning, match="1 item"), pytest.raises(ForgeError, match="^stopped: 1 of the last 2") as err:
+        forge.run("probe_gen", [{"id": "x"}, {"id": "y", "text": "ok then"}], overrides=["layers=[1]"])
+    got = err.value.result
+    assert got.ids == ["y"] and [f["id"] for f in got.failures] == ["x"] and got.tensors["layer_1"].shape[0] == 1

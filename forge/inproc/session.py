@@ -19,6 +19,7 @@ raises KeyboardInterrupt; the session stays usable.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -162,11 +163,16 @@ def _execute(
     status = report.get("status", "finished")
     if status == "interrupted":
         raise KeyboardInterrupt(report.get("error") or "interrupted")
+    folder = getattr(spec.function, "folder", None)
     if status != "finished":
         error = str(report.get("error") or "")
         said = error if error.startswith(f"{status}:") else f"{status}: {error}"
-        raise ForgeError(f"{said} (run directory {out})")
-    return Result.read(str(run_dir), report, getattr(spec.function, "folder", None))
+        stopped = ForgeError(f"{said} (run directory {out})")
+        with contextlib.suppress(Exception):  # what it committed (the good rows of an input that stopped it),
+            stopped.result = Result.read(str(run_dir), report, folder)  # where it can be read: never masks why
+            stopped.result.read_folders()  # a directory of the session's may go before the caller reads it
+        raise stopped
+    return Result.read(str(run_dir), report, folder)
 
 
 @contextmanager
