@@ -329,4 +329,6 @@ def test_each_process_reports_its_own_resident_peak(tmp_path, faults):
     driver = [r["driver_resident_peak_bytes"] for r in (base, held)]
     assert worker[0] > 0 and driver[0] > 0
     assert worker[1] - worker[0] >= 250 << 20, worker
+    ready = held["devices"][0]["resident_ready_bytes"]  # the model loaded, before the batch that held more
+    assert 0 < ready and worker[1] - ready >= 250 << 20, (ready, worker)
     assert driver[1] - driver[0] < 64 << 20, driver

@@ -174,7 +174,7 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
     else:
         cols.append("busy s")
     if resident:
-        cols.append("peak RSS MiB")
+        cols.append("RSS MiB loaded/peak")
     title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
     dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
     for col in cols:
@@ -199,7 +199,8 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
         else:
             row.append(f"{d['busy_s']:.2f}" if "busy_s" in d else "-")
         if resident:
-            row.append(f"{d['resident_peak_bytes'] / 2**20:,.0f}" if d.get("resident_peak_bytes") else "-")
+            ready = f"{d['resident_ready_bytes'] / 2**20:,.0f}/" if d.get("resident_ready_bytes") else ""
+            row.append(f"{ready}{d['resident_peak_bytes'] / 2**20:,.0f}" if d.get("resident_peak_bytes") else "-")
         dev.add_row(*row)
     return dev
 

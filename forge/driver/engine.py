@@ -278,6 +278,7 @@ def execute(spec: RunSpec, pm: pluggy.PluginManager) -> Report:
         )
         for d in report.devices:
             d.resident_peak_bytes = executor.resident_peak_bytes.get(d.name)
+            d.resident_ready_bytes = executor.resident_ready_bytes.get(d.name)
         return finish_report(report, run=run, pm=pm, write=store.write_file)
     finally:
         scheduler.close()

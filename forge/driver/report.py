@@ -69,6 +69,7 @@ class DeviceReport:
     # a run's: the most resident memory (RSS) its worker's process held, as that process measured it
     # after each batch (the run's own process for runtime.executor=inprocess; the largest where replaced)
     resident_peak_bytes: int | None = None
+    resident_ready_bytes: int | None = None  # a run's: what that process held once the model was loaded
 
     def as_dict(self) -> dict[str, Any]:
         # a predicted peak comes with its budget, even an unknown one

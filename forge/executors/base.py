@@ -77,6 +77,9 @@ class Executor(ABC):
         #: peaks, each as the worker measured it after a batch: `forge.vocab.procs.resident_peak_bytes`);
         #: the run's own process for the in-process executor
         self.resident_peak_bytes: dict[str, int] = {}
+        #: device -> the resident memory its first worker's process held once its model was loaded
+        #: (imports, weights), before any batch: what the batches' keys, values and steps grew from
+        self.resident_ready_bytes: dict[str, int] = {}
 
     def _resident(self, device: str, peak: int | None) -> None:
         if peak:

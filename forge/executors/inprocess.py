@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from forge.executors.base import Executor, Outcome, Status
 from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
-from forge.vocab.procs import resident_peak_bytes
+from forge.vocab.procs import resident_bytes, resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime
@@ -43,6 +43,7 @@ class InProcessExecutor(Executor):
             t0 = time.perf_counter()
             self.workers[device.name] = self.function.open_worker(device, self.cache_tokens)
             self.load_s[device.name] = round(time.perf_counter() - t0, 3)
+            self.resident_ready_bytes[device.name] = resident_bytes()  # this process's: the run's own
             self.ready_at[device.name] = time.time()
 
     def free_slots(self, device: str) -> int:

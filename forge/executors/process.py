@@ -34,7 +34,7 @@ from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
 from forge.executors.warm_fork import forget_dead_fork_server
 from forge.executors.worker import Ran, run_batch
 from forge.vocab.geometry import Batch, Device
-from forge.vocab.procs import resident_peak_bytes
+from forge.vocab.procs import resident_bytes, resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import Runtime
@@ -211,6 +211,7 @@ class ProcessExecutor(SlotExecutor[_Slot]):
                 msg = slot.conn.recv()
                 if msg[0] == "ready":
                     self._ready(slot, msg[1], msg[2])
+                    self.resident_ready_bytes.setdefault(name, msg[3])
                     continue
                 if msg[0] == "load_failed":
                     slot.load_error = msg[1]
@@ -301,7 +302,7 @@ def worker_main(
     except Exception as exc:  # noqa: BLE001 - the driver says why the device cannot run
         _send(conn, ("load_failed", one_line(exc)))
         return
-    _send(conn, ("ready", time.perf_counter() - t0, time.time()))
+    _send(conn, ("ready", time.perf_counter() - t0, time.time(), resident_bytes()))
     while True:
         msg = inbox.get()
         if msg is None:

@@ -26,7 +26,7 @@ from forge.errors import ForgeError
 from forge.executors.base import Outcome, Slot, SlotExecutor, Status, one_line
 from forge.executors.worker import Ran, run_batch, sticky_error
 from forge.vocab.geometry import Batch, Device
-from forge.vocab.procs import resident_peak_bytes
+from forge.vocab.procs import resident_bytes, resident_peak_bytes
 
 if TYPE_CHECKING:
     from forge.config.schema import RayRuntime
@@ -172,6 +172,7 @@ class RayExecutor(SlotExecutor[_Slot]):
             except Exception as exc:  # noqa: BLE001 - the load's own error, raised in the actor
                 return self._replace(slot, f"actor of {name} could not load the model: {_cause(exc)}")
             self._ready(slot, self.actors[name].get("load_s"))
+            self.resident_ready_bytes.setdefault(name, self.actors[name].get("resident_bytes") or 0)
         while slot.queue and slot.queue[0][2] in done:  # an actor answers in order
             ticket, _, ref = slot.queue[0]
             try:
@@ -230,7 +231,7 @@ class DeviceActor:
             run_cpu_device(self.threads, self.keep_freed_memory)
         self.hook = make_plugin_manager(load_entry_points=False, modules=self.plugins).hook
         self.worker = self.function.open_worker(self.device, self.cache_tokens)
-        return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2)}
+        return {**self.describe(), "load_s": round(time.perf_counter() - t0, 2), "resident_bytes": resident_bytes()}
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs and what it may use."""

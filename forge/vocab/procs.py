@@ -16,6 +16,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def resident_bytes() -> int:
+    """The resident memory (RSS) this process holds now (0 where the OS does not say: Linux's /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def resident_peak_bytes() -> int:
     """The most resident memory (RSS) this process has held since it started, as its OS counts it
     (getrusage's ru_maxrss: kilobytes on Linux, bytes on macOS). A process forked from another
