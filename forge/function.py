@@ -143,6 +143,13 @@ class Function(ABC):
         does not count): a device group's every stage keeps room for them (forge.runtime.placement.device_map)."""
         return 0
 
+    def planned_peak_bytes(self, batch: Batch, device: Device, stored_prefix_tokens: int = 0) -> int | None:
+        """For `forge plan`: the most device memory a worker may hold running `batch` on `device`
+        (weights included), an upper bound, with `stored_prefix_tokens` of earlier batches'
+        prefixes kept beside it; None where the function does not say (batching=memory's packer
+        prices a forward pass's batches itself)."""
+        return None
+
     def check_mode(self, split_prefix: bool, packed: bool, cache: bool = False) -> None:
         """Raise a one-line ForgeError, before any work, when this layout cannot give the results
         of one-item-at-a-time runs (say why, and which setting works). Default: every layout can."""

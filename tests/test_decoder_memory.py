@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 
+import pytest
 import torch
 
 from forge.runtime.decoder.heap import release_free_heap
@@ -83,3 +84,18 @@ def test_release_free_heap_answers(monkeypatch):
 
     monkeypatch.setattr(libc, "_libc", lambda: object())  # a C library without malloc_trim: nothing done
     assert release_free_heap() is False
+
+
+@pytest.mark.slow
+def test_the_plans_bound_holds_over_what_a_generate_worker_grew(tmp_path):
+    """`forge plan function=generate` prints what a worker holds at most (weights, the keys and
+    values of its prefixes and longest sequences, its largest step); a run's worker, a process of
+    its own, grows from its size once loaded by no more than that, and by more than a third of it
+    (the bound says something)."""
+    from conftest import plan_forge, run_forge
+
+    args = ("function=generate", "max_new_tokens=64")
+    bound = plan_forge(*args)["devices"][0]["planned_peak_bytes"]
+    device = run_forge(tmp_path, *args, "runtime.executor=process")["devices"][0]
+    grew = device["resident_peak_bytes"] - device["resident_ready_bytes"]
+    assert bound / 3 < grew <= bound, (grew, bound)

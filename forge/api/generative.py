@@ -80,6 +80,7 @@ class GenerativeFunction(CausalLMFunction):
             )
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.batch_steps = int(config.batch_steps)
+        self.max_running = int(config.max_running)  # sequences a worker decodes at once
         sampling = config.sampling
         self.sampling = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k), int(sampling.seed))
         self.kv_model: Any = None  # the KV memory model, once batching=memory asked for it: workers then keep to it
@@ -156,6 +157,29 @@ class GenerativeFunction(CausalLMFunction):
         longest = device.limits.max_seq_len
         return self.step_activation_bytes(longest, longest) + self.least_kv_bytes(longest)
 
+    def planned_peak_bytes(self, batch, device, stored_prefix_tokens: int = 0) -> int:
+        """An upper bound of what the decoder holds running `batch`: the weights; the keys and values
+        of each prefix once (the batch's and `stored_prefix_tokens` kept from earlier ones) and of the
+        `max_running` longest sequences at their full length (prompt and max_new_tokens: the item's
+        geometry); and the larger of two steps' activations over the batch's longest sequence
+        (`step_activation_bytes`): a prefill step as large as the step budget allows (a logit row a
+        prompt), or a decode step of every running sequence. A sum of maxima: the largest step and
+        the most keys and values held come at different moments, so a run stays under it."""
+        import heapq
+
+        from forge.runtime.decoder.prefill import PREFIX_TOKENS  # the most a worker's prefix store keeps
+
+        kv = self.kv_model if self.kv_model is not None else self.cost_model()
+        items = batch.items
+        prefixes = {it.prefix_key: it.prefix_len for it in items if it.prefix_len}
+        running = heapq.nlargest(self.max_running, (it.num_tokens - it.prefix_len for it in items))
+        held = min(stored_prefix_tokens, PREFIX_TOKENS) + sum(prefixes.values()) + sum(running)
+        longest = max((it.num_tokens for it in items), default=0)
+        step = min(device.steps().tokens, sum(it.num_tokens for it in items))
+        prefill = self.step_activation_bytes(step, longest, logit_rows=min(step, len(items)))  # a logit row a prompt
+        decode = self.step_activation_bytes(min(len(running), step), longest)  # a token and its logits a sequence
+        return int(kv.weight_bytes + held * kv.bytes_per_token + max(prefill, decode))
+
     def least_kv_bytes(self, longest: int) -> int:
         """The KV budget the decoder needs for one sequence of `longest` tokens (0: no KV model yet)."""
         from forge.runtime.decoder.sequence import least_kv_bytes
@@ -165,10 +189,10 @@ class GenerativeFunction(CausalLMFunction):
             return 0
         return least_kv_bytes(longest, self.kv_model.bytes_per_token, num_layers(text_config(self.config)))
 
-    def step_activation_bytes(self, tokens: int, max_seq_len: int) -> int:
+    def step_activation_bytes(self, tokens: int, max_seq_len: int, logit_rows: int | None = None) -> int:
         from forge.runtime.decoder.fit import step_activation_bytes
 
-        return step_activation_bytes(self.config, self.model.torch_dtype, tokens, max_seq_len)
+        return step_activation_bytes(self.config, self.model.torch_dtype, tokens, max_seq_len, logit_rows)
 
     def cost_model(self):
         """The KV memory model (batching=memory): a batch's sequences hold the KV of their tokens

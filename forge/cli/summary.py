@@ -168,6 +168,7 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
     if memory:
         cols.append("GiB peak/budget")
     resident = any(d.get("resident_peak_bytes") for d in devices)
+    planned = any(d.get("planned_peak_bytes") for d in devices)
     if virtual:
         cols = ["device", "batches", "tokens", "slots", "misses", *cols[5:]]
         cols += ["finish s" if virtual["unit"] == "s" else "finish tok-eq", "busy %", "oom"]
@@ -175,6 +176,8 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
         cols.append("busy s")
     if resident:
         cols.append("RSS MiB loaded/peak")
+    if planned:
+        cols.append("MiB held at most")
     title = "devices" + (f" (virtual time: finish skew {100 * virtual['finish_skew']:.1f}%)" if virtual else "")
     dev = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
     for col in cols:
@@ -201,6 +204,8 @@ def _devices_table(report: Mapping[str, Any]) -> Table:
         if resident:
             ready = f"{d['resident_ready_bytes'] / 2**20:,.0f}/" if d.get("resident_ready_bytes") else ""
             row.append(f"{ready}{d['resident_peak_bytes'] / 2**20:,.0f}" if d.get("resident_peak_bytes") else "-")
+        if planned:
+            row.append(f"{d['planned_peak_bytes'] / 2**20:,.0f}" if d.get("planned_peak_bytes") else "-")
         dev.add_row(*row)
     return dev
 

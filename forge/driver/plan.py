@@ -59,7 +59,12 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
     started = time.perf_counter()
     unit = time_unit(spec.devices)
     run, scheduler = prepare(spec, pm, dry_run=True)
-    executor = SimExecutor(scheduler.packer.overhead_tokens, _true_bytes(spec, scheduler.packer), timeline=keep_batches)
+    executor = SimExecutor(
+        scheduler.packer.overhead_tokens,
+        _true_bytes(spec, scheduler.packer),
+        timeline=keep_batches,
+        planned=spec.function.planned_peak_bytes,
+    )
     executor.start(spec.devices)
     kept = _Kept() if keep_batches else None
     loop = RunLoop(
@@ -110,6 +115,7 @@ def plan(spec: RunSpec, pm: pluggy.PluginManager, keep_batches: bool = False) ->
         d.oom = b["oom"]
         if executor.true_bytes is not None:
             d.simulated_peak_bytes = b["peak_bytes"]  # true peak (no margin) of its largest completed batch
+        d.planned_peak_bytes = executor.planned_peaks.get(d.name)  # the function's own bound (generate's)
     return finish_report(report, run=run, pm=pm)
 
 

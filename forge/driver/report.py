@@ -66,6 +66,8 @@ class DeviceReport:
     busy_share: float | None = None
     oom: int | None = None
     simulated_peak_bytes: int | None = None  # a simulated device's true peak (no margin) of its largest batch
+    # a plan's: the function's bound of the device memory its worker holds (Function.planned_peak_bytes)
+    planned_peak_bytes: int | None = None
     # a run's: the most resident memory (RSS) its worker's process held, as that process measured it
     # after each batch (the run's own process for runtime.executor=inprocess; the largest where replaced)
     resident_peak_bytes: int | None = None

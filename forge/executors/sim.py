@@ -68,11 +68,15 @@ class SimExecutor(Executor):
         overhead_tokens: Callable[[Device], int],
         true_bytes: Callable[[Batch], int] | None = None,
         timeline: bool = False,
+        planned: Callable[[Batch, Device, int], int | None] | None = None,
     ):
         super().__init__()
         self.overhead_tokens = overhead_tokens
         self.true_bytes = true_bytes  # a batch's true peak bytes; None: memory is not simulated
         self.record = timeline  # keep every batch's Span (`forge plan --plot`)
+        # the function's bound of what a worker holds running a batch (`Function.planned_peak_bytes`)
+        self.planned = planned
+        self.planned_peaks: dict[str, int] = {}  # device -> the largest such bound of a batch it completed
         self.clocks: dict[str, float] = {}  # device -> virtual time its last batch ends
         self.busy: dict[str, float] = {}  # device -> virtual time spent running batches
         self.budgets: dict[str, int | None] = {}  # device -> its true memory budget (as declared)
@@ -82,7 +86,7 @@ class SimExecutor(Executor):
         self.now = 0.0  # virtual time of the last outcome collected
         self._heap: list[tuple] = []  # (end, ticket, device, cost, status, output, reason)
         self._busy: set[str] = set()  # devices with a batch in the heap (free_slots without scanning it)
-        self.held: dict[str, set] = {}  # device -> prefix keys its engine computed (engine devices only)
+        self.held: dict[str, dict] = {}  # device -> {prefix key: length} its engine computed (engine devices only)
 
     def start(self, devices: list[Device]) -> None:
         time_unit(devices)
@@ -122,7 +126,15 @@ class SimExecutor(Executor):
             if budget is not None and oom
             else ""
         )
-        engine = self._engine_prefix(device, batch) if status == Status.COMPLETED else None
+        engine = None
+        if status == Status.COMPLETED:
+            keys = {it.prefix_key for it in batch.items}
+            stored = sum(n for k, n in self.held.get(device.name, {}).items() if k not in keys)  # earlier batches'
+
+            engine = self._engine_prefix(device, batch)
+            bound = self.planned(batch, device, stored) if self.planned is not None else None
+            if bound is not None:
+                self.planned_peaks[device.name] = max(self.planned_peaks.get(device.name, 0), bound)
         output = SimOutput(computed, bool(batch.cache_hit), engine)
         self._push(end, ticket, device.name, cost, status, output, reason)
 
@@ -132,8 +144,8 @@ class SimExecutor(Executor):
         the device ran it (the engine keeps it: an unbounded prediction of its prefix cache)."""
         if not device.steps().engine or batch.split_prefix or batch.tree:
             return None
-        held = self.held.setdefault(device.name, set())
-        paid: set = set()
+        held = self.held.setdefault(device.name, {})
+        paid: dict = {}
         hit = shared = runs = 0
         for item in batch.items:
             if not item.prefix_len:
@@ -144,9 +156,9 @@ class SimExecutor(Executor):
             elif key in paid:
                 shared += item.prefix_len
             else:
-                paid.add(key)
+                paid[key] = item.prefix_len
                 runs += 1
-        held |= paid
+        held.update(paid)
         return hit, shared, runs
 
     def _push(

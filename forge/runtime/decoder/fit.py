@@ -64,13 +64,16 @@ def _own(model_module: str) -> list[str]:
     return sorted(n for n, o in found if isinstance(o, type) and issubclass(o, Cache) and o.__module__ == model_module)
 
 
-def step_activation_bytes(config: Any, torch_dtype: str, tokens: int, max_seq_len: int) -> int:
+def step_activation_bytes(
+    config: Any, torch_dtype: str, tokens: int, max_seq_len: int, logit_rows: int | None = None
+) -> int:
     """The most one engine step of `tokens` tokens holds beside weights and KV, from the model's
     shape (no measurement): every token's transients, its scores over at most max_seq_len keys,
-    and a float32 row of logits for each (a decode step's rows)."""
+    and a float32 row of logits for each of `logit_rows` (None: every token, as a decode step's
+    rows; a prefill step keeps one a prompt)."""
     from forge.runtime.cost.models import shape_cost_model
 
     shape = shape_cost_model(config, torch_dtype)
     vocab = int(config.get_text_config().vocab_size)
-    per_token = shape.bytes_per_token + max_seq_len * shape.bytes_per_score + 2 * 4 * vocab
-    return int(tokens * per_token)
+    rows = tokens if logit_rows is None else logit_rows
+    return int(tokens * (shape.bytes_per_token + max_seq_len * shape.bytes_per_score) + rows * 2 * 4 * vocab)

@@ -183,7 +183,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         steer = (hooks, fn.interventions.key)
     decoder = Decoder(
         model, fn.tokenizer, budget, eos, fn.hf.pad_token_id, Sampling(*fn.sampling),
-        prefix_tokens=cache_tokens or PREFIX_TOKENS, kv_bytes=kv_bytes, max_running=int(fn.cfg.max_running),
+        prefix_tokens=cache_tokens or PREFIX_TOKENS, kv_bytes=kv_bytes, max_running=fn.max_running,
         steer=steer,
     )  # fmt: skip
     runner = None
