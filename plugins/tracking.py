@@ -337,8 +337,9 @@ def forge_run_start(run):
 @hookimpl
 def forge_items_resumed(run, items):
     feed = run.state.get(NAME)
-    if feed is not None:
+    if feed is not None:  # what earlier sessions committed: the series go on from it
         feed.step += items.total_tokens if isinstance(items, ItemColumns) else sum(it.num_tokens for it in items)
+        feed.items += len(items)
 
 
 @hookimpl

@@ -145,6 +145,11 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path):
             "finished",
         ), name
         assert got["steps"][-1] == want["tokens/completed"], name
+    if "tensorboard" in installed:  # the per-batch series go on from what the first session committed
+        for tag, last in (("items/completed", 40), ("tokens/completed", want["tokens/completed"])):
+            points = trackers_read.tensorboard_scalars(run_dir / "trackers" / "tensorboard", tag)
+            series = [e.value for e in sorted(points, key=lambda e: (e.step, e.wall_time))]  # by tokens completed
+            assert series == sorted(series) and series[-1] == last, (tag, series)
     if "wandb" in installed:
         got = trackers_read.wandb(run_dir)
         assert got["sessions"] == 2 and got["ids"] == {ids["wandb"]}
