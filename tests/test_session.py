@@ -115,6 +115,9 @@ def test_rows_that_are_not_dicts_are_one_line_and_the_session_folder_goes_on_clo
         session.run("probe_gen", {"text": "a"})
     with pytest.raises(ForgeError, match="overrides: a list"):
         session.run("probe_gen", [{"text": "a"}], overrides="layers=[1]")
+    # a repeated id is named by the rows' own positions (1 and "1" are one id), not the session's file
+    with pytest.raises(ForgeError, match=r"^rows\[0\] and rows\[2\] have the same id '1'; .*input.duplicate_ids=first"):
+        session.run("probe_gen", [{"id": 1, "text": "a"}, {"text": "b"}, {"id": "1", "text": "c"}])
     folder = Path(session._dir)
     assert folder.is_dir()
     session.close()

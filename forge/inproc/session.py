@@ -38,6 +38,7 @@ from forge.errors import ForgeError
 from forge.inproc.composer import Composer, override_key, spelled
 from forge.inproc.functions import function_plugin
 from forge.inproc.result import Result
+from forge.io.ids import canonical_id
 from forge.runtime.model.cache import ModelCache, keep_models
 
 
@@ -91,18 +92,21 @@ class Session:
             if other is not None and other.partition("=")[2] not in ("", "null"):
                 raise ForgeError(f"rows and {other} both give the run's input; pass the rows, or the override alone")
         out = str(output_dir) if output_dir is not None else f"{self._dir}/run-{call}"
-        per_call = {"output_dir": out} | ({} if rows is None else {"input.path": self._input(rows, call)})
+        repeats_ok = any(override_key(a) == "input.duplicate_ids" and not a.endswith("=error") for a in args)
+        given = {} if rows is None else {"input.path": self._input(rows, call, repeats_ok)}
+        per_call = {"output_dir": out} | given
         if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
             args.insert(0, "runtime.executor=inprocess")  # the models stay in this process, kept
         return _execute(args, per_call, self._composer, out, started, self.models, plugin)
 
-    def _input(self, rows: Any, call: int) -> str:
+    def _input(self, rows: Any, call: int, repeats_ok: bool = False) -> str:
         if isinstance(rows, (str, os.PathLike)):
             return str(rows)
         if isinstance(rows, Mapping) or not isinstance(rows, Iterable):
             raise ForgeError(f"rows: a {type(rows).__name__}; pass a list of dicts (one per row) or a file's path")
         partial = Path(self._dir) / f"rows-{call}.partial"
         digest = hashlib.sha256()
+        seen: dict[str, int] = {}  # id -> the first row that had it (the id rule: forge.io.ids)
         with partial.open("w") as f:
             for n, row in enumerate(rows):
                 if not isinstance(row, Mapping):
@@ -111,6 +115,12 @@ class Session:
                     line = json.dumps(dict(row), default=_plain) + "\n"
                 except (TypeError, ValueError) as exc:
                     raise ForgeError(f"rows[{n}]: not JSON ({exc}); give plain values (text, numbers, lists)") from None
+                rid, problem = canonical_id(row.get("id"), n)
+                if problem is None and not repeats_ok and seen.setdefault(rid, n) != n:
+                    raise ForgeError(
+                        f"rows[{seen[rid]}] and rows[{n}] have the same id {rid!r}; give each row its own id, "
+                        "or keep one with the override input.duplicate_ids=first (or last)"
+                    )
                 f.write(line)
                 digest.update(line.encode())
         # named by its content: the same rows are the same input.path, so a run stopped by Ctrl-C resumes
