@@ -63,7 +63,8 @@ class FunctionRef:
 class Budget:
     # caps padded token slots per batch: min(this, each device's max_batch_tokens); null: no cap
     tokens_per_step: int | None = positive(8192)
-    max_tokens: int | None = positive(None)  # stop admitting once this many tokens were received; the rest are skipped
+    # stop admitting once this many tokens were received (a resume counts earlier sessions'); the rest are skipped
+    max_tokens: int | None = positive(None)
 
 
 @dataclass
@@ -329,20 +330,18 @@ def _explain(exc: OmegaConfBaseException, schema_cls: type, cfg: DictConfig, cho
     key = exc.full_key or ""
     if not key:  # a merge error at a node's root names no key: find the root key that fails
         key = _failing_key(schema_cls, cfg) or ""
-        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False) if key else None
-        expected = _expected(_field_type(schema_cls, key)) if key else None
-        if expected:
+        if key and (expected := _expected(_field_type(schema_cls, key))):
+            value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
             return f"config {key}={show(_raw(value))}: expected {expected}"
         return f"config{' ' + key if key else ''}: {str(exc).splitlines()[0]}"
     if isinstance(exc, ConfigKeyError):
         return explain_unknown_key(key, exc, choices)
-    value = _raw(getattr(exc, "value", None))
-    if "Interpolation" in type(exc).__name__ and value is None:  # a ${...} that resolves to nothing: say why
+    value, interpolation = _raw(getattr(exc, "value", None)), "Interpolation" in type(exc).__name__
+    if interpolation and value is None:  # a ${...} that resolves to nothing: say why
         return f"config {key}: {str(exc).splitlines()[0]}; fix the ${{...}} reference or give a value"
-    if isinstance(exc, ValidationError) or "Interpolation" in type(exc).__name__:
-        expected = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
-        expected = expected or _expected(_field_type(schema_cls, key))
-        if expected:
+    if isinstance(exc, ValidationError) or interpolation:
+        node = NODE_TYPES.get(type(exc.child_node)) if exc.child_node is not None else None
+        if expected := node or _expected(_field_type(schema_cls, key)):
             null_ok = "" if value is not None else " (null is not allowed here)"
             return f"config {key}={show(value)}: expected {expected}{null_ok}"
     return f"config {key}: {str(exc).splitlines()[0]}"
