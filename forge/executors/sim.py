@@ -127,14 +127,14 @@ class SimExecutor(Executor):
             else ""
         )
         engine = None
-        if status == Status.COMPLETED:
-            keys = {it.prefix_key for it in batch.items}
-            stored = sum(n for k, n in self.held.get(device.name, {}).items() if k not in keys)  # earlier batches'
-
+        if status == Status.COMPLETED and device.steps().engine:  # only an engine's batches: no per-item walk else
+            if self.planned is not None:
+                keys = {it.prefix_key for it in batch.items}
+                stored = sum(n for k, n in self.held.get(device.name, {}).items() if k not in keys)  # earlier batches'
+                bound = self.planned(batch, device, stored)
+                if bound is not None:
+                    self.planned_peaks[device.name] = max(self.planned_peaks.get(device.name, 0), bound)
             engine = self._engine_prefix(device, batch)
-            bound = self.planned(batch, device, stored) if self.planned is not None else None
-            if bound is not None:
-                self.planned_peaks[device.name] = max(self.planned_peaks.get(device.name, 0), bound)
         output = SimOutput(computed, bool(batch.cache_hit), engine)
         self._push(end, ticket, device.name, cost, status, output, reason)
 
