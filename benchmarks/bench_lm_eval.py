@@ -170,8 +170,9 @@ def report(trials, fl: dict, start) -> None:
     own = trials.median(DUMMY) if DUMMY in trials.names else 0.0
     least = own + start.ready_s + fl["by_shape_s"]
     note(
-        f"compute floor: {fl['tokens']:,} tokens ({fl['prefixes']} distinct contexts once, {fl['prefix_tokens']:,} "
-        f"tokens; {fl['suffix_tokens']:,} continuation tokens of {fl['requests']:,} requests; "
+        f"compute floor: {fl['tokens']:,} tokens ({fl['prefixes']} distinct contexts of {fl['prefix_tokens']:,} "
+        f"tokens, their prefix tree's {fl['prefix_tree_tokens']:,} once; {fl['suffix_tokens']:,} continuation "
+        f"tokens of {fl['requests']:,} requests; "
         f"{fl['prompt_tokens']:,} prompt tokens): {fl['by_shape_s']:.2f} s by shape ({fl['reads_s']:.2f} s of reads)"
     )
     note(

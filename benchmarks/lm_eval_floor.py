@@ -9,7 +9,9 @@ Model: every variant is a whole `lm_eval` process. Whatever the model backend, i
   weights loaded (`benchmarks/peers/cold_start.py`, measured before the rounds and after, the
   fastest kept phase by phase);
 * the compute floor of the requests (`benchmarks/floor.py`, as `bench_peers` counts `score`):
-  each distinct context (minus its last token) once, every continuation (the context's last
+  each token of the contexts' prefix tree (the contexts minus their last token) once: the shots
+  once, then each question's own start (before 2026-12-05 17:00 UTC: each distinct context whole),
+  every continuation (the context's last
   token and the continuation but its last), no padding, at the best rate measured for the
   shape, plus each suffix token's read of its prefix's keys; for `generate_until`, each prompt
   once and no decode step (a lower bound: a generation may stop at its first token).
@@ -64,10 +66,24 @@ def segments(data: Path, model_dir: str) -> tuple[list[int], list[tuple[int, int
         "requests": len(segs),
         "prefixes": len(prefixes),
         "prefix_tokens": sum(prefixes.values()),
+        "prefix_tree_tokens": sum(trie_segments(prefixes)),
         "suffix_tokens": sum(segs),
         "prompt_tokens": sum(prompts),
     }
-    return [*prefixes.values(), *segs, *prompts], reads, counts
+    return [*trie_segments(prefixes), *segs, *prompts], reads, counts
+
+
+def trie_segments(prefixes) -> list[int]:
+    """The token runs a set of prefixes needs computed at least once: their prefix tree's, each token
+    of it once (a causal model's keys for a start that prefixes share are those of every one of them).
+    In sorted order, each prefix adds what follows its common start with the one before."""
+    out, last = [], ()
+    for prefix in sorted(prefixes):
+        common = next((k for k, (a, b) in enumerate(zip(prefix, last)) if a != b), min(len(prefix), len(last)))
+        if len(prefix) > common:
+            out.append(len(prefix) - common)
+        last = prefix
+    return out
 
 
 def compute_floor(data: Path, model_dir: str, threads: int) -> dict:

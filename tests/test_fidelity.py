@@ -728,3 +728,63 @@ def test_a_run_cut_past_the_deepest_layer_equals_one_prompt_at_a_time(tmp_path, 
     for layer in LAYERS:
         want = torch.stack([refs[i][layer] for i in ids])
         assert (layers[layer] - want).abs().max().item() < TOL, (name, mode, layer)
+
+
+# -- tree rows after a root: prefixes that share their first tokens (few-shot shots, then a question) --
+ROOT_FAMILIES = [
+    "llama",
+    "qwen3",
+    "gpt_neox",
+    "gpt2",
+    "opt",
+    "falcon",
+    "mistral-window",  # the root is longer than the window: its far keys must be masked off
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "deepseek_v3",
+]
+
+
+@pytest.fixture(scope="module")
+def root_rows(data):
+    """12 rows in 6 prefix groups, each prefix the same 58-token shots and a question of its own."""
+    shots = max((r["prefix"] for r in _rows() if "prefix" in r), key=len)
+    texts = [r["text"] for r in _rows()]
+    rows = [
+        {"id": f"g{g}r{j}", "text": texts[2 * g + j], "prefix": f"{shots} Case {g}: {texts[g + 6][: 10 + 4 * g]}"}
+        for g in range(6)
+        for j in range(2)
+    ]
+    path = data[0] / "root_rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ROOT_FAMILIES)
+def test_tree_rows_after_a_shared_root_equal_one_prompt_at_a_time(tmp_path, data, root_rows, name, monkeypatch):
+    """The prefixes' common start runs once and is served from the cache (forge.runtime.forward.tree_root);
+    each item still equals its one-prompt forward pass, sliding windows included, and the ledger balances."""
+    from forge.api import InputSpec, ModelSpec
+    from forge.functions.probe_gen import ProbeGen, ProbeGenConfig
+    from forge.runtime.forward.causal_lm import CausalLMRunner
+    from forge.runtime.forward.reference import pool, reference_hidden
+
+    path, _ = family(name, data)
+    fn = ProbeGen(ProbeGenConfig(model=ModelSpec(name=str(path)), input=InputSpec(path=str(root_rows)), layers=LAYERS))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = {it.id: (reference_hidden(model, it.tokens, LAYERS), it.prefix_len) for it in fn.records()}
+    roots: list[int] = []
+    real = CausalLMRunner._tree_root
+    monkeypatch.setattr(CausalLMRunner, "_tree_root", lambda self, *a: roots.append(real(self, *a)) or roots[-1])
+    report = _run(tmp_path, path, root_rows, "token-merged", "mean")
+    assert report["items"]["completed"] == len(refs) and report["balanced"], report.get("imbalance")
+    assert roots and all(r >= 32 for r in roots), roots  # every tree batch ran after a root
+    tokens = report["tokens"]
+    assert tokens["cache_hit"] > 0  # a later batch found the root in the cache
+    ids, _, layers = load_activations(tmp_path)
+    for layer in LAYERS:
+        want = torch.stack([pool(refs[i][0][layer], refs[i][1], "mean") for i in ids])
+        diff = (layers[layer] - want).abs().max().item()
+        assert diff < TOL, (name, layer, diff, report["path"])

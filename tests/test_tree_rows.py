@@ -192,8 +192,8 @@ def _spy(monkeypatch):
     seen = []
     real = cl.tree_layout
 
-    def spy(rows, seqs):
-        layout = real(rows, seqs)
+    def spy(rows, seqs, root=0):
+        layout = real(rows, seqs, root)
         seen.append([sum(1 for span in layout.spans if span[0] == r) for r in range(len(rows))])
         return layout
 
@@ -275,3 +275,51 @@ def test_the_plot_draws_each_prefix_once_per_tree_row():
     for row, segs in zip(trees[0].rows, drawn):
         assert sum(n for n, _ in segs) == trees[0].padded_len  # prefixes, suffixes and padding fill the row
         assert sum(1 for _, colour in segs if colour == PREFIX) == len(runs(row))
+
+
+def test_a_root_is_the_prefixes_common_start_cut_to_blocks_short_of_each_prefix():
+    import torch
+
+    from forge.runtime.forward.tree_root import ROOT_BLOCK, cached_length, root_id, root_length
+
+    shots = torch.arange(100, 170)  # 70 tokens every prefix starts with
+
+    def item(name, own_prefix, suffix=3):
+        seq = torch.cat([shots, torch.tensor(own_prefix, dtype=torch.long), torch.arange(9, 9 + suffix)])
+        return Item(name, seq.numel(), f"p-{own_prefix}", 70 + len(own_prefix)), seq
+
+    items, seqs = zip(*[item("a", [1, 2]), item("b", [1, 2]), item("c", [5, 6, 7])])
+    assert root_length(list(items), list(seqs)) == 64  # 70 shared, cut to a multiple of 16
+    assert 64 % ROOT_BLOCK == 0
+    # a prefix of 40 tokens: its last token stays in the row (39 -> 32)
+    short = Item("s", 43, "p-short", 40)
+    assert root_length([short], [torch.arange(100, 143)]) == 32
+    # under 32 tokens in common, or an item without a prefix: no root
+    other = torch.cat([torch.arange(100, 120), torch.arange(500, 560)])
+    assert root_length([items[0], Item("o", 80, "p-o", 75)], [seqs[0], other]) == 0
+    assert root_length([items[0], Item("n", 5)], [seqs[0], torch.arange(5)]) == 0
+    # a cached root of at least 3/4 the length serves; a shorter one does not
+    held = {(None, root_id(seqs[0][:48]))}
+    assert cached_length(lambda k: True if k in held else None, None, seqs[0], 64) == 48
+    assert cached_length(lambda k: True if k in held else None, "steered", seqs[0], 64) == 64  # another tag
+    assert cached_length(lambda k: None, None, seqs[0], 64) == 64
+
+
+def test_tree_rows_after_a_root_account_every_prefix_token_once():
+    from forge.vocab.geometry import Batch
+    from forge.vocab.records import batch_stats
+
+    rows = [
+        [Item("a", 90, "p1", 80), Item("b", 85, "p1", 80)],
+        [Item("c", 75, "p2", 70)],
+    ]
+    batch = Batch(rows=rows, padded_len=184, split_prefix=False, packed=True, tree=True)
+    plain = batch_stats(batch, 1.0, 0)
+    assert (plain.prefix_computed_tokens, plain.cache_hit_tokens, plain.shared_tokens) == (150, 0, 80)
+    ran = batch_stats(batch, 1.0, 64, root_held_tokens=2 * 64)  # the root ran now: shared by both spans
+    hit = batch_stats(batch, 1.0, 0, root_held_tokens=2 * 64)  # the root came from the cache
+    assert (ran.prefix_computed_tokens, ran.cache_hit_tokens, ran.shared_tokens) == (150 - 128 + 64, 0, 80 + 64)
+    assert (hit.prefix_computed_tokens, hit.cache_hit_tokens, hit.shared_tokens) == (150 - 128, 128, 80)
+    for s in (plain, ran, hit):
+        assert s.prefix_computed_tokens + s.cache_hit_tokens + s.shared_tokens == batch.prefix_tokens
+    assert ran.padded_slots == batch.padded_slots + 64

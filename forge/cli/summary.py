@@ -105,10 +105,11 @@ def _run_table(report: Mapping[str, Any]) -> Table:
 def _reuse_words(reuse: float, hit: float, tokens: Mapping[str, Any], engine: bool = False) -> str:
     """What share of the prefix tokens the items needed ran again, and why not (the ledger's
     `cache_hit` tokens are those a split-prefix batch did not run: its prefix ran once for all
-    its items, or came from the cache; `engine`: a function's engine shared the prefixes itself,
-    holding them in its own cache across batches, as generate's decoder does)."""
+    its items, or came from the cache (so did a tree batch's root); `engine`: a function's engine
+    shared the prefixes itself, holding them in its own cache across batches, as generate's decoder
+    does)."""
     shared = tokens.get("prefix_shared", 0) / tokens["prefix"] if tokens.get("prefix") else 0.0
-    held = "held by the engine's prefix cache" if engine else "in split-prefix batches"
+    held = "held by the engine's prefix cache" if engine else "in split-prefix batches or cached roots"
     parts = [f"{100 * hit:.2f}% {held} (cache_hit_rate)"] if hit else []
     parts += [f"{100 * shared:.2f}% {'shared by the engine' if engine else 'in tree rows'}"] if shared else []
     return f"{100 * reuse:.2f}% not computed again" + (f": {', '.join(parts)}" if parts else "")

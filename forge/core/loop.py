@@ -310,8 +310,8 @@ class RunLoop:
         steps = getattr(output, "steps", None)
         if outcome.status == Status.PARTIAL or (steps is None and device.steps().engine):
             steps = ()
-        prefix = getattr(output, "engine_prefix", None)
-        stats = batch_stats(kept, outcome.seconds, output.prefix_computed_tokens, prefix, steps)
+        prefix, held = getattr(output, "engine_prefix", None), getattr(output, "root_held_tokens", 0)
+        stats = batch_stats(kept, outcome.seconds, output.prefix_computed_tokens, prefix, steps, held)
         tally = self.tallies[device.name]
         tally.add(kept, stats, whole=outcome.status != Status.PARTIAL)  # a part: of a batch counted at its end
         if kept.split_prefix and kept.prefix_len and not output.cache_hit:

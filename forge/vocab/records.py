@@ -142,20 +142,27 @@ def batch_stats(
     prefix_computed_tokens: int,
     engine_prefix: tuple[int, int, int] | None = None,
     steps: Iterable[int] | None = None,
+    root_held_tokens: int = 0,
 ) -> BatchStats:
     """Stats of a batch from what its prefix cost. Rows that hold whole sequences run
     their own prefix, so nothing is served from cache, unless the function's engine shares
     prefixes itself (`engine_prefix`: the cache-hit and shared prefix tokens it did not run, and the
     prefixes it ran);
-    tree rows run each prefix group's prefix once in the row (shared, not cached). `steps`: the
-    token slots of each step an engine of its own ran (None: one forward pass of the padded rows)."""
+    tree rows run each prefix group's prefix once in the row (shared), but for the `root_held_tokens` a
+    root their prefixes share held: served from the cache, or shared when the root ran now (its
+    `prefix_computed_tokens`). `steps`: the token slots of each step an engine of its own ran (None: one
+    forward pass of the padded rows)."""
     ran = (batch.padded_slots,) if steps is None else tuple(steps)
     if engine_prefix is not None and not (batch.tree or batch.split_prefix):
         hit, shared, runs = engine_prefix
         return BatchStats(seconds, batch.prefix_tokens - hit - shared, hit, batch.padded_slots, shared, ran, runs)
     if batch.tree:
-        computed = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans
-        return BatchStats(seconds, computed, 0, batch.padded_slots, batch.prefix_tokens - computed, ran)
+        spans = batch.row_tokens - (batch.num_tokens - batch.prefix_tokens)  # the rows' prefix spans, laid out
+        root_held_tokens = min(root_held_tokens, spans)  # of a batch's items kept (others committed already)
+        root_run = min(prefix_computed_tokens, root_held_tokens) if root_held_tokens else 0
+        computed, hit = spans - root_held_tokens + root_run, 0 if root_run else root_held_tokens
+        shared = batch.prefix_tokens - computed - hit
+        return BatchStats(seconds, computed, hit, batch.padded_slots + root_run, shared, ran)
     if batch.split_prefix:
         hit = batch.prefix_tokens - prefix_computed_tokens
     else:
@@ -178,3 +185,6 @@ class ResultColumns:
     # an engine that runs a batch in steps of its own (generate's decoder): the token slots of each step
     # it ran for this output (None: the batch ran as one forward pass); the ledger holds them to the budget
     steps: list[int] | None = field(default=None, kw_only=True)
+    # tree rows after a root their prefixes share: the prefix tokens the rows did not hold (the root ran
+    # once, or came from the cache: `prefix_computed_tokens` says which)
+    root_held_tokens: int = field(default=0, kw_only=True)

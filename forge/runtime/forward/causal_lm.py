@@ -15,20 +15,20 @@ c. ``split_prefix=True, packed=True`` (also ``split_prefix=False, packed=True``)
    padding), positions restart at P for each item.
 d. ``tree=True`` (packed, not split): rows of prefix groups, each prefix once in the row and
    its items' suffixes after it (`forge.runtime.forward.tree_rows`); the same 4D masks, where a
-   suffix also sees its prefix's span, and positions restart at 0 for each prefix.
+   suffix also sees its prefix's span, and positions restart at 0 for each prefix. A root that
+   every prefix starts with runs apart, once, from the cache (`forge.runtime.forward.tree_root`).
 
 Only the base decoder runs (no LM head). Results equal a plain one-prompt-at-a-time
 forward pass (`forge.runtime.forward.reference`) up to float rounding; layouts that cannot
 (`forge.runtime.model.capabilities`) are refused.
 
 Facts this relies on (transformers 5.x, checked in tests/test_causal_lm.py and tests/test_fidelity.py):
-- the cache keyword is ``cache=`` (``past_key_values=`` on 4.x) and a stored KV must never be
-  reused in place: the forward pass grows the cache object it is given;
-- a cache built with the model's config trims sliding layers to their last window-1 keys, so
-  prefixes use a config-less cache that keeps every key, and the masks apply the windows;
+- the cache keyword is ``cache=`` (``past_key_values=`` on 4.x); the forward pass grows the cache object
+  it is given, so a stored KV is never handed over itself;
+- a cache built with the model's config trims sliding layers to window-1 keys: prefixes use a
+  config-less cache that keeps every key, and the masks apply the windows;
 - the 2D mask of a cached forward pass must cover prefix + suffix, (B, P+S);
-- a 4D mask (or, for hybrid models, {layer type: 4D mask}) is passed through unchanged by
-  `create_causal_mask` and honoured by sdpa/eager;
+- a 4D mask (hybrid models: {layer type: 4D mask}) passes `create_causal_mask` unchanged to sdpa/eager;
 - ``output_hidden_states=[i, j]`` keeps only those indices (others are None).
 """
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from forge.runtime.forward import shared_prefix
+from forge.runtime.forward import shared_prefix, tree_root
 from forge.runtime.forward.items import check_batch_items, resolve_layers, token_tensor
 from forge.runtime.forward.masks import additive_masks
 from forge.runtime.forward.outputs import PooledOutput, RowStates
@@ -52,8 +52,6 @@ from forge.runtime.model import hf_compat
 from forge.runtime.model.capabilities import Capabilities, capabilities
 from forge.runtime.model.hf_compat import num_layers, text_config
 from forge.vocab.geometry import Batch, Item
-
-# ----------------------------------------------------------------------------- runner
 
 
 class CausalLMRunner:
@@ -137,13 +135,19 @@ class CausalLMRunner:
         # (`shared_prefix.eligible`; attention patterns need the model's own attention)
         self._share_prefix = not self.hooks.patterns and shared_prefix.eligible(model) is None
 
-    # -- construction helpers
-
     def _is_causal(self) -> bool:
         """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""
         if self.encoder_decoder or getattr(self.config, "is_causal", True) is False:
             return False
         return hf_compat.probes_causal(self.base, self.config, self.device)
+
+    def _tree_root(self, items: list[Item], seqs: list[torch.Tensor]) -> int:
+        """The root a tree batch's prefixes run after, from the cache; 0: none (no cache, hooks, or a model
+        whose split prefix is not exact)."""
+        if not self.cache.enabled or self.hooks.active or not self.causal or self.caps.refusal(True, True):
+            return 0
+        length = tree_root.root_length(items, seqs)
+        return tree_root.cached_length(self.cache.peek, self.tag, seqs[0], length) if length else 0
 
     # -- running
 
@@ -169,10 +173,10 @@ class CausalLMRunner:
             raise ValueError(f"{what} are not exact for {self.caps.family}: {reason}")
         check_batch_items(batch, seqs, items, self.pooling)
 
-    def _prefix_entry(self, batch: Batch, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
-        """The prefix's KV (from the cache, or computed now) and whether it was a hit."""
-        key = (self.tag, batch.prefix_key)
-        use_cache = self.cache.enabled and batch.prefix_key is not None
+    def _prefix_entry(self, prefix_id: Any, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
+        """The KV of the prefix known as `prefix_id` (from the cache, or computed now) and whether it was a hit."""
+        key = (self.tag, prefix_id)
+        use_cache = self.cache.enabled and prefix_id is not None
         if use_cache:
             entry = self.cache.get(key)
             if entry is not None:
@@ -219,9 +223,8 @@ class CausalLMRunner:
         )
 
     def forward_tokens(self, batch: Batch) -> RowStates | None:
-        """The batch's forward pass, not pooled: the final hidden state of every row token and
-        where each token sits (for functions that read per-token states, e.g. scoring). None
-        for an empty batch."""
+        """The batch's forward pass, not pooled: the final hidden state of every row token and where
+        each token sits (for functions that read per-token states, e.g. scoring). None: an empty batch."""
         with torch.inference_mode():
             return self._forward_batch(batch)
 
@@ -244,12 +247,16 @@ class CausalLMRunner:
         # Shared prefix: computed once (1 row) or taken from the cache.
         entry, hit, prefix_computed = None, False, 0
         if split and off > 0:
-            entry, hit = self._prefix_entry(batch, seqs[0][:off])
+            entry, hit = self._prefix_entry(batch.prefix_key, seqs[0][:off])
             prefix_computed = 0 if hit else off
+        root = self._tree_root(items, seqs) if batch.tree else 0
+        if root:  # tree rows after a root their prefixes share (`forge.runtime.forward.tree_root`)
+            entry, hit = self._prefix_entry(tree_root.root_id(seqs[0][:root]), seqs[0][:root])
+            prefix_computed = 0 if hit else root
 
         # Row geometry, per item: row, start slot in row, tokens in row, first pooled slot.
         rows = [r for r, row in enumerate(batch.rows) for _ in row]
-        layout = tree_layout(batch.rows, seqs) if batch.tree else None
+        layout = tree_layout(batch.rows, seqs, root) if batch.tree else None
         offs = [it.prefix_len for it in items] if layout is not None else [off] * n  # tokens outside each span
         lens_list = [s.numel() - o for s, o in zip(seqs, offs)]
         if layout is not None:
@@ -264,6 +271,8 @@ class CausalLMRunner:
         if max(used) > S:
             r = max(range(len(used)), key=used.__getitem__)
             raise ValueError(f"row {r} holds {used[r]} tokens but padded_len is {S}")
+        if root:  # the rows hold less than the packer laid out: cut them to their longest
+            S = min(S, -(-max(used) // 8) * 8)
         keep_rows = [r for r, u in enumerate(used) if u > 0]  # rows with no tokens do not run
         row_map = {r: i for i, r in enumerate(keep_rows)}
         B = len(keep_rows)
@@ -299,6 +308,7 @@ class CausalLMRunner:
             cache_hit=hit,
             prefix_computed_tokens=prefix_computed,
             captured=captured,
+            root_held_tokens=root * len(layout.spans) if root and layout is not None else 0,
         )
 
     def _forward_rows(
@@ -350,9 +360,7 @@ class CausalLMRunner:
             mask = torch.cat([torch.ones(B, P, dtype=torch.long), suffix], dim=1).to(dev)
 
         kwargs: dict[str, Any] = {}
-        if entry is not None:
-            # A NEW cache each call, built from the stored tensors: the forward pass grows the
-            # cache it is given, so the stored entry must never be handed over itself.
+        if entry is not None:  # a new cache each call, over the stored tensors (the pass grows what it gets)
             kv = [(k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)) for k, v in entry.key_values]
             kwargs[self._cache_kw] = hf_compat.plain_cache(kv)
             kwargs["use_cache"] = True

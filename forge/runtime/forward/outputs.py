@@ -40,3 +40,6 @@ class RowStates:
     cache_hit: bool  # the prefix came from the device's cache
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a cache hit)
     captured: dict[str, torch.Tensor] = field(default_factory=dict)  # hook point -> [rows run, padded_len, ...]
+    # tree rows after a root (`forge.runtime.forward.tree_root`, `entry`): the prefix tokens the rows did not
+    # hold, the root's length times the prefix spans
+    root_held_tokens: int = 0

@@ -6,6 +6,10 @@ item without a prefix is a group of its own with no prefix span. Positions resta
 each prefix and run on from its length for each of its suffixes; masks let a suffix see its
 prefix's span and itself only (`forge.runtime.forward.masks`, `ctx`), so every item's states equal a
 one-prompt forward pass of prefix + suffix.
+
+A root (`root` > 0: the leading tokens every prefix of the batch shares, their keys and values
+held apart, `forge.runtime.forward.tree_root`) is left out of the rows: each prefix span holds its
+tokens after the root, at positions from `root` on.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ class TreeLayout:
     starts: list[int]  # per item: the first column of its own tokens in its row
     used: list[int]  # per row: the slots its spans take
     group_of: list[int]  # per item: the prefix span it sees (index into `spans`), -1 for none
-    spans: list[tuple[int, int, int, int]]  # per prefix span: (row, first column, length, an item holding its tokens)
+    # per prefix span: (row, first column, its tokens in the row, an item holding its tokens)
+    spans: list[tuple[int, int, int, int]]
+    root: int = 0  # leading prefix tokens held apart, not in the rows
 
 
-def tree_layout(rows: list[list[Item]], seqs: list[torch.Tensor]) -> TreeLayout:
-    """Lay out `rows` (items in `batch.items` order, `seqs` their token tensors) as tree rows;
-    refuse items of one run whose prefixes differ."""
+def tree_layout(rows: list[list[Item]], seqs: list[torch.Tensor], root: int = 0) -> TreeLayout:
+    """Lay out `rows` (items in `batch.items` order, `seqs` their token tensors) as tree rows, each
+    prefix's first `root` tokens left out; refuse items of one run whose prefixes differ."""
     starts, used, group_of = [], [], []
     spans: list[tuple[int, int, int, int]] = []
+    items_prefix = [it.prefix_len for row in rows for it in row]
     k = 0
     for r, row in enumerate(rows):
         col, last = 0, None
@@ -42,12 +49,12 @@ def tree_layout(rows: list[list[Item]], seqs: list[torch.Tensor]) -> TreeLayout:
             if key is None:
                 group = -1
             elif key != last:
-                spans.append((r, col, it.prefix_len, k))
-                col += it.prefix_len
+                spans.append((r, col, it.prefix_len - root, k))
+                col += it.prefix_len - root
                 group = len(spans) - 1
             else:
-                _, _, length, holder = spans[group]
-                if it.prefix_len != length or not torch.equal(seqs[k][:length], seqs[holder][:length]):
+                holder, length = spans[group][3], it.prefix_len
+                if length != items_prefix[holder] or not torch.equal(seqs[k][:length], seqs[holder][:length]):
                     raise ValueError(
                         f"item {it.id!r} shares prefix_key={key!r} with item {rows[r][0].id!r}'s run "
                         "but not its prefix tokens"
@@ -58,7 +65,7 @@ def tree_layout(rows: list[list[Item]], seqs: list[torch.Tensor]) -> TreeLayout:
             last = key
             k += 1
         used.append(col)
-    return TreeLayout(starts, used, group_of, spans)
+    return TreeLayout(starts, used, group_of, spans, root)
 
 
 def write_prefix_spans(
@@ -71,11 +78,12 @@ def write_prefix_spans(
     seg: torch.Tensor,
     ctx: torch.Tensor,
 ) -> None:
-    """Put each prefix span's tokens in the rows (positions 0..P-1, a segment of its own: n_items + span)."""
+    """Put each prefix span's tokens in the rows (positions root..P-1, a segment of its own: n_items + span)."""
+    root = layout.root
     for g, (r, col, length, holder) in enumerate(layout.spans):
         row = row_map[r]
-        input_ids[row, col : col + length] = seqs[holder][:length]
-        position_ids[row, col : col + length] = torch.arange(length)
+        input_ids[row, col : col + length] = seqs[holder][root : root + length]
+        position_ids[row, col : col + length] = torch.arange(root, root + length)
         seg[row, col : col + length] = n_items + g
         ctx[row, col : col + length] = n_items + g
 

@@ -76,6 +76,7 @@ class ViewBatch:
     views: list[ItemView]  # batch.items order
     prefix_computed_tokens: int  # prefix tokens run this batch (0 on a prefix-cache hit)
     cache_hit: bool  # the prefix came from the device's cache
+    root_held_tokens: int = 0  # tree rows: prefix tokens a root held for them (`RowStates.root_held_tokens`)
 
 
 class CausalViews:
@@ -103,7 +104,7 @@ class CausalViews:
             if states is None:
                 return ViewBatch([], 0, False)
             views = self._views(batch, states)
-        return ViewBatch(views, states.prefix_computed_tokens, states.cache_hit)
+        return ViewBatch(views, states.prefix_computed_tokens, states.cache_hit, states.root_held_tokens)
 
     def _views(self, batch: Batch, states) -> list[ItemView]:
         items = batch.items
@@ -294,7 +295,9 @@ class ReducingWorker:
                 for v in values:
                     if isinstance(v[name], torch.Tensor) and v[name].is_floating_point():
                         v[name] = v[name].double()
-        return ResultColumns(collect(values, self.names), out.prefix_computed_tokens, out.cache_hit)
+        held = getattr(out, "root_held_tokens", 0)  # an encoder's views have no root
+        columns = collect(values, self.names)
+        return ResultColumns(columns, out.prefix_computed_tokens, out.cache_hit, root_held_tokens=held)
 
     def close(self) -> None:
         if self.views is not None:
