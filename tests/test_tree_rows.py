@@ -280,7 +280,7 @@ def test_the_plot_draws_each_prefix_once_per_tree_row():
 def test_a_root_is_the_prefixes_common_start_cut_to_blocks_short_of_each_prefix():
     import torch
 
-    from forge.runtime.forward.tree_root import ROOT_BLOCK, cached_length, root_id, root_length
+    from forge.runtime.forward.tree_root import ROOT_BLOCK, root_length
 
     shots = torch.arange(100, 170)  # 70 tokens every prefix starts with
 
@@ -298,11 +298,6 @@ def test_a_root_is_the_prefixes_common_start_cut_to_blocks_short_of_each_prefix(
     other = torch.cat([torch.arange(100, 120), torch.arange(500, 560)])
     assert root_length([items[0], Item("o", 80, "p-o", 75)], [seqs[0], other]) == 0
     assert root_length([items[0], Item("n", 5)], [seqs[0], torch.arange(5)]) == 0
-    # a cached root of at least 3/4 the length serves; a shorter one does not
-    held = {(None, root_id(seqs[0][:48]))}
-    assert cached_length(lambda k: True if k in held else None, None, seqs[0], 64) == 48
-    assert cached_length(lambda k: True if k in held else None, "steered", seqs[0], 64) == 64  # another tag
-    assert cached_length(lambda k: None, None, seqs[0], 64) == 64
 
 
 def test_tree_rows_after_a_root_account_every_prefix_token_once():
@@ -323,3 +318,24 @@ def test_tree_rows_after_a_root_account_every_prefix_token_once():
     for s in (plain, ran, hit):
         assert s.prefix_computed_tokens + s.cache_hit_tokens + s.shared_tokens == batch.prefix_tokens
     assert ran.padded_slots == batch.padded_slots + 64
+
+
+def test_the_prefix_cache_finds_the_longest_held_start_of_a_prefix_in_whole_blocks():
+    import torch
+
+    from forge.runtime.forward.prefix_cache import START_BLOCK, PrefixCache, PrefixEntry
+
+    def entry(tokens):
+        kv = [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))]
+        return PrefixEntry(kv, len(tokens), tokens=torch.tensor(tokens))
+
+    shots = list(range(100, 150))  # 50 tokens: three whole blocks
+    cache = PrefixCache(1000)
+    cache.put((None, "q1"), entry(shots + [1, 2, 3]))
+    found = cache.longest_start(None, torch.tensor(shots + [7, 8, 9, 10]), 53)
+    assert found is not None and found[1] == 3 * START_BLOCK and found[0].length == 53
+    assert cache.longest_start(None, torch.tensor(shots), 40)[1] == 2 * START_BLOCK  # at most `most` tokens
+    assert cache.longest_start("steered", torch.tensor(shots), 50) is None  # another tag's keys
+    assert cache.longest_start(None, torch.tensor([9] + shots), 50) is None  # differs in the first block
+    cache.put((None, "other"), entry(list(range(900, 1900))[:990]))  # evicts q1: its starts go with it
+    assert (None, "q1") not in cache and cache.longest_start(None, torch.tensor(shots), 50) is None

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from forge.runtime.forward import shared_prefix, tree_root
+from forge.runtime.forward import prefix_run, shared_prefix, tree_root
 from forge.runtime.forward.items import check_batch_items, resolve_layers, token_tensor
 from forge.runtime.forward.masks import additive_masks
 from forge.runtime.forward.outputs import PooledOutput, RowStates
@@ -134,6 +134,9 @@ class CausalLMRunner:
         # rows after a cached prefix attend to one copy of its keys where that is exact for the model
         # (`shared_prefix.eligible`; attention patterns need the model's own attention)
         self._share_prefix = not self.hooks.patterns and shared_prefix.eligible(model) is None
+        # a prefix runs after the longest start of it the cache holds, and tree rows after a root their
+        # prefixes share, where a split prefix is exact and no hook must see the prefix tokens
+        self._starts = self.cache.enabled and not self.hooks.active and self.causal and not caps.refusal(True, False)
 
     def _is_causal(self) -> bool:
         """Config says decoder, and a probe confirms: changing a later token leaves earlier states alone."""
@@ -144,10 +147,7 @@ class CausalLMRunner:
     def _tree_root(self, items: list[Item], seqs: list[torch.Tensor]) -> int:
         """The root a tree batch's prefixes run after, from the cache; 0: none (no cache, hooks, or a model
         whose split prefix is not exact)."""
-        if not self.cache.enabled or self.hooks.active or not self.causal or self.caps.refusal(True, True):
-            return 0
-        length = tree_root.root_length(items, seqs)
-        return tree_root.cached_length(self.cache.peek, self.tag, seqs[0], length) if length else 0
+        return tree_root.root_length(items, seqs) if self._starts and not self.caps.refusal(True, True) else 0
 
     # -- running
 
@@ -173,44 +173,24 @@ class CausalLMRunner:
             raise ValueError(f"{what} are not exact for {self.caps.family}: {reason}")
         check_batch_items(batch, seqs, items, self.pooling)
 
-    def _prefix_entry(self, prefix_id: Any, prefix: torch.Tensor) -> tuple[PrefixEntry, bool]:
-        """The KV of the prefix known as `prefix_id` (from the cache, or computed now) and whether it was a hit."""
+    def _prefix_entry(self, prefix_id: Any, prefix: torch.Tensor) -> tuple[PrefixEntry, int]:
+        """The KV of the prefix known as `prefix_id` (from the cache, or computed now, after the longest
+        start of it the cache holds) and how many of its tokens ran now (0: a hit)."""
         key = (self.tag, prefix_id)
         use_cache = self.cache.enabled and prefix_id is not None
         if use_cache:
             entry = self.cache.get(key)
             if entry is not None:
                 if entry.length == prefix.numel() and torch.equal(entry.tokens, prefix):
-                    return entry, True
+                    return entry, 0
                 # Same key, other tokens: not a usable hit; recompute and replace.
                 self.cache.hits -= 1
                 self.cache.misses += 1
-        P = prefix.numel()
-        kv_cache = hf_compat.plain_cache()  # every layer keeps all prefix keys; masks apply the windows
-        slots = hooks.Slots.prefix(P, self.device, self._table) if self.hooks.active else None
-        out, _ = self.hooks.run(
-            self.base,
-            slots,
-            False,  # captures keep an item's own tokens: a split-off prefix is not one
-            input_ids=prefix.view(1, P).to(self.device),
-            position_ids=torch.arange(P, device=self.device).view(1, P),
-            use_cache=True,
-            output_hidden_states=self._hs_select or False,
-            **{self._cache_kw: kv_cache},
-        )
-        produced = hf_compat.output_cache(out)
-        kv = hf_compat.cache_key_values(produced if produced is not None else kv_cache)
-        last = {i: out.hidden_states[i][0, -1].float().cpu() for i in self._hs_select}
-        entry = PrefixEntry(
-            key_values=kv,
-            length=P,
-            tokens=prefix.clone(),
-            last_hidden=last,
-            last_state=out.last_hidden_state[0, -1].clone(),
-        )
+        start = self.cache.longest_start(self.tag, prefix, prefix.numel() - 1) if self._starts else None
+        entry = prefix_run.run_prefix(self, prefix, start)
         if use_cache:
             self.cache.put(key, entry)
-        return entry, False
+        return entry, prefix.numel() - (start[1] if start is not None else 0)
 
     def _run(self, batch: Batch) -> PooledOutput:
         states = self._forward_batch(batch)
@@ -246,13 +226,13 @@ class CausalLMRunner:
 
         # Shared prefix: computed once (1 row) or taken from the cache.
         entry, hit, prefix_computed = None, False, 0
-        if split and off > 0:
-            entry, hit = self._prefix_entry(batch.prefix_key, seqs[0][:off])
-            prefix_computed = 0 if hit else off
         root = self._tree_root(items, seqs) if batch.tree else 0
-        if root:  # tree rows after a root their prefixes share (`forge.runtime.forward.tree_root`)
-            entry, hit = self._prefix_entry(tree_root.root_id(seqs[0][:root]), seqs[0][:root])
-            prefix_computed = 0 if hit else root
+        if (split and off > 0) or root:  # a split prefix, or tree rows after a root (`tree_root`)
+            prefix = seqs[0][: off if split else root]
+            entry, prefix_computed = self._prefix_entry(
+                batch.prefix_key if split else tree_root.root_id(prefix), prefix
+            )
+            hit = prefix_computed == 0
 
         # Row geometry, per item: row, start slot in row, tokens in row, first pooled slot.
         rows = [r for r, row in enumerate(batch.rows) for _ in row]

@@ -7,15 +7,26 @@ Plain Python, one job (not thread-safe). Entries are opaque except for their `le
 prefix's token count), which is what capacity is measured in, and their keys and values' bytes.
 A key is `PrefixKey`: the interventions' tag (None: no steering reaches a prefix token) and the
 prefix's identity, so a steered prefix and an unsteered one are never served from each other.
+
+Starts: an entry that carries its `tokens` is also found by its first k x `START_BLOCK` tokens
+(`longest_start`), as vLLM finds cached blocks by chained block hashes: a prefix that begins as a
+cached one does (a few-shot prompt's shots, then a question of its own) runs only what follows. In a
+causal model a token's keys depend only on the tokens before it, so the first n tokens' keys of any
+entry that starts with them are theirs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from forge.vocab.lru import TokenLRU
+
+START_BLOCK = 16  # starts are found in whole blocks of this many tokens
 
 #: what a prefix's KV is stored under: a steering tag, and its identity (the decoder: its token ids; the
 #: forward runners: the items' `prefix_key`)
@@ -61,6 +72,9 @@ class PrefixCache(TokenLRU):
         super().__init__(capacity_tokens)
         self.max_bytes = max_bytes
         self.bytes = 0  # what the stored keys and values hold
+        # (tag, digest of an entry's first k blocks) -> its key; stale once the entry is out (checked on use)
+        self._starts: dict[tuple[str | None, bytes], PrefixKey] = {}
+        self.start_hits = 0  # prefixes run after a start another entry held
 
     @property
     def enabled(self) -> bool:
@@ -89,7 +103,27 @@ class PrefixCache(TokenLRU):
             self.evictions += 1
         self._entries[key] = (entry, tokens)
         self.tokens, self.bytes = self.tokens + tokens, self.bytes + size
+        if entry.tokens is not None:
+            if len(self._starts) > 4 * max(self.capacity_tokens, 1) // START_BLOCK:  # drop the stale ones
+                self._starts = {s: k for s, k in self._starts.items() if k in self._entries}
+            self._starts.update(((key[0], d), key) for d in block_digests(entry.tokens))
         return True
+
+    def longest_start(self, tag: str | None, tokens: Any, most: int) -> tuple[PrefixEntry, int] | None:
+        """The held entry (under `tag`) that starts with the most whole blocks of `tokens`, at most `most`
+        tokens, and how many: (entry, n), the entry marked used; None when none starts with a block."""
+        digests = block_digests(tokens[: max(0, most)])
+        for k in range(len(digests) - 1, -1, -1):
+            key = self._starts.get((tag, digests[k]))
+            entry = None if key is None else self.peek(key)
+            n = (k + 1) * START_BLOCK
+            if entry is None or entry.tokens is None or entry.length < n:
+                continue
+            if np.array_equal(np.asarray(entry.tokens[:n]), np.asarray(tokens[:n])):  # not a digest collision
+                self._entries.move_to_end(key)
+                self.start_hits += 1
+                return entry, n
+        return None
 
     def _over(self, tokens: int, size: int) -> bool:
         over_bytes = self.max_bytes is not None and self.bytes + size > self.max_bytes
@@ -98,6 +132,7 @@ class PrefixCache(TokenLRU):
     def clear(self) -> None:
         super().clear()
         self.bytes = 0
+        self._starts = {}
 
     def stats(self) -> dict[str, int]:
         return {
@@ -107,4 +142,15 @@ class PrefixCache(TokenLRU):
             "entries": len(self),
             "tokens": self.tokens,
             "capacity_tokens": self.capacity_tokens,
+            "start_hits": self.start_hits,
         }
+
+
+def block_digests(tokens: Any) -> list[bytes]:
+    """Digests of `tokens`' first k whole blocks, k = 1, 2, ... (each block's chained on the one before)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    h, out = hashlib.sha1(), []
+    for k in range(len(ids) // START_BLOCK):
+        h.update(ids[k * START_BLOCK : (k + 1) * START_BLOCK].tobytes())
+        out.append(h.digest())
+    return out

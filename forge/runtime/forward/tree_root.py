@@ -7,8 +7,9 @@ group's prefix in a row once; without a root each row would still run the shots 
 the longest common start of the batch's prefixes, cut down to a multiple of `ROOT_BLOCK` tokens (so
 that batches whose prefixes agree a few tokens further still meet the same cached root) and at
 least one token short of every prefix (a prefix's last token stays in its row, whose state items
-read). Under `ROOT_MIN_TOKENS` nothing is held apart. A cached root of at least `REUSE_SHARE` of that
-length serves as it is, rather than computing a longer one.
+read). Under `ROOT_MIN_TOKENS` nothing is held apart. A root the cache does not hold runs after the
+longest start of it the cache does hold (`PrefixCache.longest_start`: an earlier root a block
+shorter, or a split prefix that begins with the same shots), so it too runs only what is new.
 
 Exact: in a causal model a token's keys and values depend only on the tokens before it, so the
 root's, run alone, are those of every prefix that starts with it; the rows run on them as rows
@@ -28,7 +29,6 @@ from forge.vocab.geometry import Item
 
 ROOT_BLOCK = 16  # a root's length is a multiple of this many tokens
 ROOT_MIN_TOKENS = 32  # a shorter common start stays in the rows
-REUSE_SHARE = 0.75  # a cached root this share of the common start's length (or longer) serves as it is
 
 
 def root_length(items: list[Item], seqs: list[torch.Tensor]) -> int:
@@ -55,13 +55,3 @@ def root_length(items: list[Item], seqs: list[torch.Tensor]) -> int:
 def root_id(tokens: torch.Tensor) -> tuple[str, str]:
     """The identity a root is cached under: its tokens' digest (never equal to an item's prefix key)."""
     return ("root", hashlib.sha1(np.asarray(tokens.cpu(), np.int64).tobytes()).hexdigest()[:16])
-
-
-def cached_length(held, tag: str | None, tokens: torch.Tensor, length: int) -> int:
-    """The root to run on, for prefixes sharing `tokens[:length]`: the longest start of at least
-    REUSE_SHARE of `length` that `held(key)` (the cache's peek) finds, else `length` itself."""
-    low = max(ROOT_MIN_TOKENS, int(np.ceil(REUSE_SHARE * length)))
-    for n in range(length, low - 1, -ROOT_BLOCK):
-        if held((tag, root_id(tokens[:n]))) is not None:
-            return n
-    return length
