@@ -42,6 +42,8 @@ def covered(span: str, pos: torch.Tensor, prefix_len: int, prompt_len: int) -> t
         return pos == prompt_len - 1
     if span == "generated":
         return pos >= prompt_len
+    if isinstance(span, list):  # positions from the first token, generated ones included
+        return torch.isin(pos, torch.tensor(span))
     raise ValueError(span)
 
 
@@ -125,6 +127,32 @@ def test_steered_greedy_equals_one_prompt_at_a_time_with_the_same_hook(work, emb
     report = run_function("generate", work / "rows.jsonl", run, [*limits(), steer(path, span)])
     assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
     assert check(embedded, run, vector, span) > 0  # the steering changes some rows' text
+
+
+def test_positions_past_the_prompt_steer_the_generated_tokens_there(work, embedded):
+    """A constant position counts from the sequence's first token, generated ones included: it may lie
+    past a prompt (up to its max_new_tokens), and a position past that fails the row, naming both."""
+    path, vector = vector_file(work, int(embedded.model.config.hidden_size))
+    shortest = min(len(embedded.prompt(r)) for r in ROWS)
+    positions = [1, shortest + 1]  # the second: a generated token of the shortest prompts
+    run = work / "steer-positions"
+    report = run_function("generate", work / "rows.jsonl", run, [*limits(), steer(path, str(positions))])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    assert check(embedded, run, vector, positions) > 0
+    longest = max(len(embedded.prompt(r)) for r in ROWS)
+    far = work / "steer-far"
+    over = [*limits(), steer(path, f"[{longest + N}]"), "runtime.max_failure_share=1"]
+    report = run_function("generate", work / "rows.jsonl", far, over)
+    assert report["items"]["failed"] == len(ROWS) and report["balanced"]
+    reasons = [f["reason"] for f in report["failures"]]
+    assert all("past the end of the prompt and its max_new_tokens" in r for r in reasons), reasons[:2]
+
+
+def test_a_position_from_the_end_is_refused_in_one_line(work, embedded):
+    path, _ = vector_file(work, int(embedded.model.config.hidden_size))
+    with pytest.raises(ForgeError, match="counts from the end") as err:
+        run_function("generate", work / "rows.jsonl", work / "steer-neg", [*limits(), steer(path, "[-1]")])
+    assert "\n" not in str(err.value) and "span: last" in str(err.value)
 
 
 CASES = [(mode, span) for mode in MODES for span in ("all", "generated")]

@@ -185,14 +185,17 @@ STORY = "Answer each question with one of the four options.\n\n"
 
 def _pairs(setup: Setup) -> Path:
     """Six clean rows and six corrupted ones naming theirs as source: two prefixes, texts of other
-    lengths within a pair, and the clean rows themselves unpatched (no source)."""
+    lengths within a pair, and the clean rows themselves unpatched (no source: missing, empty or null)."""
     from forge.functions.assets import embedded_dataset_path
 
     texts = [json.loads(line)["text"] for line in open(embedded_dataset_path())][:30]
     rows = []
     for k in range(6):
         context = STORY + ("Say something true:" if k % 2 else "Say something:")
-        rows.append({"id": f"c{k}", "context": context, "continuation": " " + texts[k]})
+        clean = {"id": f"c{k}", "context": context, "continuation": " " + texts[k]}
+        if k % 3:  # an empty or null source column names no source, as a missing one does
+            clean["source"] = "" if k % 3 == 1 else None
+        rows.append(clean)
         rows.append(
             {
                 "id": f"x{k}",
@@ -219,7 +222,7 @@ def _patched_reference(setup: Setup, items, entries: list[dict], rows: Path) -> 
     model, out = setup.model, {}
     for item in items:
         row, handles, writes = data[item.id], [], []
-        for e in entries if "source" in data[item.id] else []:  # the source's own run, with no hook writing
+        for e in entries if data[item.id].get("source") else []:  # the source's own run, with no hook writing
             source = by_id[row["source"]]
             seen: dict = {}
             record = _module(model, e["at"]).register_forward_hook(

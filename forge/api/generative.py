@@ -73,6 +73,12 @@ class GenerativeFunction(CausalLMFunction):
                 f"{self.name}: intervene with layers or capture is not supported yet (the states' forward pass "
                 "runs unsteered); drop layers/capture, or read the states with probe_gen on the generated text"
             )
+        negative = [iv.span for iv in self.interventions.items if not iv.rows and iv.op != "patch" and iv.row_dependent]
+        if negative:  # positions from the end: of a sequence whose end is not known until it is generated
+            raise ForgeError(
+                f"{self.name}: intervene span {list(negative[0])} counts from the end, which a generation has not "
+                "reached; use span: last (the prompt's last token), generated, or positions from 0"
+            )
         if self.interventions.row_dependent or any(iv.op == "patch" for iv in self.interventions.items):
             raise ForgeError(
                 f"{self.name}: intervene entries with per-row values (row.<column>) or op: patch are not supported "

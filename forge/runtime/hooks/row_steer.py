@@ -90,9 +90,12 @@ class RowSteer:
         parts = []
         for k, iv in enumerate(self.entries):
             if not iv.row_dependent:
-                past = [p for p in iv.span if p >= item.num_tokens] if isinstance(iv.span, tuple) else []
+                # a generated sequence's positions run on past its prompt, to its own max_new_tokens
+                end = item.num_tokens + int(getattr(getattr(item.meta, "data", None), "max_new_tokens", 0) or 0)
+                past = [p for p in iv.span if p >= end] if isinstance(iv.span, tuple) else []
                 if past:  # (positions from 0 apply alike in every item: only checked here)
-                    return f"intervene[{k}].span: {_positions(past[:1], item.num_tokens, 'the item')}"
+                    whose = "the item" if end == item.num_tokens else "the prompt and its max_new_tokens"
+                    return f"intervene[{k}].span: {_positions(past[:1], end, whose)}"
                 steer.append(None)
                 continue
             made = self._entry(k, iv, row.data, suffix, item)
@@ -109,7 +112,7 @@ class RowSteer:
     def _entry(self, k: int, iv: Intervention, data: dict, suffix: Any, item: Item) -> EntryRow | str:
         values: dict[str, Any] = {}
         for parameter, column in iv.rows:
-            if parameter == "source" and data.get(column) is None:
+            if parameter == "source" and data.get(column) in (None, ""):  # empty or missing: no source
                 self._sources()  # (refuses a run where no row names a source: a misspelt column)
                 return EntryRow(())  # a row naming no source is not patched (it may be one)
             if column not in data or data[column] is None:
