@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forge import api
 from forge.api import CausalLMFunction, Field, Forward, ItemView, ModelFunctionConfig
 
 # per layer L, the fields top_<what>_<L>: what, its dtype, and its place in topk's (values, indices)
@@ -26,7 +27,7 @@ class LogitLensConfig(ModelFunctionConfig):
 
     # decoder layers L, read at resid_post.L (negative: from the last, named as given); []: every layer
     layers: list[int] = field(default_factory=list)
-    top_k: int = 5  # next tokens kept per token and layer, most probable first
+    top_k: int = api.positive(5)  # next tokens kept per token and layer, most probable first (at most the vocabulary)
 
 
 class LogitLens(CausalLMFunction):
@@ -39,6 +40,9 @@ class LogitLens(CausalLMFunction):
         self.forward = Forward(capture=tuple(f"resid_post.{x}" for x in config.layers), head=True)
         super().__init__(config)
         self.layers = sorted(set(config.layers)) or list(range(self.config.get_text_config().num_hidden_layers))
+        vocab = int(getattr(self.config.get_text_config(), "vocab_size", 0) or 0)
+        if vocab and config.top_k > vocab:
+            raise api.ForgeError(f"top_k={config.top_k} is more than the model's {vocab} tokens; give top_k <= {vocab}")
         self.forward = Forward(capture=tuple(f"resid_post.{x}" for x in self.layers), head=True)
         ragged = [Field(f"top_{w}_{x}", t, (config.top_k,), ragged=True) for x in self.layers for w, t, _ in TOPS]
         self.fields = (Field("token_ids", "int32", ragged=True), *ragged)

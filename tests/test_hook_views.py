@@ -198,3 +198,16 @@ def test_an_attention_pattern_needs_eager_attention():
         check_points(["mlp_out.2"], [], 2, "eager", "f")
     with pytest.raises(ForgeError, match="read, not changed"):
         check_points([], load_interventions([{"at": "attn_pattern.0", "op": "zero"}]).items, 2, "eager", "f")
+
+
+def test_a_module_outside_the_base_decoder_is_refused_before_work(model):
+    """The LM head never runs in the base decoder's forward pass: capturing it is one line, not a
+    KeyError per item; a module path inside the decoder passes."""
+    from forge.errors import ForgeError
+    from forge.runtime.hooks.points import check_points
+
+    config = model.config
+    with pytest.raises(ForgeError, match=r"hook point 'lm_head' is outside the base decoder 'model'") as err:
+        check_points(["lm_head"], [], config.num_hidden_layers, "sdpa", "probe_gen", config)
+    assert "\n" not in str(err.value)
+    check_points(["model.norm", "model.layers.0.mlp"], [], config.num_hidden_layers, "sdpa", "probe_gen", config)

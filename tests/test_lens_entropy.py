@@ -182,6 +182,15 @@ def test_layers_out_of_range_are_refused_before_work(rows_path):
     fn = LogitLens(dataclasses.replace(config, layers=[-1, 1, 1]))  # a negative layer counts from the last
     assert fn.layers == [-1, 1] and [f.name for f in fn.fields][1:3] == ["top_ids_-1", "top_logprobs_-1"]
     assert fn.forward.capture == ("resid_post.-1", "resid_post.1") and fn.forward.head
+    with pytest.raises(ForgeError, match=r"top_k=5000 is more than the model's 2048 tokens; give top_k <= 2048"):
+        LogitLens(dataclasses.replace(config, top_k=5000))  # refused before work, not failed per item
+
+
+def test_top_k_must_be_positive(rows_path, tmp_path):
+    from forge.api import ForgeError
+
+    with pytest.raises(ForgeError, match=r"top_k=0: must be a positive integer"):
+        run_function("logit_lens", rows_path, tmp_path / "run", ["top_k=0"])
 
 
 def test_head_without_forward_head_fails_loudly(rows_path, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from forge.runtime.hooks.interventions import Intervention
+from forge.runtime.model import hf_compat
 
 POINTS = ("resid_pre", "resid_post", "attn_out", "mlp_in", "mlp_out", "attn_pattern")
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")  # the attention block, by family
@@ -389,6 +390,11 @@ def check_points(
     model = _meta_model(config) if paths else None
     for path in paths if model is not None else ():
         try:
-            find_module(model, path)
+            outside = hf_compat.outside_decoder(model, find_module(model, path))
         except ValueError as exc:
             raise ForgeError(f"{function}: {exc}") from None
+        if outside is not None:  # the LM head and what else sits after the decoder never run there
+            raise ForgeError(
+                f"{function}: hook point {path!r} is outside the base decoder {outside!r}, the part of the model "
+                f"Forge runs; name a module under {outside!r}"
+            )

@@ -30,6 +30,14 @@ def num_layers(config: Any) -> int:
     raise ValueError(f"cannot tell how many layers {type(config).__name__} has")
 
 
+def outside_decoder(model: Any, module: Any) -> str | None:
+    """The base decoder's name in `model` when `module` is not part of it (None: it is)."""
+    base = base_decoder(model)
+    if any(m is module for m in base.modules()):
+        return None
+    return next((n for n, m in model.named_modules() if m is base), "") or type(base).__name__
+
+
 def base_decoder(model: Any) -> Any:
     """A causal LM's base decoder (its `get_decoder()`, else its `base_model_prefix` attribute,
     else the model itself): what runs the layers and returns hidden states."""
