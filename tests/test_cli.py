@@ -31,6 +31,18 @@ def test_ls_lists_functions_modes_with_plugins_and_devices(cli):
         assert name in result.output
 
 
+def test_ls_lists_what_the_modules_named_by_plugins_offer(cli, tmp_path, monkeypatch):
+    (tmp_path / "longest_mode.py").write_text(
+        "from forge import hookimpl\nfrom forge.batching import ItemPacker\n\n\n"
+        "class LongestFirst(ItemPacker):\n    pass\n\n\n"
+        "@hookimpl\ndef forge_batching_modes():\n    return {'longest': LongestFirst}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = cli.invoke(app, ["ls", "plugins=[longest_mode]"])
+    assert result.exit_code == 0, result.output
+    assert "longest_mode (longest_mode.LongestFirst)" in result.output
+
+
 def test_plan_json(cli):
     result = cli.invoke(app, ["plan", "--json", "input.limit=200", *SMALL])
     assert result.exit_code == 0, result.output

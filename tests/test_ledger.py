@@ -154,6 +154,8 @@ def test_budget_max_tokens_holds_across_a_resume(tmp_path):
         first["items"][k] for k in ("completed", "skipped")
     ]
     assert again["tokens"]["completed"] == first["tokens"]["completed"]
+    # the rate is this session's own: it completed nothing (earlier sessions' tokens are resumed)
+    assert first["useful_tokens_per_s"] > 0 and again["useful_tokens_per_s"] == 0
 
 
 def test_a_failing_item_is_isolated_and_recorded(tmp_path, monkeypatch):

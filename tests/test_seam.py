@@ -87,8 +87,12 @@ def test_sink_refuses_output_that_disagrees_with_its_schema(tmp_path):
         sink.write(_batch([("a", 0), ("b", 1)]), ResultColumns({"other": np.zeros(2)}), None)
     with pytest.raises(ForgeError, match="tensors only"):
         ResultSchema(fields=(Field("s", "string"),), format="safetensors")
-    with pytest.raises(ForgeError, match="none named id or index"):
+    with pytest.raises(ForgeError, match="'id'.*are Forge's own columns; rename them"):
         ResultSchema(fields=(Field("id", "int64"),))
+    with pytest.raises(ForgeError, match=r"result fields \['a'\] are named twice"):
+        ResultSchema(fields=(Field("a", "int64"), Field("a", "float32")))
+    with pytest.raises(ForgeError, match="result field 'a': dtype 'float33' is not one numpy knows"):
+        ResultSchema(fields=(Field("a", "float33"),))
 
 
 def test_load_names_the_folders_when_a_run_has_several(tmp_path):

@@ -329,9 +329,10 @@ def ls(
     from forge.pluginmanager import batching_modes, functions, make_plugin_manager, trackers
 
     try:
-        cfg = to_plain(compose(ctx.args, config_dir))
+        with plugins_listed(ctx.args):  # a function a listed module offers composes without a YAML
+            cfg = to_plain(compose(ctx.args, config_dir))
         devices = resolve_devices(cfg.get("devices") or {})
-        pm = make_plugin_manager()
+        pm = make_plugin_manager(modules=list(cfg.get("plugins") or ()))  # and its modes and trackers are listed
         listed = (("functions", "function", functions(pm)), ("batching modes", "batching", batching_modes(pm)))
         listed += (("trackers", "trackers", trackers(pm)),)
         configs = {group: set(group_options(group, config_dir)) for _, group, _ in listed}

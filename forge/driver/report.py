@@ -93,7 +93,7 @@ class RunFigures:
     restarts: dict[str, int]  # device -> workers replaced
     retired: dict[str, str]  # device -> why it ran no more work
     executor: dict[str, Any] = field(default_factory=dict)  # `Executor.info()`: top-level keys ("ray")
-    useful_tokens_per_s: float | None = None  # completed tokens per wall second (once the ledger counted them)
+    useful_tokens_per_s: float | None = None  # tokens this session completed per wall second (a resume: its own)
     #: the most resident memory (RSS) the run's own process held (with the in-process executor, its
     #: model and batches too); each device's worker's is its `DeviceReport.resident_peak_bytes`
     driver_resident_peak_bytes: int | None = None
@@ -354,8 +354,9 @@ def finish_report(
     pm.hook.forge_run_end(run=run, report=view)
     report.take_plugin_keys(view, given)
     if report.run is not None:
-        completed = (report.plugins.get("tokens") or {}).get("completed", 0)  # the ledger's count
-        report.run.useful_tokens_per_s = round(completed / report.wall_s, 1) if report.wall_s > 0 else None
+        tokens = report.plugins.get("tokens") or {}  # the ledger's counts: completed holds earlier sessions' too
+        done_now = tokens.get("completed", 0) - tokens.get("resumed", 0)
+        report.run.useful_tokens_per_s = round(done_now / report.wall_s, 1) if report.wall_s > 0 else None
     if write is not None:
         try:
             write("report.json", json.dumps(report.as_dict(), indent=2, default=str).encode())

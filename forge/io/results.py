@@ -39,6 +39,14 @@ SHARD_BYTES = 256 << 20  # a shard is cut once its rows hold this many bytes (th
 OFFSETS = ".offsets"  # safetensors: a ragged field is its values end to end plus <name>.offsets [rows + 1]
 
 
+def _numpy_dtype(dtype: str) -> bool:
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return False
+    return True
+
+
 def storage_dtype(dtype: str) -> str:
     """The numpy dtype a field's values are held in (bfloat16: its bit patterns, uint16)."""
     return "uint16" if dtype == BFLOAT16 else dtype
@@ -118,9 +126,19 @@ class ResultSchema:
         if self.format not in FORMATS:
             raise ForgeError(f"result format {self.format!r}; choose one of: {', '.join(FORMATS)}")
         names = [f.name for f in self.fields] + [a.name for a in self.aggregates]
-        clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED)))
-        if clash or not names:
-            raise ForgeError(f"result fields and aggregates {names}: need at least one, unique, none named id or index")
+        if not names:
+            raise ForgeError("a function needs at least one result field or aggregate; declare its fields")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ForgeError(f"result fields {twice} are named twice (a layer or capture twice?); list each once")
+        if reserved := sorted(set(names) & set(RESERVED)):
+            raise ForgeError(f"result fields {reserved}: {', '.join(RESERVED)} are Forge's own columns; rename them")
+        for f in self.fields:
+            if f.dtype not in (STRING, BFLOAT16) and not _numpy_dtype(f.dtype):
+                raise ForgeError(
+                    f"result field {f.name!r}: dtype {f.dtype!r} is not one numpy knows; use float32, float16, "
+                    "bfloat16, int64, int32, bool or string"
+                )
         if self.format == "safetensors" and any(f.dtype == STRING for f in self.fields):
             raise ForgeError("result format safetensors holds tensors only; write string fields as parquet")
         if self.format == "parquet" and any(f.dtype == BFLOAT16 for f in self.fields):
