@@ -234,6 +234,18 @@ def test_a_results_folder_and_the_skipped_rows_outlive_forge_runs_directory():
     assert "max_seq_len" in cut.skipped[0]["reason"]
 
 
+def test_rows_handed_in_are_named_by_their_place_in_the_list():
+    """A row's failure names it rows[i], not a line of the session's file of the rows; an empty list is
+    'rows is empty', not the file's path."""
+    with pytest.raises(ForgeError, match="^rows is empty; it needs at least one row"):
+        forge.run("probe_gen", [])
+    rows = [{"id": "a", "text": "hi there"}, {"id": 1.5, "text": "x"}, {"id": "c", "text": "bye now"}]
+    with pytest.warns(UserWarning, match=r"the first 'rows\[1\]': rows\[1\]: 'id' must be a string or an integer"):
+        got = forge.run("probe_gen", rows, overrides=["layers=[1]"])
+    assert got.ids == ["a", "c"] and [f["id"] for f in got.failures] == ["rows[1]"]
+    assert "forge-session" not in got.failures[0]["reason"]
+
+
 def test_a_run_that_stops_raises_with_what_it_committed():
     """One bad row of two fills max_failure_share: the run stops (as `forge run` exits 2), and the
     error carries the good row's results and the failure."""

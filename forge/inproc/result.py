@@ -31,7 +31,9 @@ class Result:
     _folders: dict[str, Results] = field(default_factory=dict, repr=False)  # folders read (`read_folders`)
 
     @classmethod
-    def read(cls, run_dir: str, report: dict[str, Any], folder: str | None) -> Result:
+    def read(cls, run_dir: str, report: dict[str, Any], folder: str | None, words=None) -> Result:
+        """The run's results; `words` rewrites the ids and reasons of its failed and skipped rows
+        (`forge.inproc.session.rows_words`: rows handed in are named by their place in the list)."""
         import warnings
 
         from forge.io.location import open_location
@@ -40,6 +42,9 @@ class Result:
         main = folder if folder in folders else (folders[0] if len(folders) == 1 else None)
         where = open_location(run_dir)
         found = {name: _records(where, name) for name in (FAILURES, SKIPPED)}
+        if words is not None:
+            found = {n: [{**r, **{k: words(r[k]) for k in ("id", "reason") if isinstance(r.get(k), str)}} for r in rs]
+                     for n, rs in found.items()}  # fmt: skip
         for name, what in ((FAILURES, "failed"), (SKIPPED, "were skipped")):
             if found[name]:
                 first = found[name][0]

@@ -23,11 +23,12 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -97,7 +98,15 @@ class Session:
         per_call = {"output_dir": out} | given
         if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
             args.insert(0, "runtime.executor=inprocess")  # the models stay in this process, kept
-        return _execute(args, per_call, self._composer, out, started, self.models, plugin)
+        words = rows_words(given.get("input.path"))
+        try:
+            return _execute(args, per_call, self._composer, out, started, self.models, plugin, words)
+        except ForgeError as exc:
+            if not given:
+                raise
+            said = ForgeError(words(str(exc)))  # the rows handed in, not the session's file of them
+            said.result = getattr(exc, "result", None)
+            raise said from None
 
     def _input(self, rows: Any, call: int, repeats_ok: bool = False) -> str:
         if isinstance(rows, (str, os.PathLike)):
@@ -143,8 +152,28 @@ def run(
         return result
 
 
+def rows_words(path: str | None) -> Callable[[str], str]:
+    """What a run says of its input, as the caller of `forge.run` knows it: rows handed in are
+    `rows[i]`, not lines of the session's file of them (identity where the input is a path)."""
+    if path is None:
+        return lambda text: text
+
+    def words(text: str) -> str:
+        text = text.replace(f"input.path={path}", "rows").replace(path, "rows")
+        return re.sub(r"\bline (\d+)\b", lambda m: f"rows[{int(m.group(1)) - 1}]", text)
+
+    return words
+
+
 def _execute(
-    args: list[str], per_call: dict[str, str], composer: Composer, out: str, started: float, models: ModelCache, plugin
+    args: list[str],
+    per_call: dict[str, str],
+    composer: Composer,
+    out: str,
+    started: float,
+    models: ModelCache,
+    plugin,
+    words: Callable[[str], str],
 ) -> Result:
     from omegaconf import OmegaConf
 
@@ -179,10 +208,10 @@ def _execute(
         said = error if error.startswith(f"{status}:") else f"{status}: {error}"
         stopped = ForgeError(f"{said} (run directory {out})")
         with contextlib.suppress(Exception):  # what it committed (the good rows of an input that stopped it),
-            stopped.result = Result.read(str(run_dir), report, folder)  # where it can be read: never masks why
+            stopped.result = Result.read(str(run_dir), report, folder, words)  # where it can be read: never masks why
             stopped.result.read_folders()  # a directory of the session's may go before the caller reads it
         raise stopped
-    return Result.read(str(run_dir), report, folder)
+    return Result.read(str(run_dir), report, folder, words)
 
 
 @contextmanager
