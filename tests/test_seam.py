@@ -95,6 +95,14 @@ def test_sink_refuses_output_that_disagrees_with_its_schema(tmp_path):
         ResultSchema(fields=(Field("a", "float33"),))
 
 
+def test_a_reduce_that_leaves_out_a_declared_field_says_which():
+    from forge.runtime.forward.views import collect
+
+    assert list(collect([{"a": 1, "b": 2}], ["a", "b"])) == ["a", "b"]
+    with pytest.raises(ValueError, match="reduce returned no 'b', a field the function declares"):
+        collect([{"a": 1, "b": 2}, {"a": 3}], ["a", "b"])
+
+
 def test_load_names_the_folders_when_a_run_has_several(tmp_path):
     store = RunStore(tmp_path, {})
     for folder in ("one", "two"):

@@ -252,6 +252,9 @@ def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     values differ in shape per item (ragged) becomes a list of arrays. bfloat16 tensors (which
     numpy lacks) travel as their bit patterns, uint16 (`forge.io.results.to_storage`)."""
     columns: dict[str, Any] = {}
+    missing = [n for n in names if values and any(n not in v for v in values)]
+    if missing:
+        raise ValueError(f"reduce returned no {missing[0]!r}, a field the function declares; return it, or drop it")
     for name in names:
         vals = [v[name] for v in values]
         if vals and isinstance(vals[0], torch.Tensor):
