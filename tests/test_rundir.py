@@ -198,10 +198,13 @@ def test_a_finished_run_is_not_touched_by_a_run_without_resume(tmp_path):
         ("{tmp}/file/run", "cannot read or write there: NotADirectoryError"),
         ("{tmp}/file", "is not a folder; choose another output_dir"),
         ("", "output_dir is empty; set output_dir=PATH"),
+        ("{tmp}/dangling", "is a symbolic link to {tmp}/nowhere, which does not exist; make that directory"),
     ],
 )
 def test_an_unusable_output_dir_is_one_line_and_exit_2(tmp_path, output_dir, message):
     (tmp_path / "file").write_text("a file, not a directory")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    message = message.format(tmp=tmp_path)
     result = CliRunner().invoke(app, ["run", *FAST, f"output_dir={output_dir.format(tmp=tmp_path)}"])
     assert result.exit_code == 2 and message in result.output, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1

@@ -57,7 +57,13 @@ def check_output_dir(output_dir: str | Path) -> None:
         raise ForgeError(
             "output_dir is empty; set output_dir=PATH (or a URL), or leave it out for a fresh directory under outputs/"
         )
-    if local_path(output_dir) is not None:
+    local = local_path(output_dir)
+    if local is not None:
+        if os.path.islink(local) and not os.path.exists(local):
+            raise ForgeError(
+                f"output_dir={output_dir} is a symbolic link to {os.readlink(local)}, which does not exist; "
+                "make that directory, or give output_dir a real path"
+            )
         return
     import fsspec
 
