@@ -374,3 +374,14 @@ def test_no_lower_floor_imports_upward_even_inside_a_function():
         f"{m} -> {t}" for m, targets in graph.items() if _within(m, _LOWER) for t in targets if _within(t, _UPPER)
     )
     assert upward == []
+
+
+def test_a_missing_results_folder_names_the_ones_the_run_has(tmp_path):
+    from forge.io.results import read_info
+
+    (tmp_path / "embeddings").mkdir()
+    (tmp_path / "embeddings" / "meta.json").write_text("{}")
+    with pytest.raises(ForgeError, match="no activations/meta.json; this run's results are in embeddings/"):
+        read_info(tmp_path, "activations")
+    with pytest.raises(ForgeError, match="is this a Forge run directory"):
+        read_info(tmp_path / "embeddings", "activations")

@@ -223,7 +223,11 @@ def read_info(run_dir, folder: str) -> dict[str, Any]:
     activations: layers only) read as safetensors with a `layer_<L>` field per layer."""
     where = open_location(run_dir)
     if not where.exists(f"{folder}/{META}"):
-        raise ForgeError(f"{run_dir}: no {folder}/{META}; is this a Forge run directory?")
+        there = result_folders(run_dir)
+        raise ForgeError(
+            f"{run_dir}: no {folder}/{META}; "
+            + (f"this run's results are in {', '.join(there)}/" if there else "is this a Forge run directory?")
+        )
     info = json.loads(where.read_bytes(f"{folder}/{META}"))
     if "format" not in info and "layers" in info:
         info = {
