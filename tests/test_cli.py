@@ -41,6 +41,10 @@ def test_ls_lists_what_the_modules_named_by_plugins_offer(cli, tmp_path, monkeyp
     result = cli.invoke(app, ["ls", "plugins=[longest_mode]"])
     assert result.exit_code == 0, result.output
     assert "longest_mode (longest_mode.LongestFirst)" in result.output
+    # selected without a YAML of its own: one line saying what to add
+    result = cli.invoke(app, ["run", "plugins=[longest_mode]", "batching=longest"])
+    assert result.exit_code == 2 and "plugin longest_mode registers the mode but no config selects it" in result.output
+    assert "conf/batching/longest.yaml" in result.output
 
 
 def test_plan_json(cli):

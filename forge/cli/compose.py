@@ -179,6 +179,15 @@ def _missing_option(exc: BaseException) -> str | None:
     except Exception:  # noqa: BLE001 - no options to list: Hydra's own line then
         return None
     shown = [o for o in options if not o.startswith("schema_")]  # the schema nodes Forge registers
+    if group == "batching":  # a plugin may register a mode and ship no config for it
+        from forge.pluginmanager import batching_modes, make_plugin_manager
+
+        offered = batching_modes(make_plugin_manager()).get(name)
+        if offered is not None:
+            return (
+                f"batching={name}: plugin {offered[1]} registers the mode but no config selects it; add "
+                f"conf/batching/{name}.yaml (docs/batching.md, Plugins)"
+            )
     return f"{group}={name}: no such option ({group}/{name}); choose among: {', '.join(shown) or 'none'}"
 
 
