@@ -214,9 +214,9 @@ def test_values_of_one_shape_only_and_numbers(tmp_path):
         ).write(Batch([[Item("a", 1, index=0)]], 1), ResultColumns({"c": np.zeros((1, 2, 2))}), None)
     with pytest.raises(ForgeError, match="aggregate 'c' missing from the worker's output"):
         sink.write(Batch([[Item("z", 1, index=9)]], 1), ResultColumns({"v": np.zeros((1, 3))}), None)
-    with pytest.raises(ForgeError, match="need at least one"):
+    with pytest.raises(ForgeError, match="needs at least one result field or aggregate"):
         ResultSchema(())
-    with pytest.raises(ForgeError, match="unique"):
+    with pytest.raises(ForgeError, match=r"result fields \[.v.\] are named twice"):
         ResultSchema((Field("v", "float32"),), aggregates=(Aggregate("v"),))
     with pytest.raises(ForgeError, match="op='median'"):
         Aggregate("v", "median")

@@ -229,7 +229,7 @@ def _run(tmp_path, path, rows, mode, pooling, *extra):
     from forge.driver.engine import execute
     from forge.pluginmanager import make_plugin_manager
 
-    key = (mode, pooling, extra)
+    key = (mode, pooling, extra, str(rows))
     if key not in _COMPOSED:
         _COMPOSED[key] = compose(
             *SMALL,

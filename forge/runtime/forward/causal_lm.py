@@ -192,6 +192,17 @@ class CausalLMRunner:
             self.cache.put(key, entry)
         return entry, prefix.numel() - (start[1] if start is not None else 0)
 
+    def _batch_prefix(self, batch: Batch, items: list[Item], seqs: list[torch.Tensor]):
+        """(the KV a batch's rows run after: its split prefix, or a tree batch's root (`tree_root`), computed
+        once or from the cache; the prefix tokens run for it now, 0 on a hit; the root's length, 0: none)."""
+        off = batch.prefix_len if batch.split_prefix else 0
+        root = self._tree_root(items, seqs) if batch.tree else 0
+        if not off and not root:
+            return None, 0, 0
+        prefix = seqs[0][: off or root]
+        entry, computed = self._prefix_entry(batch.prefix_key if off else tree_root.root_id(prefix), prefix)
+        return entry, computed, root
+
     def _run(self, batch: Batch) -> PooledOutput:
         states = self._forward_batch(batch)
         if states is None:
@@ -224,15 +235,8 @@ class CausalLMRunner:
         packed = batch.packed
         off = batch.prefix_len if split else 0
 
-        # Shared prefix: computed once (1 row) or taken from the cache.
-        entry, hit, prefix_computed = None, False, 0
-        root = self._tree_root(items, seqs) if batch.tree else 0
-        if (split and off > 0) or root:  # a split prefix, or tree rows after a root (`tree_root`)
-            prefix = seqs[0][: off if split else root]
-            entry, prefix_computed = self._prefix_entry(
-                batch.prefix_key if split else tree_root.root_id(prefix), prefix
-            )
-            hit = prefix_computed == 0
+        entry, prefix_computed, root = self._batch_prefix(batch, items, seqs)
+        hit = entry is not None and prefix_computed == 0
 
         # Row geometry, per item: row, start slot in row, tokens in row, first pooled slot.
         rows = [r for r, row in enumerate(batch.rows) for _ in row]
