@@ -897,3 +897,27 @@ def test_a_device_groups_worker_generates_the_same_tokens(work, embedded):
     gen = report["outputs"]["generation"]
     assert 0 < gen["kv_peak_bytes"] <= gen["kv_budget_bytes"], gen
     assert set(glob.glob(str(Path(tempfile.gettempdir()) / "forge-offload-*"))) <= before
+
+
+def test_the_guides_generative_function_adds_fields_of_its_own_from_each_rows_text(tmp_path, monkeypatch):
+    """docs/functions.md's `Answer`, as the guide shows it: `finished(text, label)` gives each row's
+    num_words and matched beside the base's fields, from its generated text and its prompt's label."""
+    import re
+
+    import forge
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "functions.md").read_text()
+    section = guide[guide.index("### Generative functions") :]
+    code = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "answer_fn.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from answer_fn import Answer
+
+    rows = [{"id": "a", "question": "Is the sky blue?", "answer": "yes"}, {"id": "b", "question": "Two plus two?"}]
+    got = forge.run(Answer, rows, overrides=["max_new_tokens=6"])
+    table = {r["id"]: r for r in got.table().to_pylist()}
+    assert set(table) == {"a", "b"} and got.report["balanced"]
+    for rid, row in table.items():
+        assert row["num_words"] == len(row["text"].split())
+        gold = {"a": "yes", "b": None}[rid]
+        assert row["matched"] == (gold is not None and gold in row["text"].lower())

@@ -9,8 +9,9 @@ and ``stop`` over the config's). The base does the rest, once for every generati
   (`batch_device`), and under batching=memory the KV model prices it (`cost_model`);
 - a model whose cache is not keys and values per layer is refused before work (`check_mode`);
 - the worker (forge.runtime.decoder.worker) generates a batch and hands finished rows on in
-  parts of ``shard_size``; with ``layers``/``capture`` in `forward`, it adds the generated tokens'
-  states from a plain forward over each final sequence.
+  parts of ``shard_size``, with the function's own fields of each (`finished(text, label)`); with
+  ``layers``/``capture`` in `forward`, it adds the generated tokens' states from a plain forward
+  over each final sequence.
 """
 
 from __future__ import annotations
@@ -218,6 +219,12 @@ class GenerativeFunction(CausalLMFunction):
             margin=forward.margin,
         )
         return self.kv_model
+
+    def finished(self, text: str, label: Any) -> dict[str, Any]:
+        """The function's own result fields of a row whose generation ended, from its generated `text`
+        and its prompt's `label` (say, whether the answer matches): {field: value}, every call the same
+        fields, each declared in `fields`. The base adds none."""
+        return {}
 
     # -- running --------------------------------------------------------------------------
     def open_worker(self, device, cache_tokens: int):

@@ -58,6 +58,8 @@ class GenerateWorker:
     budget: int  # tokens per engine step
     on_close: Any = None  # what closing releases beside the model (a device group's offload folder)
     part_rows: int = 0  # with `emit`, finished rows are handed on in parts of at least this many (0: whole)
+    # the function's own fields of a finished row, from its text and label (`GenerativeFunction.finished`)
+    finished: Any = None
     streams = True  # `run(batch, emit)` hands finished rows on while the rest decode (forge.executors.worker)
 
     def run(self, batch, emit: Any = None) -> GenerationColumns:
@@ -134,6 +136,11 @@ class GenerateWorker:
                 states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt, self.budget)
             for name in states[0] if states else ():
                 columns[name] = [s[name].float().cpu().numpy() for s in states]
+        if self.finished is not None and items:
+            own = [self.finished(g.text, getattr(it.meta, "label", None)) for g, it in zip(done, items)]
+            for name in own[0]:
+                values = [o[name] for o in own]
+                columns[name] = values if isinstance(values[0], str) else np.asarray(values)
         return columns
 
     def close(self) -> None:
@@ -194,7 +201,8 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
                                 allow_no_layers=True, captures=captures)  # fmt: skip
     close = dispatch.close if dispatch else None
-    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size))
+    finished = getattr(fn, "finished", None)
+    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), finished)
 
 
 class PrefixShares:
