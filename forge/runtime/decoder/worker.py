@@ -136,11 +136,11 @@ class GenerateWorker:
                 states = final_states(self.runner, items, [g.ids for g in done], self.from_prompt, self.budget)
             for name in states[0] if states else ():
                 columns[name] = [s[name].float().cpu().numpy() for s in states]
-        if self.finished is not None and items:
+        if self.finished is not None and items:  # the function's own fields, as a reduce's are collected
+            from forge.runtime.forward.views import collect
+
             own = [self.finished(g.text, getattr(it.meta, "label", None)) for g, it in zip(done, items)]
-            for name in own[0]:
-                values = [o[name] for o in own]
-                columns[name] = values if isinstance(values[0], str) else np.asarray(values)
+            columns.update(collect(own, list(own[0])))
         return columns
 
     def close(self) -> None:
@@ -201,8 +201,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
                                 allow_no_layers=True, captures=captures)  # fmt: skip
     close = dispatch.close if dispatch else None
-    finished = getattr(fn, "finished", None)
-    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), finished)
+    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), fn.finished)
 
 
 class PrefixShares:

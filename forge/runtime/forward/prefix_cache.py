@@ -74,7 +74,6 @@ class PrefixCache(TokenLRU):
         self.bytes = 0  # what the stored keys and values hold
         # (tag, digest of an entry's first k blocks) -> its key; stale once the entry is out (checked on use)
         self._starts: dict[tuple[str | None, bytes], PrefixKey] = {}
-        self.start_hits = 0  # prefixes run after a start another entry held
 
     @property
     def enabled(self) -> bool:
@@ -121,7 +120,6 @@ class PrefixCache(TokenLRU):
                 continue
             if np.array_equal(np.asarray(entry.tokens[:n]), np.asarray(tokens[:n])):  # not a digest collision
                 self._entries.move_to_end(key)
-                self.start_hits += 1
                 return entry, n
         return None
 
@@ -142,7 +140,6 @@ class PrefixCache(TokenLRU):
             "entries": len(self),
             "tokens": self.tokens,
             "capacity_tokens": self.capacity_tokens,
-            "start_hits": self.start_hits,
         }
 
 
