@@ -92,6 +92,23 @@ def test_a_call_reusing_the_last_composition_equals_a_fresh_one_and_a_yaml_edit_
     assert not torch.equal(third.tensors["layer_2"], second.tensors["layer_2"])
 
 
+def test_session_function_is_the_last_runs_own_or_built_as_a_run_builds_it():
+    """`Session.function` hands back the function a run with those overrides builds: the last
+    run's own instance when its overrides match (nothing composed again), a fresh build else."""
+    with forge.Session(["pooling=last"]) as session:
+        before = session.function("probe_gen", overrides=["layers=[1]"])
+        assert before.layers == [1] and before.pooling == "last"
+        session.run("probe_gen", ROWS[:4], overrides=["layers=[1]"])
+        ran = session.function("probe_gen", overrides=["layers=[1]"])
+        assert ran is not before and ran is session.function("probe_gen", overrides=["layers=[1]"])
+        other = session.function("probe_gen", overrides=["layers=[2]"])
+        assert other is not ran and other.layers == [2]
+        with pytest.raises(ForgeError, match="layers"):
+            session.function("probe_gen", overrides=["layers=oops"])
+    with pytest.raises(ForgeError, match="closed"):
+        session.function("probe_gen")
+
+
 @pytest.mark.slow
 def test_a_bad_override_raises_the_line_the_command_line_prints():
     from typer.testing import CliRunner

@@ -175,11 +175,8 @@ class ForgeLM(LM):
 
     def score_function(self):
         """The score function as this model's config builds it (its tokenizer, its max_length)."""
-        if self._score is None:
-            from forge.cli.build import build_function, to_plain
-            from forge.cli.compose import compose
-
-            self._score = build_function(to_plain(compose([*self.overrides, "function=score", *self.score_overrides])))
+        if self._score is None:  # composed as the loglikelihood runs compose it: once, kept by the session
+            self._score = self.session.function("score", overrides=self.score_overrides)
         return self._score
 
 

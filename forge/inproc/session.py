@@ -54,6 +54,7 @@ class Session:
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._calls = 0
         self._composer = Composer(compose, self.config_dir)  # the call's config, kept for the next
+        self._built: dict[tuple[str, ...], Any] = {}  # the last run's function, by its overrides (`function`)
 
     def __enter__(self) -> Session:
         return self
@@ -68,6 +69,7 @@ class Session:
     def close(self) -> None:
         """Let the session's models go and remove its folder (run directories it made included)."""
         self.models.clear()
+        self._built.clear()
         self._cleanup()
 
     def run(
@@ -87,7 +89,7 @@ class Session:
         name, plugin = function_plugin(function)
         self._calls += 1
         call = self._calls
-        args = [*self.overrides, f"function={name}", *_overrides(overrides, "overrides")]
+        args = self._args(name, overrides)
         if rows is not None:
             other = next((a for a in args if override_key(a) in ("input.path", "input.dataset")), None)
             if other is not None and other.partition("=")[2] not in ("", "null"):
@@ -96,17 +98,40 @@ class Session:
         repeats_ok = any(override_key(a) == "input.duplicate_ids" and not a.endswith("=error") for a in args)
         given = {} if rows is None else {"input.path": self._input(rows, call, repeats_ok)}
         per_call = {"output_dir": out} | given
-        if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
-            args.insert(0, "runtime.executor=inprocess")  # the models stay in this process, kept
         words = rows_words(given.get("input.path"))
         try:
-            return _execute(args, per_call, self._composer, out, started, self.models, plugin, words)
+            return _execute(args, per_call, self._composer, out, started, self.models, plugin, words, self._built)
         except ForgeError as exc:
             if not given:
                 raise
             said = ForgeError(words(str(exc)))  # the rows handed in, not the session's file of them
             said.result = getattr(exc, "result", None)
             raise said from None
+
+    def function(self, function: str | type, *, overrides: Sequence[str] = ()):
+        """The function instance a `run` with these overrides builds (its tokenizer, its settings),
+        without running it: the last run's own when it had these overrides, else built from a
+        config composed as the command line composes it (the function's configured input)."""
+        from forge.cli.build import build_function, to_plain
+        from forge.pluginmanager import extra_plugins
+
+        if self.closed:
+            raise ForgeError("this forge.Session is closed; open a new one")
+        name, plugin = function_plugin(function)
+        args = self._args(name, overrides)
+        if tuple(args) in self._built:
+            return self._built[tuple(args)]
+        with extra_plugins(*([plugin] if plugin is not None else [])):
+            cfg = self._composer(args, {"output_dir": f"{self._dir}/unrun"}, plugin)
+            return build_function(to_plain(cfg))
+
+    def _args(self, name: str, overrides: Sequence[str]) -> list[str]:
+        """A call's overrides: the session's, the function, the call's own; the models stay in this
+        process (the in-process executor) unless they pick another executor."""
+        args = [*self.overrides, f"function={name}", *_overrides(overrides, "overrides")]
+        if not any(override_key(a) in ("runtime", "runtime.executor") for a in args):
+            args.insert(0, "runtime.executor=inprocess")
+        return args
 
     def _input(self, rows: Any, call: int, repeats_ok: bool = False) -> str:
         if isinstance(rows, (str, os.PathLike)):
@@ -174,6 +199,7 @@ def _execute(
     models: ModelCache,
     plugin,
     words: Callable[[str], str],
+    built: dict[tuple[str, ...], Any],
 ) -> Result:
     from omegaconf import OmegaConf
 
@@ -197,6 +223,8 @@ def _execute(
             ".hydra/overrides.yaml": "".join(f"- {json.dumps(a)}\n" for a in [*args, *spelled(per_call)]).encode(),
         }
         spec = replace(spec, files=files, started_at=started, composed_at=composed)
+        built.clear()
+        built[tuple(args)] = spec.function
         with _cpu_threads(spec):
             report = execute(spec, make_plugin_manager(modules=spec.plugins)).as_dict()
     status = report.get("status", "finished")
