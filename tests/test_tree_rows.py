@@ -139,6 +139,36 @@ def test_draining_a_unit_of_half_a_row_heads_shorter_rows_instead_of_padding_to_
     assert all(broken_limit(b, LIMITS) is None for b in batches)
 
 
+def test_units_past_the_shared_row_merge_each_in_a_row_alone_and_short_units_keep_short_rows():
+    """Few-shot questions of 560-652-slot contexts (MMLU's shape) with four one-token choices: each
+    group is too small for a batch of its own, so it merges, one unit a row (past 512 slots no
+    unit shares a row); the short units run in rows of their own length, never in the long rows.
+    Past 1,024 slots a unit does not merge, nor past 512 one whose suffixes are more than a quarter
+    of its prefix (a row computes all its pairs); `packed_row_tokens` sets both lengths."""
+    long = [Item(f"q{q}c{c}", 561 + 4 * q, f"long{q}", 560 + 4 * q) for q in range(24) for c in range(4)]
+    short = _groups([(40, 1)] * 12)  # 60-slot units: they would fit the room a 564-slot unit leaves
+    items = long + short
+    limits = Limits(max_batch_tokens=8192, max_rows=64, max_seq_len=2048, pad_multiple=8)
+    batches = drain(TokenPacker(), items, limits)
+    assert Counter(it.id for b in batches for it in b.items) == Counter(it.id for it in items)
+    assert all(b.tree for b in batches) and len(batches) <= 5  # 36 groups, not 36 batches
+    for b in batches:
+        assert broken_limit(b, limits) is None
+        rows = b.rows
+        lengths = {it.prefix_key.startswith("long") for row in rows for it in row}
+        assert len(lengths) == 1  # a batch is long units or short ones, never both
+        if lengths == {True}:
+            assert all(len(runs(row)) == 1 for row in rows) and b.padded_len <= 656
+        else:
+            assert b.padded_len <= 512
+    too_long = [Item(f"x{c}", 1101, "x", 1100) for c in range(4)]
+    assert not any(b.tree for b in drain(TokenPacker(), too_long, limits))
+    many = [Item(f"m{g}i{i}", 60 + 30, f"m{g}", 60) for g in range(4) for i in range(20)]  # 660 slots, mostly suffixes
+    assert not any(b.tree for b in drain(TokenPacker(), many, limits))
+    capped = drain(TokenPacker(TokenBatching(packed_row_tokens=512)), long, limits)
+    assert not any(b.tree for b in capped)
+
+
 def test_draining_the_last_short_rows_join_the_batch_when_a_batch_of_their_own_costs_more():
     """One 250-slot unit left after a 480-slot one: its own batch would cost a step (256 slots) plus
     256 slots, more than padding it to 480 here; with no step cost it runs apart."""
@@ -265,6 +295,54 @@ def test_score_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch):
     assert len(seen) >= 2
     got, want = found.results["token"].columns, found.reference.columns
     assert list(got["greedy"]) == list(want["greedy"])
+
+
+@pytest.mark.slow
+def test_few_shot_contexts_past_the_shared_row_run_alone_after_their_root_and_equal_one_prompt_at_a_time(
+    tmp_path, monkeypatch
+):
+    """MMLU's shape at the default batching: five shots, then a question, over 512 tokens in all,
+    and the letters scored. Each question takes a tree row alone, after the shots' root."""
+    import random
+
+    seen, roots = [], []
+    import forge.runtime.forward.causal_lm as cl
+
+    real = cl.tree_layout
+
+    def spy(rows, seqs, root=0):
+        layout = real(rows, seqs, root)
+        seen.append([sum(1 for span in layout.spans if span[0] == r) for r in range(len(rows))])
+        roots.append(root)
+        return layout
+
+    monkeypatch.setattr(cl, "tree_layout", spy)
+    pick = random.Random(7)
+    vocab = "cell river stone argue quiet metal orbit seven lemon trade north clock paper value".split()
+
+    def question(k: int) -> str:
+        text = " ".join(pick.choice(vocab) for _ in range(24))
+        return text + "".join(f"\n{c}. " + " ".join(pick.choice(vocab) for _ in range(4)) for c in "ABCD")
+
+    shots = "".join(f"{question(k)}\nAnswer: {'ABCD'[k % 4]}\n\n" for k in range(5))
+    questions = [question(100 + q) for q in range(6)]
+    rows = [
+        {"id": f"q{q}{c}", "context": f"{shots}{text}\nAnswer:", "continuation": f" {c}"}
+        for q, text in enumerate(questions)
+        for c in "ABCD"
+    ]
+    found = check_modes(
+        "score",
+        rows,
+        tmp_path,
+        tol=1e-4,
+        modes={"token": ["batching=token"]},
+        limits=["devices=auto", "devices.limits.max_batch_tokens=8192", "devices.limits.max_seq_len=2048"],
+    )
+    assert not found.refused and found.worst["token"] < 1e-4
+    assert seen and all(n == 1 for rows_ in seen for n in rows_) and sum(len(r) for r in seen) == 6
+    assert min(roots) >= 256  # the shots ran once, as the root
+    assert list(found.results["token"].columns["greedy"]) == list(found.reference.columns["greedy"])
 
 
 def test_the_plot_draws_each_prefix_once_per_tree_row():

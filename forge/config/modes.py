@@ -51,7 +51,8 @@ class TokenBatching(Batching):
     cache_tokens: int = positive(32768)  # per-device prefix cache capacity, in prefix tokens
     # per-step cost in token slots, weighed against padding (a device's own batch_overhead_tokens wins)
     batch_overhead_tokens: int = non_negative(256)
-    # packed: row length cap (null: max_seq_len - prefix); merged groups: tree row cap (null: 512)
+    # packed: row length cap (null: max_seq_len - prefix); merged groups: the row units share and the longest
+    # unit that merges (null: rows of 512 shared, units up to 1,024 alone in a row)
     packed_row_tokens: int | None = positive(None)
     merge_groups: bool = True  # small prefix groups share batches (each prefix once in a row) where that costs less
 
