@@ -218,7 +218,8 @@ class MergedPlanning:
         rows: list[list[_Unit]] = []
         used: list[int] = []
         while len(rows) < most and lens:
-            room, taken = row, []
+            room = row
+            taken: list[_Unit] = []
             while (i := bisect.bisect_right(lens, room)) > 0 and not (alone and (taken or 2 * lens[i - 1] <= row)):
                 room -= lens[i - 1]
                 del lens[i - 1]
