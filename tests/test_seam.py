@@ -103,6 +103,13 @@ def test_a_reduce_that_leaves_out_a_declared_field_says_which():
         collect([{"a": 1, "b": 2}, {"a": 3}], ["a", "b"])
 
 
+def test_a_reduce_that_returns_an_undeclared_value_says_which_instead_of_dropping_it():
+    from forge.runtime.forward.views import collect
+
+    with pytest.raises(ValueError, match="reduce returned 'c', which no field of the function declares"):
+        collect([{"a": 1, "b": 2, "c": 3}], ["a", "b"])
+
+
 def test_load_names_the_folders_when_a_run_has_several(tmp_path):
     store = RunStore(tmp_path, {})
     for folder in ("one", "two"):
