@@ -193,6 +193,21 @@ def test_a_function_class_runs_with_its_schema_defaults_in_process_and_from_the_
     assert torch.equal(torch.from_numpy(load(tmp_path / "o").columns["norm"]), got.tensors["norm"])
 
 
+@pytest.mark.slow
+def test_a_script_that_starts_worker_processes_unguarded_is_told_to_guard_it(tmp_path):
+    """multiprocessing runs the calling script again in each worker: unguarded, the worker starts
+    the run again and dies; the error says what to do instead of only that a worker died."""
+    script = tmp_path / "unguarded.py"
+    call = 'forge.run("probe_gen", [{"text": "a b"}], overrides=["runtime.executor=process", "layers=[1]"])'
+    script.write_text(f"import forge\n{call}\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert f'if {script} starts Forge at its top level, put that under `if __name__ == "__main__":`' in done.stderr
+    script.write_text(f'import forge\nif __name__ == "__main__":\n    print(len({call}))\n')
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["1"], done.stderr
+
+
 def test_a_class_without_a_name_is_told():
     class Nameless(forge.CausalLMFunction):
         pass

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -241,8 +242,22 @@ class ProcessExecutor(SlotExecutor[_Slot]):
             slot,
             f"worker of {name} could not load the model: {slot.load_error}"
             if slot.load_error
-            else f"worker of {name} died ({why})",
+            else f"worker of {name} died ({why}){'' if slot.ready else _script_hint()}",
         )
+
+
+def _script_hint() -> str:
+    """For a worker that died before it was ready: multiprocessing runs the calling script again
+    in every worker it starts from one (as `__mp_main__`), so a script that calls `forge.run` or
+    a `Session` at its top level, unguarded, starts that run again inside the worker, which dies."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or not path or os.path.basename(path) == "forge":
+        return ""  # `python -m ...`, a notebook, or the forge command: no script is run again
+    return (
+        f'; if {path} starts Forge at its top level, put that under `if __name__ == "__main__":` '
+        "(each worker process runs the script again)"
+    )
 
 
 def _outlives_server(process: BaseProcess) -> bool:
