@@ -301,8 +301,9 @@ def test_score_tree_rows_equal_one_prompt_at_a_time(tmp_path, monkeypatch):
 def test_few_shot_contexts_past_the_shared_row_run_alone_after_their_root_and_equal_one_prompt_at_a_time(
     tmp_path, monkeypatch
 ):
-    """MMLU's shape at the default batching: five shots, then a question, over 512 tokens in all,
-    and the letters scored. Each question takes a tree row alone, after the shots' root."""
+    """MMLU's shape at the default batching and at batching=memory: five shots, then a question,
+    over 512 tokens in all, and the letters scored. Each question takes a tree row alone, after
+    the shots' root."""
     import random
 
     seen, roots = [], []
@@ -336,13 +337,14 @@ def test_few_shot_contexts_past_the_shared_row_run_alone_after_their_root_and_eq
         rows,
         tmp_path,
         tol=1e-4,
-        modes={"token": ["batching=token"]},
+        modes={"token": ["batching=token"], "memory": ["batching=memory"]},
         limits=["devices=auto", "devices.limits.max_batch_tokens=8192", "devices.limits.max_seq_len=2048"],
     )
-    assert not found.refused and found.worst["token"] < 1e-4
-    assert seen and all(n == 1 for rows_ in seen for n in rows_) and sum(len(r) for r in seen) == 6
+    assert not found.refused and found.worst["token"] < 1e-4 and found.worst["memory"] < 1e-4
+    assert seen and all(n == 1 for rows_ in seen for n in rows_) and sum(len(r) for r in seen) == 12  # 6 a mode
     assert min(roots) >= 256  # the shots ran once, as the root
-    assert list(found.results["token"].columns["greedy"]) == list(found.reference.columns["greedy"])
+    for mode in ("token", "memory"):
+        assert list(found.results[mode].columns["greedy"]) == list(found.reference.columns["greedy"])
 
 
 def test_the_plot_draws_each_prefix_once_per_tree_row():
