@@ -108,6 +108,8 @@ def test_a_reduce_that_returns_an_undeclared_value_says_which_instead_of_droppin
 
     with pytest.raises(ValueError, match="reduce returned 'c', which no field of the function declares"):
         collect([{"a": 1, "b": 2, "c": 3}], ["a", "b"])
+    with pytest.raises(ValueError, match="reduce returned 'c'"):  # whichever item returns it
+        collect([{"a": 1, "b": 2}, {"a": 3, "b": 4, "c": 5}], ["a", "b"])
 
 
 def test_load_names_the_folders_when_a_run_has_several(tmp_path):

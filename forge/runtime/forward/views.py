@@ -255,7 +255,8 @@ def collect(values: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     missing = [n for n in names if values and any(n not in v for v in values)]
     if missing:
         raise ValueError(f"reduce returned no {missing[0]!r}, a field the function declares; return it, or drop it")
-    extra = next((k for v in values[:1] for k in v if k not in names), None)
+    declared = set(names)
+    extra = next((k for v in values for k in v if k not in declared), None)
     if extra is not None:  # a value no field stores would be lost without a word
         raise ValueError(
             f"reduce returned {extra!r}, which no field of the function declares; add a Field for it, or drop it"
