@@ -63,6 +63,11 @@ def steered_greedy(model, ids: list[int], prefix_len: int, n: int, vector: torch
         h = h + SCALE * vector.to(h.dtype) * m
         return (h, *output[1:]) if isinstance(output, tuple) else h
 
+    return hooked_greedy(layer, hook, model, ids, n)
+
+
+def hooked_greedy(layer, hook, model, ids: list[int], n: int) -> list[int]:
+    """One prompt alone through `generate` with `hook` on `layer` (a plain PyTorch forward hook)."""
     handle = layer.register_forward_hook(hook)
     try:
         x = torch.tensor([ids])
@@ -235,3 +240,156 @@ def test_span_generated_is_for_generate_only_and_states_wait_for_their_own_steer
     with pytest.raises(ForgeError, match="intervene with layers or capture is not supported yet"):
         run_function("generate", work / "rows.jsonl", work / "steer-states", [*limits(), zero, "layers=[1]"])
     assert not (work / "steer-states" / "report.json").exists()
+
+
+# -- per-row interventions: a sweep or patching pairs in one batched generate run ---------------------
+
+SCALES = (0.0, 0.5, 1.0, 2.0)
+
+
+def _ids(run_dir: Path) -> dict[str, list[int]]:
+    res = load(run_dir)
+    return {rid: res.columns["generated_ids"][k].tolist() for k, rid in enumerate(res.ids)}
+
+
+def _sweep(work: Path) -> Path:
+    return _write(work / "sweep.jsonl", [{**r, "scale": SCALES[k % 4], "dir": k % 3} for k, r in enumerate(ROWS)])
+
+
+SWEEP_MODES = ["token-cache"] + [pytest.param(m, marks=pytest.mark.slow) for m in MODES if m != "token-cache"]
+
+
+@pytest.mark.parametrize("mode", SWEEP_MODES)
+@pytest.mark.parametrize("span", ["all", "generated"])
+def test_a_scale_per_row_equals_one_generate_run_per_constant_scale(work, embedded, mode, span):
+    """Rows at scales 0, 0.5, 1, 2 in one run generate, token for token, what four runs at each
+    constant scale generate for them; with span all, rows under one few-shot prefix at different
+    scales each read their own prefix's keys and values (a prefix changed alike is shared)."""
+    path, _ = vector_file(work, int(embedded.model.config.hidden_size))
+    rows = _sweep(work)
+    entry = f"{{at: resid_post.{LAYER}, op: add, vector: '{path}', span: {span}, scale: "
+    extra = [*MODES[mode], *(["devices.cpu_memory_gb=0.08"] if mode == "memory" else [])]
+    run = work / f"sweep-{mode}-{span}"
+    report = run_function("generate", rows, run, [*limits(), *extra, f"intervene=[{entry}row.scale}}]"])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    got = _ids(run)
+    scale_of = {r["id"]: SCALES[k % 4] for k, r in enumerate(ROWS)}
+    want = {}
+    for s in SCALES:
+        at = work / f"at-{mode}-{span}-{s}"
+        run_function("generate", rows, at, [*limits(), *extra, f"intervene=[{entry}{s}}}]"])
+        want[s] = _ids(at)
+    assert {rid: want[scale_of[rid]][rid] for rid in got} == got
+    assert len({tuple(want[s][ROWS[0]["id"]]) for s in SCALES}) > 1  # the scales steer differently
+
+
+def test_a_vector_per_row_from_a_table_equals_a_hooked_generate_per_row(work, embedded):
+    """`index: row.dir` picks each row's vector from a [3, width] file: every row's tokens are those
+    of one-at-a-time `generate` with a plain hook adding its own vector."""
+    width = int(embedded.model.config.hidden_size)
+    table = np.random.default_rng(9).normal(size=(3, width)).astype(np.float32)
+    np.save(work / "table.npy", table)
+    rows = _sweep(work)
+    vectors = work / "table.npy"
+    entry = f"{{at: resid_post.{LAYER}, op: add, vector: '{vectors}', index: row.dir, scale: {SCALE}, span: all}}"
+    run = work / "table-run"
+    report = run_function("generate", rows, run, [*limits(), f"intervene=[{entry}]"])
+    assert report["items"]["completed"] == len(ROWS) and report["balanced"], report.get("failures")
+    got = _ids(run)
+    for k, row in enumerate(ROWS):
+        vector = torch.from_numpy(table[k % 3])
+        want = steered_greedy(embedded.model, embedded.prompt(row), prefix_len(embedded, row), N, vector, "all")
+        assert got[row["id"]] == want, row["id"]
+
+
+def patched_greedy(model, ids: list[int], source: list[int], at: list[int], src: list[int], n: int) -> list[int]:
+    """One prompt alone through `generate`, a plain hook on decoder layer LAYER writing the source
+    prompt's own output there (recorded by a hook on the source's run alone) at positions `at`."""
+    from forge.runtime.hooks.points import decoder_layers
+    from forge.runtime.model.hf_compat import base_decoder, num_layers
+
+    layer = decoder_layers(base_decoder(model), num_layers(model.config))[LAYER]
+    seen: dict = {}
+    record = layer.register_forward_hook(lambda m, a, o: seen.update(v=(o[0] if isinstance(o, tuple) else o)[0]))
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([source]), use_cache=False)
+    record.remove()
+    done = [0]
+
+    def write(module, args, output):
+        h = (output[0] if isinstance(output, tuple) else output).clone()
+        for p, s in zip(at, src):
+            if done[0] <= p < done[0] + h.shape[1]:
+                h[0, p - done[0]] = seen["v"][s]
+        done[0] += h.shape[1]
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    return hooked_greedy(layer, write, model, ids, n)
+
+
+@pytest.mark.parametrize("mode", SWEEP_MODES)
+def test_patching_pairs_in_one_generate_run_equal_one_at_a_time_patching_with_plain_hooks(work, embedded, mode):
+    """Clean/corrupted pairs: each corrupted row's prompt takes its clean row's activation at its
+    last prompt token (span last), or at positions its row names (a prefix token among them);
+    one batched run generates what `generate` with plain hooks generates, one prompt at a time."""
+    pairs = []
+    for k, row in enumerate(ROWS[:8]):
+        pairs.append({**row, "id": f"c{k}"})
+        other = ROWS[(k + 4) % len(ROWS)]
+        pairs.append({**other, "id": f"x{k}", "source": f"c{k}", "pos": [1, 3] if k % 2 else [2]})
+    rows = _write(work / f"pairs-{mode}.jsonl", pairs)
+    entries = (
+        f"{{at: resid_post.{LAYER}, op: patch, source: row.source, span: last}}, "
+        f"{{at: resid_post.{LAYER}, op: patch, source: row.source, span: row.pos}}"
+    )
+    extra = [*MODES[mode], *(["devices.cpu_memory_gb=0.08"] if mode == "memory" else [])]
+    run = work / f"pairs-run-{mode}"
+    report = run_function("generate", rows, run, [*limits(), *extra, f"intervene=[{entries}]"])
+    assert report["items"]["completed"] == len(pairs) and report["balanced"], report.get("failures")
+    got = _ids(run)
+    by_id = {r["id"]: r for r in pairs}
+    changed = 0
+    for r in pairs:
+        ids = embedded.prompt(r)
+        if "source" not in r:  # a clean row: no source, not patched
+            assert got[r["id"]] == embedded.new_tokens(r), r["id"]
+            continue
+        source = embedded.prompt(by_id[r["source"]])
+        at, src = [len(ids) - 1, *r["pos"]], [len(source) - 1, *r["pos"]]
+        want = patched_greedy(embedded.model, ids, source, at, src, N)
+        assert got[r["id"]] == want, r["id"]
+        changed += want != embedded.new_tokens(r)
+    assert changed > 0
+
+
+def test_per_row_positions_in_generate_count_from_the_first_token_and_never_from_the_end(work, embedded):
+    """A row's positions may reach its generated tokens (up to its max_new_tokens); one past them, or
+    one counted from the end, fails that row alone with the reason, and the counts balance."""
+    path, vector = vector_file(work, int(embedded.model.config.hidden_size))
+    shortest = min(len(embedded.prompt(r)) for r in ROWS)
+    bad = {ROWS[0]["id"]: [-1], ROWS[1]["id"]: [len(embedded.prompt(ROWS[1])) + N]}
+    rows = _write(
+        work / "row-pos.jsonl", [{**r, "pos": bad.get(r["id"], [1, shortest + 1])} for r in ROWS]
+    )  # fmt: skip
+    entry = f"{{at: resid_post.{LAYER}, op: add, vector: '{path}', scale: {SCALE}, span: row.pos}}"
+    run = work / "row-pos"
+    report = run_function("generate", rows, run, [*limits(), f"intervene=[{entry}]", "runtime.max_failure_share=1"])
+    assert report["items"]["completed"] == len(ROWS) - 2 and report["items"]["failed"] == 2, report["items"]
+    assert report["balanced"]
+    reasons = {f["id"]: f["reason"] for f in report["failures"]}
+    assert "counts from the end, which a generation has not reached" in reasons[ROWS[0]["id"]]
+    assert "past the end of the prompt and its max_new_tokens" in reasons[ROWS[1]["id"]]
+    got = _ids(run)
+    for row in ROWS[2:]:
+        want = steered_greedy(
+            embedded.model, embedded.prompt(row), prefix_len(embedded, row), N, vector, [1, shortest + 1]
+        )
+        assert got[row["id"]] == want, row["id"]
+
+
+def test_patching_generated_tokens_is_refused_before_any_work(work):
+    entry = "intervene=[{at: resid_post.1, op: patch, source: row.source, span: generated}]"
+    with pytest.raises(ForgeError, match="has nothing to patch from") as err:
+        run_function("generate", work / "rows.jsonl", work / "patch-generated", [*limits(), entry])
+    assert "\n" not in str(err.value)
+    assert not (work / "patch-generated" / "report.json").exists()

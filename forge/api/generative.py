@@ -74,16 +74,16 @@ class GenerativeFunction(CausalLMFunction):
                 f"{self.name}: intervene with layers or capture is not supported yet (the states' forward pass "
                 "runs unsteered); drop layers/capture, or read the states with probe_gen on the generated text"
             )
-        negative = [iv.span for iv in self.interventions.items if not iv.rows and iv.op != "patch" and iv.row_dependent]
+        negative = [iv.span for iv in self.interventions.items if isinstance(iv.span, tuple) and min(iv.span) < 0]
         if negative:  # positions from the end: of a sequence whose end is not known until it is generated
             raise ForgeError(
                 f"{self.name}: intervene span {list(negative[0])} counts from the end, which a generation has not "
                 "reached; use span: last (the prompt's last token), generated, or positions from 0"
             )
-        if self.interventions.row_dependent or any(iv.op == "patch" for iv in self.interventions.items):
+        if any(iv.op == "patch" and iv.span == "generated" for iv in self.interventions.items):
             raise ForgeError(
-                f"{self.name}: intervene entries with per-row values (row.<column>) or op: patch are not supported "
-                "in generation yet (the decoder applies one setting to every row); give constant values"
+                f"{self.name}: intervene op: patch with span: generated has nothing to patch from (a source row is "
+                "its prompt, with no generated tokens); patch the prompt's positions (span: last, text or a list)"
             )
         self.max_new, self.stop, self.eos = int(config.max_new_tokens), tuple(config.stop), bool(config.eos)
         self.batch_steps = int(config.batch_steps)

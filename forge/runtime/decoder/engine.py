@@ -38,6 +38,7 @@ from forge.runtime.decoder.prefill import (
     PREFIX_TOKENS,
     BlockPrefill,
     Prefill,
+    Steer,
     forward,
     steered,
 )
@@ -84,14 +85,20 @@ class Decoder:
         self.shared_attention = shared_attention and shared_prefix.install(model) is None
         self._stacked: tuple | None = None  # (prefixes' ids, their stacked KV, valid, the prefixes)
         self._ended: list[Sequence] = []  # sequences that ended in the step being run
+        self.table: Any = None  # the call's per-item intervention parameters (forge.runtime.hooks.row_tables)
         self.admission = KVBudget(kv_bytes, self.prefixes, self._key, self._drop_stacked)  # admission, preemption
 
-    def generate(self, seqs: list[Sequence], on_finished: Any = None) -> DecodeFigures:
+    def generate(self, seqs: list[Sequence], on_finished: Any = None, table: Any = None) -> DecodeFigures:
         """Generate every sequence to its end (their `out` filled). `on_finished(seqs)`: called
-        after each step with the sequences that ended in it (their output final), if any."""
-        self._ended = []
-        with torch.inference_mode():
-            return self._generate(seqs, on_finished)
+        after each step with the sequences that ended in it (their output final), if any. `table`:
+        the per-item parameters of row-dependent interventions (`forge.runtime.hooks.row_tables.RowTables`
+        of the items the sequences' `index` names)."""
+        self._ended, self.table = [], table
+        try:
+            with torch.inference_mode():
+                return self._generate(seqs, on_finished)
+        finally:
+            self.table = None
 
     def _generate(self, seqs: list[Sequence], on_finished: Any) -> DecodeFigures:
         waiting = deque(sorted(seqs, key=lambda s: len(s.prompt) - s.prefix_len))  # a block's: similar own lengths
@@ -185,16 +192,21 @@ class Decoder:
         return None if entry is None else entry.key_values
 
     def _key(self, seq: Sequence) -> PrefixKey:
-        return self.prefix_key(seq.prompt, seq.prefix_len)
+        return self.prefix_key(seq.prompt, seq.prefix_len, seq.prefix_tag)
 
-    def prefix_key(self, tokens: Any, prefix_len: int) -> PrefixKey:
+    def prefix_key(self, tokens: Any, prefix_len: int, row_tag: Any = None) -> PrefixKey:
         """What a prefix's KV is stored under: the interventions' tag (None: no steering reaches a
-        prefix token) and its tokens."""
-        return self.tag, tuple(int(t) for t in tokens[:prefix_len])
+        prefix token), with `row_tag` (what a sequence's own intervention parameters change in its
+        prefix, `Sequence.prefix_tag`) where given, and its tokens."""
+        tag = self.tag if row_tag is None else (self.tag, row_tag)
+        return tag, tuple(int(t) for t in tokens[:prefix_len])
 
-    def _steer(self, seqs: list[Sequence]) -> tuple[Any, list[tuple[int, int]]] | None:
-        """For a prefill of these sequences: the hooks, and where each one's own and generated tokens start."""
-        return None if self.hooks is None else (self.hooks, [(s.prefix_len, len(s.prompt)) for s in seqs])
+    def _steer(self, seqs: list[Sequence]) -> Steer | None:
+        """For a prefill of these sequences: the hooks, where each one's own and generated tokens
+        start, and its item's parameters."""
+        if self.hooks is None:
+            return None
+        return Steer(self.hooks, [(s.prefix_len, len(s.prompt)) for s in seqs], [s.index for s in seqs], self.table)
 
     def _schedule(self, waiting: deque, room: int, kv: SlotKV, running: dict[int, Sequence]):
         """The next block: at most `room` waiting prompts (each step then has a token for each), as
@@ -210,7 +222,8 @@ class Decoder:
         missing = [k for k in keys if self.prefixes.get(k) is None]
         if not missing:
             return block, None, [], len(keys)
-        steer = None if self.hooks is None else (self.hooks, None)  # prefix tokens only
+        holder = {self._key(s): s.index for s in reversed(block)}  # a sequence of each prefix: whose parameters
+        steer = None if self.hooks is None else Steer(self.hooks, None, [holder[k] for k in missing], self.table)
         fill = Prefill(self.model, [list(k[1]) for k in missing], self.layers, self.pad, [None] * len(missing), steer)
         self.admission.computing_bytes = sum(len(k[1]) for k in missing) * kv.column_bytes
         return block, fill, missing, len(keys) - len(missing)
@@ -279,7 +292,9 @@ class Decoder:
         args = (self.model, ids, kv.step_mask(), kv.positions[:, None].clone(), kv.cache)
         try:
             logits = (
-                forward(*args) if self.hooks is None else steered(self.hooks, step_slots(kv.positions, running), *args)
+                forward(*args)
+                if self.hooks is None
+                else steered(self.hooks, step_slots(kv.positions, running, self.table), *args)
             )
         finally:
             shared_prefix.SHARED.step = None

@@ -15,6 +15,7 @@ and `kv(g)` its keys and values, for a slot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -47,6 +48,21 @@ def forward(model: Any, ids, mask, positions, cache: Cache):
 _TAKES: dict[type, tuple[bool, bool, str]] = {}
 
 
+@dataclass
+class Steer:
+    """What the interventions' hooks are told of a prefill's prompts (`forge.runtime.hooks.points.Slots`)."""
+
+    hooks: Any  # a forge.runtime.hooks.points.HookSet
+    lens: list[tuple[int, int]] | None  # each prompt's (prefix length, prompt length); None: shared prefixes alone
+    items: list[int] | None = None  # each prompt's item in the batch (a shared prefix's: an item holding it)
+    table: Any = None  # the batch's per-item parameters (forge.runtime.hooks.row_tables.RowTables), or None
+
+    def take(self, rows: list[int]) -> Steer:
+        """The same for the prompts `rows` of these (a block's part)."""
+        lens = None if self.lens is None else [self.lens[g] for g in rows]
+        return Steer(self.hooks, lens, None if self.items is None else [self.items[g] for g in rows], self.table)
+
+
 def steered(hooks: Any, slots: Any, model: Any, ids, mask, positions, cache: Cache):
     """`forward` with the interventions' hooks told where each slot sits (`slots`)."""
     hooks.begin(slots, False)
@@ -58,12 +74,11 @@ def steered(hooks: Any, slots: Any, model: Any, ids, mask, positions, cache: Cac
 
 class Prefill:
     """Prompts prefilled together; `prefixes[g]`: the KV (``[1, heads, P, dim]`` per layer) of prompt
-    g's first tokens, or None. `steer`: the interventions' hooks (a `forge.runtime.hooks.points.HookSet`) and
-    each prompt's (prefix length, prompt length), to say where its tokens sit (its tokens past its
-    prompt are generated ones, recomputed); their lengths None: the prompts are shared prefixes."""
+    g's first tokens, or None. `steer`: a `Steer`: the interventions' hooks, where each prompt's tokens
+    sit, and whose per-row parameters apply to it."""
 
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
-                 steer: tuple[Any, list[tuple[int, int]] | None] | None = None, offsets: list[int] | None = None,
+                 steer: Steer | None = None, offsets: list[int] | None = None,
                  shared: Any = None):  # fmt: skip
         self.model, self.device = model, input_device(model)  # split over devices: its embeddings' device
         self.steer = steer
@@ -119,7 +134,7 @@ class Prefill:
 
             shared_prefix.SHARED.step = self.shared
         try:
-            logits = forward(*args) if self.steer is None else steered(self.steer[0], self._slots(a, b), *args)
+            logits = forward(*args) if self.steer is None else steered(self.steer.hooks, self._slots(a, b), *args)
         finally:
             if self.shared is not None:
                 shared_prefix.SHARED.step = None
@@ -133,14 +148,16 @@ class Prefill:
         """Where the tokens of columns [a, b) sit in their sequences (`forge.runtime.hooks.points.Slots`)."""
         from forge.runtime.hooks.points import Slots
 
-        assert self.steer is not None
+        steer = self.steer
+        assert steer is not None
         position = self.positions[:, a:b].cpu()
-        lens = self.steer[1]
-        if lens is None:  # shared prefixes: every token a prefix token
-            return Slots(position, position + 1, torch.full_like(position, -1), self.mask[:, a:b].cpu().bool())
-        prefix = torch.tensor([p for p, _ in lens])[:, None].expand_as(position)
-        prompt = torch.tensor([n for _, n in lens])[:, None].expand_as(position)
-        return Slots(position, prefix, prompt, self.mask[:, a:b].cpu().bool())
+        valid = self.mask[:, a:b].cpu().bool()
+        item = torch.tensor(steer.items)[:, None].expand_as(position) if steer.items is not None else None
+        if steer.lens is None:  # shared prefixes: every token a prefix token
+            return Slots(position, position + 1, torch.full_like(position, -1), valid, item, steer.table)
+        prefix = torch.tensor([p for p, _ in steer.lens])[:, None].expand_as(position)
+        prompt = torch.tensor([n for _, n in steer.lens])[:, None].expand_as(position)
+        return Slots(position, prefix, prompt, valid, item, steer.table)
 
     def drop_cache(self) -> None:
         """Free its keys and values (its prompts have been placed: `kv`, `layer_kv` no longer answer)."""
@@ -190,7 +207,7 @@ class BlockPrefill:
     columns each, so few pads and recomputed prefix tokens go through the model."""
 
     def __init__(self, model: Any, prompts: list[list[int]], num_layers: int, pad_id: int, prefixes: list[KV | None],
-                 steer: tuple[Any, list[tuple[int, int]]] | None = None, shared: Any = None):  # fmt: skip
+                 steer: Steer | None = None, shared: Any = None):  # fmt: skip
         """`shared(prefixes)`: where given, prompts after a stored prefix compute only their own
         tokens and read the prefix through Forge's attention (a `forge.runtime.forward.shared_prefix.Step` for a part's
         rows' prefixes); else their first columns are seeded with the prefix's KV."""
@@ -204,7 +221,7 @@ class BlockPrefill:
             len(t) - r for t, r in zip(prompts, rests)
         ]  # prefix tokens each prompt reads apart (not computed)
         for rows in split(rests):
-            part = None if steer is None else (steer[0], [steer[1][g] for g in rows])
+            part = None if steer is None else steer.take(rows)
             kvs = [prefixes[g] for g in rows]
             if shared is None:
                 fill = Prefill(model, [prompts[g] for g in rows], num_layers, pad_id, kvs, part)

@@ -29,6 +29,9 @@ class Sequence:
     finished: bool = False
     prefix_kv: Any = None  # its prefix's KV, read by shared-prefix attention (None: its slot holds every token)
     admitted: int = -1  # when it last took a slot (the latest admitted is preempted first)
+    # what else decides its prefix's KV beside the tokens: its per-row interventions' changes to its
+    # prefix tokens (its item's prefix key; None: none), so only prefixes changed alike are shared
+    prefix_tag: Any = None
 
     def tokens(self) -> list[int]:
         """What a prefill computes: the prompt, and after a preemption the tokens generated so far."""
@@ -57,17 +60,20 @@ def least_kv_bytes(longest: int, column_bytes: float, layers: int) -> int:
     return int(longest * column_bytes * (2 + 1 / layers) * 4 / 3) + 1
 
 
-def step_slots(positions: torch.Tensor, running: dict[int, Sequence]) -> Any:
+def step_slots(positions: torch.Tensor, running: dict[int, Sequence], table: Any = None) -> Any:
     """Where a decode step's tokens sit in their sequences (`forge.runtime.hooks.points.Slots`): each running
-    slot's token is at its position, past its prompt (a generated token)."""
+    slot's token is at its position, past its prompt (a generated token), of its sequence's item in
+    the batch; `table`: the batch's per-item intervention parameters (`forge.runtime.hooks.row_tables`)."""
     from forge.runtime.hooks.points import Slots
 
     position = positions[:, None].cpu()
     prefix = torch.zeros_like(position)
     prompt = torch.zeros_like(position)
+    item = torch.full_like(position, -1)
     valid = torch.zeros_like(position, dtype=torch.bool)
     slots = list(running)
     prefix[slots, 0] = torch.tensor([running[s].prefix_len for s in slots])
     prompt[slots, 0] = torch.tensor([len(running[s].prompt) for s in slots])
+    item[slots, 0] = torch.tensor([running[s].index for s in slots])
     valid[slots, 0] = True
-    return Slots(position, prefix, prompt, valid)
+    return Slots(position, prefix, prompt, valid, item, table)

@@ -60,6 +60,11 @@ class GenerateWorker:
     part_rows: int = 0  # with `emit`, finished rows are handed on in parts of at least this many (0: whole)
     # the function's own fields of a finished row, from its text and label (`GenerativeFunction.finished`)
     finished: Any = None
+    # row-dependent interventions: the patch sources' activations (a SourceValues, or None) and the
+    # device they run on; `row_steered` False: every row is steered alike (or not at all)
+    sources: Any = None
+    row_steered: bool = False
+    device: Any = None
     streams = True  # `run(batch, emit)` hands finished rows on while the rest decode (forge.executors.worker)
 
     def run(self, batch, emit: Any = None) -> GenerationColumns:
@@ -72,8 +77,11 @@ class GenerateWorker:
         for k, (it, lim) in enumerate(zip(items, limits)):
             sampling = self.decoder.sampling
             rng = None if sampling is None else sampling.stream(str(it.id))
-            seqs.append(Sequence(k, list(it.tokens), it.prefix_len, lim.max_new_tokens, lim.stop, rng))
-        prefixes = PrefixShares(items, self.decoder)
+            seq = Sequence(k, list(it.tokens), it.prefix_len, lim.max_new_tokens, lim.stop, rng)
+            seq.prefix_tag = self.prefix_tag(it)
+            seqs.append(seq)
+        table = self._table(items)
+        prefixes = PrefixShares(items, self.decoder, self.prefix_tag)
         ready: list[int] = []  # finished, not emitted yet
         given: list[int] = []
         sent = [0, 0, 0]  # what the emitted parts carried: prefix tokens hit and shared, generated tokens
@@ -93,7 +101,7 @@ class GenerateWorker:
                     ready.clear()
 
         t0 = time.perf_counter()
-        run = self.decoder.generate(seqs, finished)
+        run = self.decoder.generate(seqs, finished, table)
         seconds = time.perf_counter() - t0
         rest = [k for k in range(len(items)) if k not in set(given)]
         columns = self._columns([items[k] for k in rest], [seqs[k] for k in rest], limits, rest)
@@ -117,6 +125,23 @@ class GenerateWorker:
         shared = min(left - hit, max(0, shared))
         runs = prefixes.of(rest)[2]
         return GenerationColumns(columns, 0, False, (hit, shared, runs), figures, steps=run.steps)
+
+    def prefix_tag(self, item: Any) -> Any:
+        """What besides its tokens decides an item's prefix KV (`Sequence.prefix_tag`): with row-dependent
+        interventions, its prefix key, which carries what its own parameters change in its prefix."""
+        return item.prefix_key if self.row_steered else None
+
+    def _table(self, items: list) -> Any:
+        """The batch's per-item intervention parameters (None: every row is steered alike)."""
+        if not self.row_steered:
+            return None
+        import torch
+
+        from forge.runtime.hooks.row_tables import RowTables
+
+        with torch.inference_mode():
+            sources = self.sources.of(items, self.device) if self.sources is not None else {}
+        return RowTables(items, self.decoder.hooks.interventions, sources)
 
     def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
         """The result fields of these items (their sequences ended)."""
@@ -181,13 +206,17 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
     kv_bytes = None  # batching=memory: the device's budget less the weights and a step's activations
     if fn.kv_model is not None and device.memory_bytes:
         kv_bytes = max(0, device.memory_bytes - fn.kv_model.weight_bytes)
-    steer = None
+    steer = sources = None
     if fn.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
         from forge.runtime.hooks.points import HookSet
-        from forge.runtime.model.hf_compat import base_decoder, num_layers
+        from forge.runtime.hooks.row_tables import SourceValues
+        from forge.runtime.model.hf_compat import base_decoder, input_device, num_layers
 
-        hooks = HookSet(model, base_decoder(model), num_layers(fn.config), [], list(fn.interventions.items))
+        base, depth = base_decoder(model), num_layers(fn.config)
+        hooks = HookSet(model, base, depth, [], list(fn.interventions.items))
         steer = (hooks, fn.interventions.key)
+        if hooks.patch_points:  # each source row's activations, its prompt alone through the plain model
+            sources = SourceValues(model, base, depth, hooks.patch_points)
     decoder = Decoder(
         model, fn.tokenizer, budget, eos, fn.hf.pad_token_id, Sampling(*fn.sampling),
         prefix_tokens=cache_tokens or PREFIX_TOKENS, kv_bytes=kv_bytes, max_running=fn.max_running,
@@ -201,7 +230,11 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
                                 allow_no_layers=True, captures=captures)  # fmt: skip
     close = dispatch.close if dispatch else None
-    return GenerateWorker(decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), fn.finished)
+    row_steered = steer is not None and steer[0].row_dependent
+    return GenerateWorker(
+        decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), fn.finished,
+        sources, row_steered, input_device(model) if row_steered else None,
+    )  # fmt: skip
 
 
 class PrefixShares:
@@ -209,8 +242,9 @@ class PrefixShares:
     held by the worker before the batch (hit), or computed in it, the first item of a prefix paying
     for it and the others sharing it."""
 
-    def __init__(self, items: list, decoder: Decoder):
+    def __init__(self, items: list, decoder: Decoder, tag: Any = None):
         self.items, self.decoder = items, decoder
+        self.tag = tag if tag is not None else (lambda item: None)  # an item's Sequence.prefix_tag
         self.stored = set(decoder.prefixes.keys())
         self.paid: set = set()
 
@@ -220,7 +254,7 @@ class PrefixShares:
         hit = shared = runs = 0
         for k in positions:
             item = self.items[k]
-            key = self.decoder.prefix_key(item.tokens, item.prefix_len)
+            key = self.decoder.prefix_key(item.tokens, item.prefix_len, self.tag(item))
             if not key[1]:
                 continue
             if key in self.stored:

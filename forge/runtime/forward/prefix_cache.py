@@ -28,9 +28,10 @@ from forge.vocab.lru import TokenLRU
 
 START_BLOCK = 16  # starts are found in whole blocks of this many tokens
 
-#: what a prefix's KV is stored under: a steering tag, and its identity (the decoder: its token ids; the
+#: what a prefix's KV is stored under: a steering tag (the decoder: with what a row's own intervention
+#: values change in it, `Sequence.prefix_tag`), and its identity (the decoder: its token ids; the
 #: forward runners: the items' `prefix_key`)
-PrefixKey = tuple[str | None, Any]
+PrefixKey = tuple[Any, Any]
 
 
 @dataclass(slots=True)

@@ -64,8 +64,11 @@ class EntryRow:
         return (at, self.scale, self.index, digest, src if self.source is not None else ())
 
 
-def named_positions(span: str, n: int, prefix_len: int) -> list[int]:
-    """The positions of a sequence of n tokens (prefix first) a named span covers."""
+def named_positions(span: str, n: int, prefix_len: int, end: int | None = None) -> list[int]:
+    """The positions of a sequence of n tokens (prefix first) a named span covers; `end`: where a
+    generation of it may reach (its prompt's n tokens and its max_new_tokens), for ``generated``."""
+    if span == "generated":
+        return list(range(n, n if end is None else end))
     if span == "text":
         return list(range(prefix_len, n))
     if span == "prefix":
@@ -90,15 +93,14 @@ class RowSteer:
         parts = []
         for k, iv in enumerate(self.entries):
             if not iv.row_dependent:
-                # a generated sequence's positions run on past its prompt, to its own max_new_tokens
-                end = item.num_tokens + int(getattr(getattr(item.meta, "data", None), "max_new_tokens", 0) or 0)
+                end = _reach(item)
                 past = [p for p in iv.span if p >= end] if isinstance(iv.span, tuple) else []
                 if past:  # (positions from 0 apply alike in every item: only checked here)
                     whose = "the item" if end == item.num_tokens else "the prompt and its max_new_tokens"
                     return f"intervene[{k}].span: {_positions(past[:1], end, whose)}"
                 steer.append(None)
                 continue
-            made = self._entry(k, iv, row.data, suffix, item)
+            made = self._entry(k, iv, row.data, suffix, item, _reach(item))
             if isinstance(made, str):
                 return f"intervene[{k}].{made}"
             steer.append(made)
@@ -109,7 +111,10 @@ class RowSteer:
             key = f"{key}.{hashlib.sha256(repr(parts).encode()).hexdigest()[:16]}"
         return replace(item, prefix_key=key, meta=replace(item.meta, steer=tuple(steer)))
 
-    def _entry(self, k: int, iv: Intervention, data: dict, suffix: Any, item: Item) -> EntryRow | str:
+    def _entry(self, k: int, iv: Intervention, data: dict, suffix: Any, item: Item, end: int) -> EntryRow | str:
+        """The entry's parameters for one item; `end`: the positions its sequence may reach (past its
+        n prompt tokens for a generation: its max_new_tokens; a generation's positions never count
+        from the end, which it has not reached)."""
         values: dict[str, Any] = {}
         for parameter, column in iv.rows:
             if parameter == "source" and data.get(column) in (None, ""):  # empty or missing: no source
@@ -129,13 +134,22 @@ class RowSteer:
                 size, got = len(iv.table or ()), short(values["index"])
                 return f"index: {got} in {iv.column('index')!r} is not a row of the vector file (0..{size - 1})"
         n, prefix_len = item.num_tokens, item.prefix_len
+        generates = end > n
         wanted = values.get("span", iv.span)
         if isinstance(wanted, str) and wanted in SPANS:  # a named span (the entry's, or the row's own)
+            if wanted == "generated" and (not generates or iv.op == "patch"):
+                why = (
+                    "a source row has no generated tokens to patch from"
+                    if generates
+                    else "this function generates none"
+                )
+                return f"span: 'generated' is not a span here ({why}); name the prompt's positions"
             if iv.op != "patch" and "span" not in values:
                 return EntryRow(None, scale, index)
-            positions = named_positions(wanted, n, prefix_len)
+            positions = named_positions(wanted, n, prefix_len, end)
         else:
-            resolved = _positions(wanted, n, "the item")
+            resolved = _positions(wanted, end, "the prompt and its max_new_tokens" if generates else "the item",
+                                  from_end=not generates)  # fmt: skip
             if isinstance(resolved, str):
                 where = f" ({iv.column('span')!r})" if "span" in values else ""
                 return f"span{where}: {resolved}"
@@ -202,20 +216,31 @@ def build_sources(
     return index
 
 
-def _positions(wanted: Any, n: int, whose: str) -> list[int] | str:
-    """Positions of a sequence of n tokens (negative: from its end), or why they are not."""
+def _positions(wanted: Any, n: int, whose: str, from_end: bool = True) -> list[int] | str:
+    """Positions of a sequence of n tokens (negative: from its end), or why they are not.
+    `from_end` False: a generation's, which has no end to count from yet."""
     values = list(wanted) if isinstance(wanted, (list, tuple)) else [wanted]
     out = []
     for p in values:
         q = _whole(p)
         if q is None:
             return f"{short(p)} is not a position (a whole number; negative counts from the end)"
+        if q < 0 and not from_end:
+            return (
+                f"position {q} counts from the end, which a generation has not reached; use span last "
+                "(the prompt's last token), generated, or positions from 0"
+            )
         if not -n <= q < n:
             return f"position {q} is past the end of {whose}, which has {n} tokens (positions 0..{n - 1}, or -{n}..-1)"
         out.append(q % n)
     if not out:
         return "no position named; give at least one"
     return out
+
+
+def _reach(item: Item) -> int:
+    """The positions an item's sequence may reach: its tokens, and a generation's max_new_tokens after them."""
+    return item.num_tokens + int(getattr(getattr(item.meta, "data", None), "max_new_tokens", 0) or 0)
 
 
 def _number(value: Any) -> float | None:
