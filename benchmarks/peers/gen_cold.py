@@ -4,9 +4,10 @@
 
 Each way is a new process timed from its spawn to its exit (imports, model load and tokenizing
 included), with the peak of the summed resident memory of it and all its descendants (sampled
-every 20 ms from /proc), and the peak of their summed proportional set size (PSS: each page
-shared between them, a library's code or a worker's pages inherited from its fork server,
-counted once in all, not once a process as summed RSS counts it): Forge as `forge run
+every 20 ms from /proc), and with --pss the peak of their summed proportional set size (PSS: each
+page shared between them, a library's code or a worker's pages inherited from its fork server,
+counted once in all, not once a process as summed RSS counts it; reading it slows a busy tree, so
+a run with --pss is for its memory, not its times): Forge as `forge run
 function=generate` (its default executor: a driver and a worker process), the peers as a small
 script that loads the model with transformers and runs left-padded `model.generate` in sorted
 batches, or lm-eval's `HFLM.generate_until`, on the same rows (prefix + prompt text). Exactness
@@ -127,20 +128,28 @@ def tree_rss(pid: int) -> int:
     return sum(rss(p) for p in tree(pid))
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """(summed RSS, summed PSS) of `pid` and all its descendants, in bytes."""
+def tree_memory(pid: int, with_pss: bool = True) -> tuple[int, int]:
+    """(summed RSS, summed PSS, 0 unless `with_pss`) of `pid` and all its descendants, in bytes."""
     pids = tree(pid)
-    return sum(rss(p) for p in pids), sum(pss(p) for p in pids)
+    return sum(rss(p) for p in pids), (sum(pss(p) for p in pids) if with_pss else 0)
 
 
-def timed(cmd: list[str], env: dict) -> dict:
-    """One process run: its wall seconds from spawn to exit and the peaks of its tree's summed RSS and PSS."""
+#: reading smaps_rollup walks a process's page tables (up to 30-36 ms for one of Forge's on this
+#: machine, measured while it ran): sampled beside the run it slowed Forge's tree of four processes,
+#: two of them busy on two cores, by a third or more (long shape, 32 new tokens: 13.3-13.7 s every
+#: 20 ms, 11.3 s every 0.5 s, against 9.1-10.1 s with RSS alone or no sampling), a one-process peer
+#: not (its second core idle). So PSS is read only with --pss, and timings are then not comparable.
+
+
+def timed(cmd: list[str], env: dict, with_pss: bool = False) -> dict:
+    """One process run: its wall seconds from spawn to exit and the peaks of its tree's summed RSS
+    and, `with_pss`, PSS (0: not read)."""
     peak, t0 = [0, 0], time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def sample() -> None:
         while proc.poll() is None:
-            peak[:] = map(max, peak, tree_memory(proc.pid))
+            peak[:] = map(max, peak, tree_memory(proc.pid, with_pss))
             time.sleep(0.02)
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=32, help="the peers' batch (default: 32)")
     ap.add_argument("--forge", default="", help="overrides for the Forge run, space-separated")
+    ap.add_argument("--pss", action="store_true", help="sample each tree's PSS too (slows a busy tree: timings off)")
     a = ap.parse_args(argv)
     from benchmarks.peers import gen_shapes
     from forge.api import InputSpec, ModelSpec
@@ -176,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = iter(range(10**6))
     ways = {
         "generate, left-padded batches, sorted": lambda: timed(
-            [sys.executable, "-c", PEER, "padded", str(rows), n, b], env
+            [sys.executable, "-c", PEER, "padded", str(rows), n, b], env, a.pss
         ),
-        "lm-eval HFLM generate_until": lambda: timed([sys.executable, "-c", PEER, "lm-eval", str(rows), n, b], env),
+        "lm-eval HFLM generate_until": lambda: timed(
+            [sys.executable, "-c", PEER, "lm-eval", str(rows), n, b], env, a.pss
+        ),
         "Forge generate (forge run)": lambda: timed(
             [
                 "forge",
@@ -190,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                 *a.forge.split(),
             ],
             env,
+            a.pss,
         ),  # fmt: skip
     }
     chosen = harness.pick(ways, a.only)
@@ -199,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     peers = [k for k in trials.names if not k.startswith("Forge")]
     best = min([float(trials.median(k)) for k in peers] or [0.0])
     table = [[k, f"{trials.median(k):.2f}", f"{max(trials.values(k, 'peak_mib')):,.0f}",
-              f"{max(trials.values(k, 'peak_pss_mib')):,.0f}"]
+              f"{max(trials.values(k, 'peak_pss_mib')):,.0f}" if a.pss else "- (--pss)"]
              + [f"{best / trials.median(k):.2f}" if best else "-"] for k in trials.names]  # fmt: skip
     heads = [
         "way",
