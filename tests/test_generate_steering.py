@@ -47,7 +47,9 @@ def covered(span: str, pos: torch.Tensor, prefix_len: int, prompt_len: int) -> t
     raise ValueError(span)
 
 
-def steered_greedy(model, ids: list[int], prefix_len: int, n: int, vector: torch.Tensor, span: str) -> list[int]:
+def steered_greedy(
+    model, ids: list[int], prefix_len: int, n: int, vector: torch.Tensor, span: str, scale: float = SCALE
+) -> list[int]:
     """One prompt alone through `generate`, a forward hook on decoder layer LAYER steering its output."""
     from forge.runtime.hooks.points import decoder_layers
     from forge.runtime.model.hf_compat import base_decoder, num_layers
@@ -60,7 +62,7 @@ def steered_greedy(model, ids: list[int], prefix_len: int, n: int, vector: torch
         pos = torch.arange(seen[0], seen[0] + h.shape[1])
         seen[0] += h.shape[1]
         m = covered(span, pos, prefix_len, len(ids)).to(h.dtype)[None, :, None]
-        h = h + SCALE * vector.to(h.dtype) * m
+        h = h + scale * vector.to(h.dtype) * m
         return (h, *output[1:]) if isinstance(output, tuple) else h
 
     return hooked_greedy(layer, hook, model, ids, n)
@@ -257,10 +259,12 @@ def _sweep(work: Path) -> Path:
 
 
 SWEEP_MODES = ["token-cache"] + [pytest.param(m, marks=pytest.mark.slow) for m in MODES if m != "token-cache"]
+SWEEPS = [("token-cache", "generated"), ("token-cache", "all")] + [  # span all: every mode's prefixes changed
+    pytest.param(m, "all", marks=pytest.mark.slow) for m in MODES if m != "token-cache"
+]
 
 
-@pytest.mark.parametrize("mode", SWEEP_MODES)
-@pytest.mark.parametrize("span", ["all", "generated"])
+@pytest.mark.parametrize("mode,span", SWEEPS)
 def test_a_scale_per_row_equals_one_generate_run_per_constant_scale(work, embedded, mode, span):
     """Rows at scales 0, 0.5, 1, 2 in one run generate, token for token, what four runs at each
     constant scale generate for them; with span all, rows under one few-shot prefix at different
@@ -281,6 +285,24 @@ def test_a_scale_per_row_equals_one_generate_run_per_constant_scale(work, embedd
         want[s] = _ids(at)
     assert {rid: want[scale_of[rid]][rid] for rid in got} == got
     assert len({tuple(want[s][ROWS[0]["id"]]) for s in SCALES}) > 1  # the scales steer differently
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_scale_per_row_in_each_family_equals_a_hooked_generate_per_row(work, name):
+    """Rows at their own scales (span all: their prefixes too) in one run: each row's tokens are
+    those of one-at-a-time `generate` with a plain hook at its scale, in every family of the matrix
+    (shared-prefix attention and right-aligned slots alike)."""
+    ref = family(name, work)
+    path, vector = vector_file(work, int(ref.model.config.get_text_config().hidden_size))
+    entry = f"{{at: resid_post.{LAYER}, op: add, vector: '{path}', scale: row.scale, span: all}}"
+    run = work / f"sweep-{name}"
+    report = run_model(run, ref.path, _sweep(work), f"intervene=[{entry}]")
+    assert report["items"]["completed"] == len(ROWS) and report["items"]["failed"] == 0, report.get("failures")
+    got = _ids(run)
+    for k, row in enumerate(ROWS):
+        ids, first = ref.prompt(row), prefix_len(ref, row)
+        assert got[row["id"]] == steered_greedy(ref.model, ids, first, N, vector, "all", SCALES[k % 4]), row["id"]
 
 
 def test_a_vector_per_row_from_a_table_equals_a_hooked_generate_per_row(work, embedded):
