@@ -128,7 +128,7 @@ def tree_rss(pid: int) -> int:
     return sum(rss(p) for p in tree(pid))
 
 
-def tree_memory(pid: int, with_pss: bool = True) -> tuple[int, int]:
+def tree_memory(pid: int, with_pss: bool) -> tuple[int, int]:
     """(summed RSS, summed PSS, 0 unless `with_pss`) of `pid` and all its descendants, in bytes."""
     pids = tree(pid)
     return sum(rss(p) for p in pids), (sum(pss(p) for p in pids) if with_pss else 0)

@@ -60,11 +60,7 @@ class GenerateWorker:
     part_rows: int = 0  # with `emit`, finished rows are handed on in parts of at least this many (0: whole)
     # the function's own fields of a finished row, from its text and label (`GenerativeFunction.finished`)
     finished: Any = None
-    # row-dependent interventions: the patch sources' activations (a SourceValues, or None) and the
-    # device they run on; `row_steered` False: every row is steered alike (or not at all)
-    sources: Any = None
-    row_steered: bool = False
-    device: Any = None
+    sources: Any = None  # row-dependent interventions' patch sources' activations (a SourceValues), or None
     streams = True  # `run(batch, emit)` hands finished rows on while the rest decode (forge.executors.worker)
 
     def run(self, batch, emit: Any = None) -> GenerationColumns:
@@ -131,6 +127,12 @@ class GenerateWorker:
         interventions, its prefix key, which carries what its own parameters change in its prefix."""
         return item.prefix_key if self.row_steered else None
 
+    @property
+    def row_steered(self) -> bool:
+        """Some intervention's values are each row's own (else every row is steered alike, or not at all)."""
+        hooks = self.decoder.hooks
+        return hooks is not None and hooks.row_dependent
+
     def _table(self, items: list) -> Any:
         """The batch's per-item intervention parameters (None: every row is steered alike)."""
         if not self.row_steered:
@@ -138,9 +140,10 @@ class GenerateWorker:
         import torch
 
         from forge.runtime.hooks.row_tables import RowTables
+        from forge.runtime.model.hf_compat import input_device
 
         with torch.inference_mode():
-            sources = self.sources.of(items, self.device) if self.sources is not None else {}
+            sources = {} if self.sources is None else self.sources.of(items, input_device(self.decoder.model))
         return RowTables(items, self.decoder.hooks.interventions, sources)
 
     def _columns(self, items: list, seqs: list[Sequence], limits: list[RowLimits], at: list[int]) -> dict[str, Any]:
@@ -210,7 +213,7 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
     if fn.interventions:  # the prompt's, the prefix's and each generated token's forward pass, by span
         from forge.runtime.hooks.points import HookSet
         from forge.runtime.hooks.row_tables import SourceValues
-        from forge.runtime.model.hf_compat import base_decoder, input_device, num_layers
+        from forge.runtime.model.hf_compat import base_decoder, num_layers
 
         base, depth = base_decoder(model), num_layers(fn.config)
         hooks = HookSet(model, base, depth, [], list(fn.interventions.items))
@@ -230,10 +233,8 @@ def open_generate_worker(fn: Any, device: Any, cache_tokens: int) -> GenerateWor
         runner = CausalLMRunner(model, layers=layers, pad_token_id=fn.hf.pad_token_id, caps=fn.caps,
                                 allow_no_layers=True, captures=captures)  # fmt: skip
     close = dispatch.close if dispatch else None
-    row_steered = steer is not None and steer[0].row_dependent
     return GenerateWorker(
-        decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), fn.finished,
-        sources, row_steered, input_device(model) if row_steered else None,
+        decoder, runner, fn.states_of_prompt, budget, close, int(fn.cfg.shard_size), fn.finished, sources
     )  # fmt: skip
 
 
@@ -242,9 +243,9 @@ class PrefixShares:
     held by the worker before the batch (hit), or computed in it, the first item of a prefix paying
     for it and the others sharing it."""
 
-    def __init__(self, items: list, decoder: Decoder, tag: Any = None):
+    def __init__(self, items: list, decoder: Decoder, tag: Any):
         self.items, self.decoder = items, decoder
-        self.tag = tag if tag is not None else (lambda item: None)  # an item's Sequence.prefix_tag
+        self.tag = tag  # an item's Sequence.prefix_tag (GenerateWorker.prefix_tag)
         self.stored = set(decoder.prefixes.keys())
         self.paid: set = set()
 
