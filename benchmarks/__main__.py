@@ -46,6 +46,7 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "compare-trees": ("benchmarks.dev.compare_trees", ""),
         "capture": ("benchmarks.dev.bench_capture", ""),
         "tracker-cost": ("benchmarks.dev.tracker_cost", "trackers"),
+        "rss-floor": ("benchmarks.dev.rss_floor", ""),
     },
 }
 BENCHMARKS = {name: entry for group in GROUPS.values() for name, entry in group.items()}
