@@ -224,14 +224,16 @@ def _positions(wanted: Any, n: int, whose: str, from_end: bool = True) -> list[i
     for p in values:
         q = _whole(p)
         if q is None:
-            return f"{short(p)} is not a position (a whole number; negative counts from the end)"
+            ends = "; negative counts from the end" if from_end else ", from 0"
+            return f"{short(p)} is not a position (a whole number{ends})"
         if q < 0 and not from_end:
             return (
                 f"position {q} counts from the end, which a generation has not reached; use span last "
                 "(the prompt's last token), generated, or positions from 0"
             )
         if not -n <= q < n:
-            return f"position {q} is past the end of {whose}, which has {n} tokens (positions 0..{n - 1}, or -{n}..-1)"
+            ends = f", or -{n}..-1" if from_end else ""
+            return f"position {q} is past the end of {whose}, which has {n} tokens (positions 0..{n - 1}{ends})"
         out.append(q % n)
     if not out:
         return "no position named; give at least one"
